@@ -1,0 +1,215 @@
+"""Relay configuration: environment variables with matching command-line flags.
+
+Every setting has one environment variable (``RELAY_*``) and one flag (``--bind`` …); a flag
+given on the command line wins over the environment, which wins over the default. The names of
+the environment variables are fixed (operators and external test harnesses use them).
+
+``RelayConfig.from_env(env)`` reads only the environment; ``add_arguments(parser)`` plus
+``RelayConfig.from_args(ns, env)`` give the CLI its flags. ``SETTINGS`` is the single table the
+README's configuration section is written from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+
+
+class ConfigError(ValueError):
+    """A setting could not be parsed; ``reason`` is snake_case, the message names the variable."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """One configuration knob: field name, environment variable, flag, default, help."""
+
+    name: str
+    env: str
+    flag: str
+    default: str
+    help: str
+    kind: str = "str"  # str | bool | int | duration | list
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("database_url", "RELAY_DATABASE_URL", "--database-url", "data/relay.sqlite",
+            "SQLite file path, or postgresql://user@host/db"),
+    Setting("bind", "RELAY_BIND", "--bind", "127.0.0.1:2470", "address:port to listen on"),
+    Setting("plc_url", "RELAY_PLC_URL", "--plc-url", "https://plc.directory", "PLC directory for did:plc"),
+    Setting("admin_token", "RELAY_ADMIN_TOKEN", "--admin-token", "",
+            "Bearer token for /admin/ (admin API is off when empty)"),
+    Setting("allow_insecure_hosts", "RELAY_ALLOW_INSECURE_HOSTS", "--allow-insecure-hosts", "false",
+            "allow ws:// / http:// upstreams, host:port names and loopback/private addresses (testing)",
+            "bool"),
+    Setting("replay_window", "RELAY_REPLAY_WINDOW", "--replay-window", "72h",
+            "how long events are kept for cursor replay (e.g. 72h, 30m, 3d)", "duration"),
+    Setting("trusted_domains", "RELAY_TRUSTED_DOMAINS", "--trusted-domains", "",
+            "comma-separated domains whose hosts have no account limit (suffix match)", "list"),
+    Setting("default_account_limit", "RELAY_DEFAULT_ACCOUNT_LIMIT", "--default-account-limit", "100",
+            "accounts allowed per untrusted host; more are held as throttled", "int"),
+    Setting("redis_url", "RELAY_REDIS_URL", "--redis-url", "",
+            "redis://… for scale-out (Redis Streams bus, shared identity cache)"),
+    Setting("new_hosts_per_day", "RELAY_NEW_HOSTS_PER_DAY", "--new-hosts-per-day", "50",
+            "limit on hosts added through public requestCrawl per day", "int"),
+    Setting("crawling_enabled", "RELAY_CRAWLING", "--crawling", "true",
+            "accept public requestCrawl (can be toggled in the admin API)", "bool"),
+    Setting("resync_workers", "RELAY_RESYNC_WORKERS", "--resync-workers", "4",
+            "parallel repository resyncs", "int"),
+    Setting("handle_resolver_url", "RELAY_HANDLE_RESOLVER_URL", "--handle-resolver-url", "",
+            "resolve handles via this service's com.atproto.identity.resolveHandle instead of "
+            "https://<handle>/.well-known/atproto-did"),
+    Setting("log_level", "RELAY_LOG_LEVEL", "--log-level", "info", "debug | info | warning | error"),
+)
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
+_UNIT = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_bool(name: str, raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ConfigError("bad_bool", f"{name}: expected true/false, got {raw!r}")
+
+
+def parse_duration(name: str, raw: str) -> float:
+    """``72h`` → 259200.0 seconds; a bare number is seconds."""
+    m = _DURATION.match(raw)
+    if not m:
+        raise ConfigError("bad_duration", f"{name}: expected a duration like 72h, 30m, 3d; got {raw!r}")
+    return float(m.group(1)) * _UNIT[m.group(2)]
+
+
+def parse_int(name: str, raw: str) -> int:
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise ConfigError("bad_int", f"{name}: expected an integer, got {raw!r}") from None
+    if value < 0:
+        raise ConfigError("bad_int", f"{name}: must not be negative")
+    return value
+
+
+def parse_bind(raw: str) -> tuple[str, int]:
+    host, sep, port = raw.rpartition(":")
+    if not sep or not host:
+        raise ConfigError("bad_bind", f"RELAY_BIND: expected address:port, got {raw!r}")
+    try:
+        port_num = int(port)
+    except ValueError:
+        raise ConfigError("bad_bind", f"RELAY_BIND: bad port in {raw!r}") from None
+    if not 0 <= port_num < 65536:
+        raise ConfigError("bad_bind", f"RELAY_BIND: port out of range in {raw!r}")
+    return host.strip("[]"), port_num
+
+
+@dataclass(frozen=True, slots=True)
+class RelayConfig:
+    """The relay's settings, parsed. See ``SETTINGS`` for the environment names."""
+
+    database_url: str = "data/relay.sqlite"
+    bind: str = "127.0.0.1:2470"
+    plc_url: str = "https://plc.directory"
+    admin_token: str = ""
+    allow_insecure_hosts: bool = False
+    replay_window: float = 72 * 3600.0
+    trusted_domains: tuple[str, ...] = field(default_factory=tuple)
+    default_account_limit: int = 100
+    redis_url: str = ""
+    new_hosts_per_day: int = 50
+    crawling_enabled: bool = True
+    resync_workers: int = 4
+    handle_resolver_url: str = ""
+    log_level: str = "info"
+
+    @property
+    def host(self) -> str:
+        return parse_bind(self.bind)[0]
+
+    @property
+    def port(self) -> int:
+        return parse_bind(self.bind)[1]
+
+    @property
+    def uses_postgres(self) -> bool:
+        return self.database_url.startswith(("postgresql://", "postgres://"))
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> RelayConfig:
+        """Parse every ``RELAY_*`` variable present in ``env`` (default ``os.environ``)."""
+        env = os.environ if env is None else env
+        return cls.from_values({s.name: env[s.env] for s in SETTINGS if s.env in env})
+
+    @classmethod
+    def from_values(cls, raw: Mapping[str, str]) -> RelayConfig:
+        """Build from raw strings keyed by field name; missing keys take the defaults."""
+        values: dict[str, object] = {}
+        for s in SETTINGS:
+            text = raw.get(s.name, s.default)
+            if text is None:
+                text = s.default
+            values[s.name] = _convert(s, str(text))
+        config = cls(**values)  # type: ignore[arg-type]
+        parse_bind(config.bind)
+        if config.log_level not in ("debug", "info", "warning", "error"):
+            raise ConfigError("bad_log_level", f"RELAY_LOG_LEVEL: unknown level {config.log_level!r}")
+        return config
+
+    @classmethod
+    def from_args(cls, ns: argparse.Namespace, env: Mapping[str, str] | None = None) -> RelayConfig:
+        """Flags (when given) override the environment, which overrides the defaults."""
+        env = os.environ if env is None else env
+        raw = {s.name: env[s.env] for s in SETTINGS if s.env in env}
+        for s in SETTINGS:
+            value = getattr(ns, s.name, None)
+            if value is not None:
+                raw[s.name] = value
+        return cls.from_values(raw)
+
+    def with_(self, **changes: object) -> RelayConfig:
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+    def describe(self) -> dict[str, object]:
+        """Settings for logging at start (the admin token is masked)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        if out["admin_token"]:
+            out["admin_token"] = "***"
+        return out
+
+
+def _convert(s: Setting, text: str) -> object:
+    if s.kind == "bool":
+        return parse_bool(s.env, text)
+    if s.kind == "int":
+        return parse_int(s.env, text)
+    if s.kind == "duration":
+        return parse_duration(s.env, text)
+    if s.kind == "list":
+        return tuple(p.strip().lower().strip(".") for p in text.split(",") if p.strip())
+    return text
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add one flag per setting (all default to None so the environment can fill in)."""
+    for s in SETTINGS:
+        parser.add_argument(s.flag, dest=s.name, default=None, metavar=s.env,
+                            help=f"{s.help} [env {s.env}, default {s.default or 'empty'}]")
+
+
+def settings_table() -> str:
+    """The Markdown configuration table (the README's copy is generated from this)."""
+    rows = ["| Variable | Flag | Default | Meaning |", "| --- | --- | --- | --- |"]
+    for s in SETTINGS:
+        rows.append(f"| `{s.env}` | `{s.flag}` | `{s.default}` | {s.help} |")
+    return "\n".join(rows)

@@ -1,0 +1,350 @@
+"""Identity resolution: DID → signing key (did:key), PDS endpoint and claimed handle.
+
+* ``did:plc`` documents come from the configured PLC directory (``RELAY_PLC_URL``, an operator
+  setting, so not SSRF-checked); ``did:web`` documents from ``https://<domain>/.well-known/did.json``
+  through the SSRF-checked client.
+* ``parse_did_document`` is pure: it finds the ``#atproto`` verification method in its current
+  (``Multikey``) and legacy (``EcdsaSecp256k1VerificationKey2019`` / ``…r1…``) forms, the
+  ``#atproto_pds`` service endpoint and the first ``at://`` handle.
+* Results are cached behind ``IdentityCache`` (bounded LRU+TTL in process, or Redis for
+  scale-out), purged on ``#identity``. Network resolutions are rate-limited (token bucket) and
+  concurrent resolutions of one DID are coalesced.
+* ``verify_handle(handle, did)`` checks that the handle resolves back to the DID (via a
+  ``resolveHandle`` service when configured, else ``https://<handle>/.well-known/atproto-did``).
+
+Failures raise ``IdentityError`` with a ``reason`` from ``REASONS``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
+from urllib.parse import quote, unquote, urlsplit
+
+import httpx
+
+from relay.metrics import RelayMetrics
+from relay.ssrf import SafeClient, SSRFError
+
+log = logging.getLogger("relay.identity")
+
+REASONS = (
+    "bad_did",
+    "did_not_found",
+    "bad_did_document",
+    "no_signing_key",
+    "resolution_failed",
+    "rate_limited",
+)
+
+LEGACY_KEY_TYPES = ("EcdsaSecp256k1VerificationKey2019", "EcdsaSecp256r1VerificationKey2019")
+MAX_DOC_BYTES = 64 * 1024
+
+
+class IdentityError(Exception):
+    """A DID could not be resolved to a usable identity."""
+
+    def __init__(self, reason: str, message: str = "") -> None:
+        super().__init__(message or reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """What the relay needs to know about an account's identity."""
+
+    did: str
+    signing_key: str  # did:key:…
+    pds: str | None = None
+    handle: str | None = None
+
+    @property
+    def pds_hostname(self) -> str | None:
+        """The PDS endpoint as a relay hostname (``host`` or ``host:port``), lower case."""
+        if not self.pds:
+            return None
+        parts = urlsplit(self.pds)
+        return parts.netloc.lower() or None
+
+
+def _matches_fragment(entry_id: object, did: str, fragment: str) -> bool:
+    return isinstance(entry_id, str) and entry_id in (f"#{fragment}", f"{did}#{fragment}")
+
+
+def _signing_key_from(method: dict[str, Any]) -> str:
+    from mst import crypto  # lazy: the repository core is only needed when a document is parsed
+
+    key_type = method.get("type")
+    multibase = method.get("publicKeyMultibase")
+    if not isinstance(multibase, str) or not multibase.startswith("z"):
+        raise IdentityError("no_signing_key", "verification method without publicKeyMultibase")
+    try:
+        if key_type == "Multikey":
+            did_key = "did:key:" + multibase
+            crypto.parse_did_key(did_key)
+            return did_key
+        if key_type in LEGACY_KEY_TYPES:
+            return crypto.parse_multibase_key(key_type, multibase).did_key()
+    except IdentityError:
+        raise
+    except Exception as exc:  # the key codec's typed errors all mean "unusable key"
+        raise IdentityError("no_signing_key", f"unusable #atproto key: {exc}") from None
+    raise IdentityError("no_signing_key", f"unsupported key type {key_type!r}")
+
+
+def parse_did_document(did: str, doc: object) -> Identity:
+    """Extract the identity from a DID document (pure). Raises ``IdentityError``."""
+    if not isinstance(doc, dict):
+        raise IdentityError("bad_did_document", "DID document is not an object")
+    if doc.get("id") != did:
+        raise IdentityError("bad_did_document", "DID document id does not match the DID")
+    methods = doc.get("verificationMethod") or []
+    if not isinstance(methods, list):
+        raise IdentityError("bad_did_document", "verificationMethod is not a list")
+    signing_key = None
+    for method in methods:
+        if isinstance(method, dict) and _matches_fragment(method.get("id"), did, "atproto"):
+            signing_key = _signing_key_from(method)
+            break
+    if signing_key is None:
+        raise IdentityError("no_signing_key", "no #atproto verification method")
+    pds = None
+    services = doc.get("service") or []
+    if isinstance(services, list):
+        for service in services:
+            if (isinstance(service, dict) and _matches_fragment(service.get("id"), did, "atproto_pds")
+                    and service.get("type") == "AtprotoPersonalDataServer"):
+                endpoint = service.get("serviceEndpoint")
+                if isinstance(endpoint, str) and urlsplit(endpoint).scheme in ("https", "http"):
+                    pds = endpoint.rstrip("/")
+                break
+    handle = None
+    aka = doc.get("alsoKnownAs") or []
+    if isinstance(aka, list):
+        for entry in aka:
+            if isinstance(entry, str) and entry.startswith("at://"):
+                handle = entry[5:].lower()
+                break
+    return Identity(did=did, signing_key=signing_key, pds=pds, handle=handle)
+
+
+def did_web_url(did: str) -> str:
+    """``did:web:example.com`` → ``https://example.com/.well-known/did.json`` (no paths allowed)."""
+    rest = did[len("did:web:"):]
+    if not rest or ":" in rest:
+        raise IdentityError("bad_did", "did:web must be a bare domain (no path, port-encoded only)")
+    host = unquote(rest).lower()
+    if "/" in host or not host:
+        raise IdentityError("bad_did", "bad did:web domain")
+    scheme = "http" if host.startswith(("localhost", "127.0.0.1")) else "https"
+    return f"{scheme}://{host}/.well-known/did.json"
+
+
+class IdentityCache(Protocol):
+    """Where resolved identities are kept between resolutions."""
+
+    async def get(self, did: str) -> Identity | None: ...
+
+    async def put(self, identity: Identity) -> None: ...
+
+    async def purge(self, did: str) -> None: ...
+
+
+class MemoryIdentityCache:
+    """Bounded in-process LRU with a time-to-live per entry."""
+
+    def __init__(self, max_entries: int = 100_000, ttl: float = 3600.0) -> None:
+        self.max_entries = max_entries
+        self.ttl = ttl
+        self._entries: OrderedDict[str, tuple[float, Identity]] = OrderedDict()
+
+    async def get(self, did: str) -> Identity | None:
+        item = self._entries.get(did)
+        if item is None:
+            return None
+        expires, identity = item
+        if expires < time.monotonic():
+            del self._entries[did]
+            return None
+        self._entries.move_to_end(did)
+        return identity
+
+    async def put(self, identity: Identity) -> None:
+        self._entries[identity.did] = (time.monotonic() + self.ttl, identity)
+        self._entries.move_to_end(identity.did)
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+
+    async def purge(self, did: str) -> None:
+        self._entries.pop(did, None)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+class RedisIdentityCache:
+    """Identity cache shared by every relay process through Redis (``SETEX`` JSON values)."""
+
+    def __init__(self, redis: Any, ttl: float = 3600.0, prefix: str = "relay:identity:") -> None:
+        self.redis = redis
+        self.ttl = ttl
+        self.prefix = prefix
+
+    async def get(self, did: str) -> Identity | None:
+        raw = await self.redis.get(self.prefix + did)
+        if raw is None:
+            return None
+        try:
+            return Identity(**json.loads(raw))
+        except (ValueError, TypeError):
+            return None
+
+    async def put(self, identity: Identity) -> None:
+        await self.redis.set(self.prefix + identity.did, json.dumps(asdict(identity)),
+                             ex=max(1, int(self.ttl)))
+
+    async def purge(self, did: str) -> None:
+        await self.redis.delete(self.prefix + did)
+
+
+class TokenBucket:
+    """At most ``rate`` acquisitions per second on average, bursts up to ``burst``."""
+
+    def __init__(self, rate: float, burst: int) -> None:
+        self.rate = rate
+        self.burst = float(burst)
+        self._tokens = float(burst)
+        self._stamp = time.monotonic()
+        self._lock = asyncio.Lock()
+
+    async def acquire(self, max_wait: float = 10.0) -> None:
+        """Wait for a token; raise ``IdentityError('rate_limited')`` past ``max_wait`` seconds."""
+        async with self._lock:
+            now = time.monotonic()
+            self._tokens = min(self.burst, self._tokens + (now - self._stamp) * self.rate)
+            self._stamp = now
+            if self._tokens < 1.0:
+                wait = (1.0 - self._tokens) / self.rate
+                if wait > max_wait:
+                    raise IdentityError("rate_limited", "identity resolution rate limit")
+                await asyncio.sleep(wait)
+                self._tokens = 1.0
+                self._stamp = time.monotonic()
+            self._tokens -= 1.0
+
+
+class IdentityResolver:
+    """Resolves DIDs with caching, coalescing and rate limiting."""
+
+    def __init__(self, *, plc_url: str, safe_client: SafeClient, cache: IdentityCache | None = None,
+                 metrics: RelayMetrics | None = None, rate: float = 50.0, burst: int = 100,
+                 handle_resolver_url: str = "", timeout: float = 10.0) -> None:
+        self.plc_url = plc_url.rstrip("/")
+        self.safe = safe_client
+        self.cache = cache if cache is not None else MemoryIdentityCache()
+        self.metrics = metrics
+        self.bucket = TokenBucket(rate, burst)
+        self.handle_resolver_url = handle_resolver_url.rstrip("/")
+        self._trusted = httpx.AsyncClient(timeout=timeout, headers={"user-agent": "atproto-relay (python)"})
+        self._inflight: dict[str, asyncio.Future[Identity]] = {}
+
+    async def aclose(self) -> None:
+        await self._trusted.aclose()
+
+    def _count(self, metric: str, result: str) -> None:
+        if self.metrics is not None:
+            getattr(self.metrics, metric).labels(result=result).inc()
+
+    async def resolve(self, did: str, *, fresh: bool = False) -> Identity:
+        """The identity of ``did``; ``fresh`` bypasses (and refreshes) the cache."""
+        if not fresh:
+            cached = await self.cache.get(did)
+            if cached is not None:
+                self._count("identity_cache", "hit")
+                return cached
+            self._count("identity_cache", "miss")
+        pending = self._inflight.get(did)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        future: asyncio.Future[Identity] = asyncio.get_running_loop().create_future()
+        self._inflight[did] = future
+        try:
+            identity = await self._resolve_network(did)
+        except BaseException as exc:
+            future.set_exception(exc)
+            future.exception()  # mark retrieved: waiters (if any) re-raise it themselves
+            raise
+        else:
+            future.set_result(identity)
+            await self.cache.put(identity)
+            return identity
+        finally:
+            self._inflight.pop(did, None)
+
+    async def purge(self, did: str) -> None:
+        await self.cache.purge(did)
+
+    async def _resolve_network(self, did: str) -> Identity:
+        await self.bucket.acquire()
+        try:
+            if did.startswith("did:plc:"):
+                doc = await self._fetch_trusted(f"{self.plc_url}/{quote(did, safe=':')}")
+            elif did.startswith("did:web:"):
+                doc = await self._fetch_safe(did_web_url(did))
+            else:
+                raise IdentityError("bad_did", f"unsupported DID method in {did!r}")
+            identity = parse_did_document(did, doc)
+        except IdentityError as exc:
+            self._count("identity_resolutions", exc.reason)
+            raise
+        self._count("identity_resolutions", "ok")
+        return identity
+
+    async def _fetch_trusted(self, url: str) -> object:
+        try:
+            resp = await self._trusted.get(url)
+        except httpx.HTTPError as exc:
+            raise IdentityError("resolution_failed", f"{url}: {exc}") from None
+        if resp.status_code in (404, 410):
+            raise IdentityError("did_not_found", f"{url}: HTTP {resp.status_code}")
+        if resp.status_code != 200 or len(resp.content) > MAX_DOC_BYTES:
+            raise IdentityError("resolution_failed", f"{url}: HTTP {resp.status_code}")
+        try:
+            return resp.json()
+        except ValueError:
+            raise IdentityError("bad_did_document", f"{url}: not JSON") from None
+
+    async def _fetch_safe(self, url: str) -> object:
+        try:
+            status, body, _ = await self.safe.get(url, max_bytes=MAX_DOC_BYTES)
+        except SSRFError as exc:
+            raise IdentityError("resolution_failed", f"{url}: {exc.reason}") from None
+        except httpx.HTTPError as exc:
+            raise IdentityError("resolution_failed", f"{url}: {exc}") from None
+        if status == 404:
+            raise IdentityError("did_not_found", f"{url}: HTTP 404")
+        if status != 200:
+            raise IdentityError("resolution_failed", f"{url}: HTTP {status}")
+        try:
+            return json.loads(body)
+        except ValueError:
+            raise IdentityError("bad_did_document", f"{url}: not JSON") from None
+
+    async def verify_handle(self, handle: str, did: str) -> bool:
+        """True when ``handle`` resolves back to ``did`` (bidirectional verification)."""
+        try:
+            if self.handle_resolver_url:
+                resp = await self._trusted.get(
+                    f"{self.handle_resolver_url}/xrpc/com.atproto.identity.resolveHandle",
+                    params={"handle": handle})
+                return resp.status_code == 200 and resp.json().get("did") == did
+            status, body, _ = await self.safe.get(f"https://{handle}/.well-known/atproto-did",
+                                                  max_bytes=2048)
+            return status == 200 and body.decode("utf-8", "replace").strip() == did
+        except (httpx.HTTPError, SSRFError, ValueError, AttributeError):
+            return False

@@ -1,0 +1,50 @@
+"""Prometheus metrics of one relay instance.
+
+Each ``RelayMetrics`` owns a private ``CollectorRegistry`` so that several relays can live in one
+process (tests). ``/metrics`` renders this registry followed by the process-wide default one
+(where other packages may register their own collectors).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+__all__ = ["CONTENT_TYPE_LATEST", "RelayMetrics"]
+
+
+class RelayMetrics:
+    """Every metric the relay exports; labels are fixed enumerations, never free text."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.events_in = Counter("relay_events_in_total", "Frames received from upstream hosts",
+                                 ["host", "type"], registry=r)
+        self.verdicts = Counter("relay_verdicts_total", "Judgements on upstream events",
+                                ["kind", "reason"], registry=r)
+        self.events_out = Counter("relay_events_sequenced_total", "Events sequenced and published",
+                                  ["type"], registry=r)
+        self.current_seq = Gauge("relay_current_seq", "Highest sequence number assigned", registry=r)
+        self.lag = Histogram("relay_ingest_to_broadcast_seconds",
+                             "Time from receiving an upstream frame to publishing it",
+                             buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+                             registry=r)
+        self.consumers = Gauge("relay_consumers", "Connected subscribeRepos consumers", registry=r)
+        self.bytes_out = Counter("relay_bytes_out_total", "Bytes sent to consumers", registry=r)
+        self.resync_queue = Gauge("relay_resync_queue", "Accounts waiting for a resync", registry=r)
+        self.resyncs = Counter("relay_resyncs_total", "Finished resyncs", ["result"], registry=r)
+        self.identity_cache = Counter("relay_identity_cache_total", "Identity cache lookups",
+                                      ["result"], registry=r)
+        self.identity_resolutions = Counter("relay_identity_resolutions_total",
+                                            "DID resolutions against PLC / did:web", ["result"], registry=r)
+        self.hosts = Gauge("relay_hosts", "Upstream hosts by status", ["status"], registry=r)
+        self.host_connects = Counter("relay_host_connects_total", "Upstream connection attempts",
+                                     ["result"], registry=r)
+        self.crawl_requests = Counter("relay_crawl_requests_total", "requestCrawl outcomes",
+                                      ["result"], registry=r)
+        self.admin_requests = Counter("relay_admin_requests_total", "Admin API requests",
+                                      ["result"], registry=r)
+
+    def render(self) -> bytes:
+        """Text exposition of this relay's registry plus the process default registry."""
+        return generate_latest(self.registry) + generate_latest(REGISTRY)
