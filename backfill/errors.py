@@ -1,0 +1,44 @@
+"""Errors raised by the backfill store and the sequencer. Each carries a snake_case ``reason``."""
+
+from __future__ import annotations
+
+
+class BackfillError(Exception):
+    """Base class; ``reason`` is a short snake_case label usable as a metric label."""
+
+    reason = "backfill_error"
+
+    def __init__(self, message: str = "", *, reason: str | None = None) -> None:
+        super().__init__(message or self.reason)
+        if reason is not None:
+            self.reason = reason
+
+
+class MigrationError(BackfillError):
+    """A migration file is malformed, duplicated, or failed to apply."""
+
+    reason = "migration_failed"
+
+
+class SequencerLockedError(BackfillError):
+    """Another sequencer already holds the single-writer lock on this database (or schema)."""
+
+    reason = "sequencer_locked"
+
+
+class SequencerConflictError(BackfillError):
+    """The stored seq high-water mark moved under this sequencer: someone else wrote events."""
+
+    reason = "sequencer_conflict"
+
+
+class SequencerClosedError(BackfillError):
+    """``submit`` was called on a sequencer that is closed or has failed permanently."""
+
+    reason = "sequencer_closed"
+
+
+class SeqExhaustedError(BackfillError):
+    """The next seq would reach 2**53 (the largest value every consumer can represent)."""
+
+    reason = "seq_exhausted"

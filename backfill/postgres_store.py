@@ -1,0 +1,410 @@
+"""PostgreSQL backend (asyncpg). See ``backfill.store`` for the contract of every method.
+
+Events are written with binary ``COPY`` inside the batch transaction; the frame column is
+``STORAGE EXTERNAL`` (no compression attempts on CAR bytes). Locks are advisory locks keyed by
+database and schema, so several relays (or tests) can share a server in separate schemas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import Iterable
+
+import asyncpg
+
+from backfill.errors import MigrationError, SequencerConflictError, SequencerLockedError
+from backfill.migrations import discover
+from backfill.store import BatchWrite, Store, WriterLease, host_count_deltas, retention_prefix
+from backfill.types import AccountState, HostState, SequencedEvent
+
+_SCHEMA_RE = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+
+_ACCOUNT_COLS = "did, host, upstream_status, local_status, rev, commit_cid, data_cid, sync_state, updated_at"
+_HOST_COLS = (
+    "hostname, status, upstream_cursor, account_limit, trusted, rate_limit_per_second, "
+    "rate_limit_per_hour, rate_limit_per_day, last_seen, account_count, created_at"
+)
+
+# Batch upsert of account state from the sequencer. local_status of an existing account is
+# not touched: only the operator (upsert_account) changes it, so a takedown is never undone by
+# a concurrently validated event.
+_SQL_UPSERT_ACCOUNTS = f"""
+INSERT INTO accounts ({_ACCOUNT_COLS})
+SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[],
+                     $7::text[], $8::text[], $9::float8[])
+ON CONFLICT (did) DO UPDATE SET
+    host = EXCLUDED.host, upstream_status = EXCLUDED.upstream_status, rev = EXCLUDED.rev,
+    commit_cid = EXCLUDED.commit_cid, data_cid = EXCLUDED.data_cid,
+    sync_state = EXCLUDED.sync_state, updated_at = EXCLUDED.updated_at
+"""
+
+_SQL_UPDATE_HOSTS = """
+INSERT INTO hosts (hostname, upstream_cursor, last_seen, account_count, created_at)
+SELECT h, COALESCE(c, 0), s, d, $5 FROM unnest($1::text[], $2::int8[], $3::float8[], $4::int8[])
+    AS u(h, c, s, d)
+ON CONFLICT (hostname) DO UPDATE SET
+    upstream_cursor = GREATEST(hosts.upstream_cursor, COALESCE(EXCLUDED.upstream_cursor, 0)),
+    last_seen = COALESCE(EXCLUDED.last_seen, hosts.last_seen),
+    account_count = hosts.account_count + EXCLUDED.account_count
+"""
+
+
+def _account(row: asyncpg.Record) -> AccountState:
+    return AccountState(*row)
+
+
+def _host(row: asyncpg.Record) -> HostState:
+    return HostState(*row)
+
+
+class PostgresStore(Store):
+    backend = "postgres"
+
+    def __init__(self, dsn: str, schema: str | None, pool: asyncpg.Pool) -> None:
+        self.dsn = dsn
+        self.schema = schema
+        self._pool = pool
+        self._closed = False
+
+    @classmethod
+    async def connect(cls, dsn: str, *, schema: str | None = None, pool_size: int = 4) -> PostgresStore:
+        if schema is not None and not _SCHEMA_RE.match(schema):
+            raise ValueError(f"invalid schema name: {schema!r}")
+        pool = await asyncpg.create_pool(
+            dsn, min_size=1, max_size=pool_size, server_settings=cls._settings(schema)
+        )
+        return cls(dsn, schema, pool)
+
+    @staticmethod
+    def _settings(schema: str | None) -> dict[str, str]:
+        settings = {"application_name": "relay"}
+        if schema:
+            settings["search_path"] = schema
+        return settings
+
+    def _lock_name(self, purpose: str) -> str:
+        return f"relay.{purpose}/{self.schema or 'public'}"
+
+    async def _connect_dedicated(self) -> asyncpg.Connection:
+        return await asyncpg.connect(self.dsn, server_settings=self._settings(self.schema))
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    async def migrate(self) -> list[int]:
+        migrations = discover("postgres")
+        applied_now: list[int] = []
+        conn = await self._connect_dedicated()
+        try:
+            # Serialise concurrent runners (other processes, other replicas) per schema.
+            await conn.execute("SELECT pg_advisory_lock(hashtextextended($1, 0))", self._lock_name("migrate"))
+            try:
+                if self.schema:
+                    await conn.execute(f'CREATE SCHEMA IF NOT EXISTS "{self.schema}"')
+                await conn.execute(
+                    "CREATE TABLE IF NOT EXISTS schema_migrations ("
+                    " version integer PRIMARY KEY, name text NOT NULL,"
+                    " applied_at timestamptz NOT NULL DEFAULT now())"
+                )
+                done = {r[0] for r in await conn.fetch("SELECT version FROM schema_migrations")}
+                for migration in migrations:
+                    if migration.version in done:
+                        continue
+                    try:
+                        async with conn.transaction():
+                            await conn.execute(migration.sql)
+                            await conn.execute(
+                                "INSERT INTO schema_migrations (version, name) VALUES ($1, $2)",
+                                migration.version,
+                                migration.name,
+                            )
+                    except asyncpg.PostgresError as exc:
+                        raise MigrationError(
+                            f"migration {migration.version:04d}_{migration.name} failed: {exc}"
+                        ) from exc
+                    applied_now.append(migration.version)
+            finally:
+                await conn.execute(
+                    "SELECT pg_advisory_unlock(hashtextextended($1, 0))", self._lock_name("migrate")
+                )
+        finally:
+            await conn.close()
+        return applied_now
+
+    async def applied_migrations(self) -> list[int]:
+        rows = await self._pool.fetch("SELECT version FROM schema_migrations ORDER BY version")
+        return [r[0] for r in rows]
+
+    async def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            await self._pool.close()
+
+    async def acquire_writer(self, *, wait: bool = False, timeout: float | None = None) -> WriterLease:
+        conn = await self._connect_dedicated()
+        name = self._lock_name("sequencer")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while True:
+                if await conn.fetchval("SELECT pg_try_advisory_lock(hashtextextended($1, 0))", name):
+                    return _PgLease(conn)
+                if not wait or (deadline is not None and time.monotonic() >= deadline):
+                    raise SequencerLockedError(
+                        f"another sequencer holds the write lock on schema "
+                        f"{self.schema or 'public'!r}: only one relay ingest process may write "
+                        f"to a database; stop the other one or point this one elsewhere"
+                    )
+                await asyncio.sleep(0.2)
+        except BaseException:
+            await conn.close()
+            raise
+
+    # -- events ------------------------------------------------------------------------------
+    async def read_after(self, cursor: int, limit: int = 1000) -> list[SequencedEvent]:
+        rows = await self._pool.fetch(
+            "SELECT seq, did, kind, time, frame FROM events WHERE seq > $1 ORDER BY seq LIMIT $2",
+            cursor,
+            limit,
+        )
+        return [SequencedEvent(r[0], r[1], r[2], r[3], r[4]) for r in rows]
+
+    async def oldest_seq(self) -> int | None:
+        return await self._pool.fetchval("SELECT seq FROM events ORDER BY seq LIMIT 1")
+
+    async def latest_seq(self) -> int:
+        return await self._pool.fetchval("SELECT value FROM relay_meta WHERE key = 'seq_high_water'")
+
+    async def count_events(self) -> int:
+        return await self._pool.fetchval("SELECT count(*) FROM events")
+
+    async def events_bytes(self) -> int:
+        return await self._pool.fetchval("SELECT value FROM relay_meta WHERE key = 'events_bytes'")
+
+    async def trim(
+        self,
+        older_than_seconds: float | None = None,
+        max_bytes: int | None = None,
+        batch: int = 2000,
+        *,
+        now: float | None = None,
+    ) -> int:
+        if older_than_seconds is None and max_bytes is None:
+            return 0
+        cutoff = None if older_than_seconds is None else (now or time.time()) - older_than_seconds
+        total = 0
+        async with self._pool.acquire() as conn:
+            while True:
+                async with conn.transaction():
+                    rows = await conn.fetch(
+                        "SELECT seq, time, octet_length(frame) FROM events ORDER BY seq LIMIT $1", batch
+                    )
+                    if not rows:
+                        # Empty window (maybe truncated by hand): the byte counter restarts.
+                        await conn.execute("UPDATE relay_meta SET value = 0 WHERE key = 'events_bytes'")
+                        return total
+                    excess = 0
+                    if max_bytes is not None:
+                        stored = await conn.fetchval(
+                            "SELECT value FROM relay_meta WHERE key = 'events_bytes'"
+                        )
+                        excess = max(0, stored - max_bytes)
+                    count, freed = retention_prefix(rows, cutoff, excess)
+                    if count:
+                        await conn.execute(
+                            "DELETE FROM events WHERE seq >= $1 AND seq <= $2", rows[0][0], rows[count - 1][0]
+                        )
+                        await conn.execute(
+                            "UPDATE relay_meta SET value = GREATEST(0, value - $1) WHERE key = 'events_bytes'",
+                            freed,
+                        )
+                total += count
+                if count < batch:
+                    return total
+                await asyncio.sleep(0)  # let ingest and readers in between batches
+
+    # -- accounts ----------------------------------------------------------------------------
+    async def get_account(self, did: str) -> AccountState | None:
+        row = await self._pool.fetchrow(f"SELECT {_ACCOUNT_COLS} FROM accounts WHERE did = $1", did)
+        return None if row is None else _account(row)
+
+    async def get_accounts(self, dids: Iterable[str]) -> dict[str, AccountState]:
+        rows = await self._pool.fetch(
+            f"SELECT {_ACCOUNT_COLS} FROM accounts WHERE did = ANY($1::text[])", list(dids)
+        )
+        return {r[0]: _account(r) for r in rows}
+
+    async def upsert_account(self, state: AccountState) -> None:
+        async with self._pool.acquire() as conn, conn.transaction():
+            old_host = await conn.fetchrow("SELECT host FROM accounts WHERE did = $1 FOR UPDATE", state.did)
+            await conn.execute(
+                f"INSERT INTO accounts ({_ACCOUNT_COLS}) VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9) "
+                "ON CONFLICT (did) DO UPDATE SET host = EXCLUDED.host, "
+                "upstream_status = EXCLUDED.upstream_status, local_status = EXCLUDED.local_status, "
+                "rev = EXCLUDED.rev, commit_cid = EXCLUDED.commit_cid, data_cid = EXCLUDED.data_cid, "
+                "sync_state = EXCLUDED.sync_state, updated_at = EXCLUDED.updated_at",
+                state.did,
+                state.host,
+                state.upstream_status,
+                state.local_status,
+                state.rev,
+                state.commit_cid,
+                state.data_cid,
+                state.sync_state,
+                state.updated_at or time.time(),
+            )
+            deltas = host_count_deltas(old_host is not None, old_host[0] if old_host else None, state.host)
+            if deltas:
+                await conn.execute(
+                    _SQL_UPDATE_HOSTS,
+                    list(deltas),
+                    [None] * len(deltas),
+                    [None] * len(deltas),
+                    list(deltas.values()),
+                    time.time(),
+                )
+
+    async def list_accounts(self, after_did: str | None = None, limit: int = 500) -> list[AccountState]:
+        rows = await self._pool.fetch(
+            f"SELECT {_ACCOUNT_COLS} FROM accounts WHERE did > $1 ORDER BY did LIMIT $2", after_did or "", limit
+        )
+        return [_account(r) for r in rows]
+
+    async def accounts_by_sync_state(self, state: str, limit: int = 500) -> list[AccountState]:
+        rows = await self._pool.fetch(
+            f"SELECT {_ACCOUNT_COLS} FROM accounts WHERE sync_state = $1 ORDER BY did LIMIT $2", state, limit
+        )
+        return [_account(r) for r in rows]
+
+    async def count_accounts(self, host: str | None = None) -> int:
+        if host is None:
+            return await self._pool.fetchval("SELECT count(*) FROM accounts")
+        return await self._pool.fetchval("SELECT count(*) FROM accounts WHERE host = $1", host)
+
+    # -- hosts -------------------------------------------------------------------------------
+    async def get_host(self, hostname: str) -> HostState | None:
+        row = await self._pool.fetchrow(f"SELECT {_HOST_COLS} FROM hosts WHERE hostname = $1", hostname)
+        return None if row is None else _host(row)
+
+    async def list_hosts(self, after: str | None = None, limit: int = 500) -> list[HostState]:
+        rows = await self._pool.fetch(
+            f"SELECT {_HOST_COLS} FROM hosts WHERE hostname > $1 ORDER BY hostname LIMIT $2", after or "", limit
+        )
+        return [_host(r) for r in rows]
+
+    async def upsert_host(self, host: HostState) -> None:
+        await self._pool.execute(
+            f"INSERT INTO hosts ({_HOST_COLS}) VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9,$10,$11) "
+            "ON CONFLICT (hostname) DO UPDATE SET status = EXCLUDED.status, "
+            "account_limit = EXCLUDED.account_limit, trusted = EXCLUDED.trusted, "
+            "rate_limit_per_second = EXCLUDED.rate_limit_per_second, "
+            "rate_limit_per_hour = EXCLUDED.rate_limit_per_hour, "
+            "rate_limit_per_day = EXCLUDED.rate_limit_per_day, "
+            "last_seen = COALESCE(EXCLUDED.last_seen, hosts.last_seen)",
+            host.hostname,
+            host.status,
+            host.cursor,
+            host.account_limit,
+            host.trusted,
+            host.rate_limit_per_second,
+            host.rate_limit_per_hour,
+            host.rate_limit_per_day,
+            host.last_seen,
+            host.account_count,
+            host.created_at or time.time(),
+        )
+
+    async def set_host_status(self, hostname: str, status: str) -> bool:
+        result = await self._pool.execute("UPDATE hosts SET status = $2 WHERE hostname = $1", hostname, status)
+        return result == "UPDATE 1"
+
+    async def host_cursor(self, hostname: str) -> int | None:
+        return await self._pool.fetchval("SELECT upstream_cursor FROM hosts WHERE hostname = $1", hostname)
+
+    async def set_host_cursor(self, hostname: str, cursor: int) -> bool:
+        result = await self._pool.execute(
+            "UPDATE hosts SET upstream_cursor = $2 WHERE hostname = $1", hostname, cursor
+        )
+        return result == "UPDATE 1"
+
+    # -- domain bans -------------------------------------------------------------------------
+    async def list_domain_bans(self) -> list[str]:
+        return [r[0] for r in await self._pool.fetch("SELECT domain FROM domain_bans ORDER BY domain")]
+
+    async def add_domain_ban(self, domain: str) -> bool:
+        result = await self._pool.execute(
+            "INSERT INTO domain_bans (domain, created_at) VALUES ($1, $2) ON CONFLICT DO NOTHING",
+            domain.strip().lower(),
+            time.time(),
+        )
+        return result == "INSERT 0 1"
+
+    async def remove_domain_ban(self, domain: str) -> bool:
+        result = await self._pool.execute("DELETE FROM domain_bans WHERE domain = $1", domain.strip().lower())
+        return result == "DELETE 1"
+
+
+class _PgLease(WriterLease):
+    """Advisory-lock holder; every batch goes through the same connection."""
+
+    def __init__(self, conn: asyncpg.Connection) -> None:
+        self._conn = conn
+
+    async def account_heads(self, dids: Iterable[str]) -> dict[str, tuple[str | None, str | None]]:
+        rows = await self._conn.fetch(
+            "SELECT did, host, rev FROM accounts WHERE did = ANY($1::text[])", list(dids)
+        )
+        return {r[0]: (r[1], r[2]) for r in rows}
+
+    async def high_water(self) -> int:
+        return await self._conn.fetchval("SELECT value FROM relay_meta WHERE key = 'seq_high_water'")
+
+    async def commit_batch(self, batch: BatchWrite) -> None:
+        conn = self._conn
+        async with conn.transaction():
+            status = await conn.execute(
+                "UPDATE relay_meta SET value = $2 WHERE key = 'seq_high_water' AND value = $1",
+                batch.expected_high_water,
+                batch.new_high_water,
+            )
+            if status != "UPDATE 1":
+                raise SequencerConflictError(
+                    f"seq high-water mark is no longer {batch.expected_high_water}: another writer"
+                )
+            if batch.events:
+                await conn.copy_records_to_table(
+                    "events", records=batch.events, columns=("seq", "did", "kind", "time", "frame")
+                )
+                await conn.execute(
+                    "UPDATE relay_meta SET value = value + $1 WHERE key = 'events_bytes'", batch.frame_bytes
+                )
+            if batch.accounts:
+                accts = batch.accounts
+                await conn.execute(
+                    _SQL_UPSERT_ACCOUNTS,
+                    [a.did for a in accts],
+                    [a.host for a in accts],
+                    [a.upstream_status for a in accts],
+                    [a.local_status for a in accts],
+                    [a.rev for a in accts],
+                    [a.commit_cid for a in accts],
+                    [a.data_cid for a in accts],
+                    [a.sync_state for a in accts],
+                    [a.updated_at for a in accts],
+                )
+            if batch.host_updates:
+                hosts = list(batch.host_updates.items())
+                await conn.execute(
+                    _SQL_UPDATE_HOSTS,
+                    [h for h, _ in hosts],
+                    [u[0] for _, u in hosts],
+                    [u[1] for _, u in hosts],
+                    [u[2] for _, u in hosts],
+                    time.time(),
+                )
+
+    async def release(self) -> None:
+        if not self._conn.is_closed():
+            try:
+                await self._conn.close(timeout=5)
+            except (TimeoutError, OSError, asyncpg.PostgresError):
+                self._conn.terminate()

@@ -1,0 +1,337 @@
+"""The single writer: gives every verified event its ``seq`` and makes it durable.
+
+``Sequencer(store, publish)`` takes ``PendingEvent``s from any number of tasks, groups them into
+batches (up to ``max_batch`` events, or whatever arrived within ``max_delay`` seconds) and for
+each batch, in one transaction:
+
+* assigns consecutive seq numbers after the stored high-water mark (strictly increasing, in
+  [1, 2**53), never reused: the mark lives in ``relay_meta`` and the write is conditional on it);
+* stores each event's wire frame — ``frame_encoder(kind, {**body, "seq": seq})``, encoded once;
+* upserts the accounts' state and advances the hosts' upstream cursors.
+
+Only after the commit does it ``await publish(events)`` (the bus) and resolve the submitters'
+futures, which is the signal that the upstream cursor may advance. A re-delivered commit (an
+event whose ``rev`` is not newer than the account's stored rev, e.g. replayed from an older
+upstream cursor after a crash) is not sequenced: its ``submit`` returns ``None`` (its host
+cursor still advances).
+
+Exactly one sequencer may run per database (schema): ``start()`` takes the store's writer lease
+(Postgres advisory lock / SQLite flock) and raises ``SequencerLockedError`` if another holds it
+(or waits, with ``wait_for_lock=True``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from backfill.errors import (
+    SeqExhaustedError,
+    SequencerClosedError,
+    SequencerConflictError,
+    SequencerLockedError,
+)
+from backfill.store import SEQ_LIMIT, BatchWrite, Store, WriterLease, host_count_deltas
+from backfill.types import AccountState, PendingEvent, SequencedEvent
+
+log = logging.getLogger(__name__)
+
+Publish = Callable[[list[SequencedEvent]], Awaitable[Any]]
+FrameEncoder = Callable[[str, dict[str, Any]], bytes]
+
+
+def _default_encoder() -> FrameEncoder:
+    from firehose.frames import encode_frame
+
+    return encode_frame
+
+
+@dataclass(slots=True)
+class _CursorOnly:
+    """Advance a host cursor with no event (e.g. after a rejected or ignored frame)."""
+
+    host: str
+    upstream_seq: int
+
+
+_STOP = object()
+
+
+@dataclass(slots=True)
+class SequencerStats:
+    batches: int = 0
+    events: int = 0
+    ignored: int = 0
+    failed_batches: int = 0
+    publish_errors: int = 0
+    encode_errors: int = 0
+
+
+class Sequencer:
+    """See the module docstring. Use as ``async with Sequencer(...) as seq:`` or call
+    ``start()``/``close()``; ``submit`` starts it lazily."""
+
+    def __init__(
+        self,
+        store: Store,
+        publish: Publish,
+        frame_encoder: FrameEncoder | None = None,
+        *,
+        max_batch: int = 1000,
+        max_delay: float = 0.002,
+        max_pending: int = 20000,
+        wait_for_lock: bool = False,
+        lock_timeout: float | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.store = store
+        self.publish = publish
+        self.frame_encoder = frame_encoder or _default_encoder()
+        self.max_batch = max_batch
+        self.max_delay = max_delay
+        self.wait_for_lock = wait_for_lock
+        self.lock_timeout = lock_timeout
+        self.clock = clock
+        self.stats = SequencerStats()
+        self._queue: asyncio.Queue[Any] = asyncio.Queue(max_pending)
+        self._lease: WriterLease | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._start_lock = asyncio.Lock()
+        self._high_water = 0
+        self._last_time = 0.0
+        self._closed = False
+        self._failure: BaseException | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Take the writer lease, load the high-water mark and start the writer task."""
+        async with self._start_lock:
+            if self._task is not None:
+                return
+            if self._closed:
+                raise SequencerClosedError("sequencer is closed")
+            self._lease = await self.store.acquire_writer(wait=self.wait_for_lock, timeout=self.lock_timeout)
+            self._high_water = await self._lease.high_water()
+            self._task = asyncio.create_task(self._run(), name="sequencer")
+
+    async def close(self) -> None:
+        """Write everything already submitted, then release the lease (idempotent)."""
+        self._closed = True
+        if self._task is not None:
+            if not self._task.done():
+                await self._queue.put(_STOP)
+            try:
+                await self._task
+            finally:
+                self._task = None
+        if self._lease is not None:
+            await self._lease.release()
+            self._lease = None
+
+    async def __aenter__(self) -> Sequencer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def high_water(self) -> int:
+        """The last seq this sequencer has committed (or loaded at start)."""
+        return self._high_water
+
+    # -- submitting --------------------------------------------------------------------------
+    async def enqueue(self, event: PendingEvent) -> asyncio.Future[SequencedEvent | None]:
+        """Queue ``event`` (waiting for room when ``max_pending`` are queued) and return the
+        future that ``submit`` would await. Lets one caller keep many events in flight while
+        preserving its order."""
+        await self._check_open()
+        fut: asyncio.Future[SequencedEvent | None] = asyncio.get_running_loop().create_future()
+        await self._queue.put((event, fut))
+        return fut
+
+    async def submit(self, event: PendingEvent) -> SequencedEvent | None:
+        """Sequence ``event``; returns it once durable and published, or None if ignored as a
+        re-delivery. Raises if its batch could not be written (nothing of it was stored)."""
+        return await (await self.enqueue(event))
+
+    async def advance_cursor(self, host: str, upstream_seq: int) -> None:
+        """Persist ``host``'s upstream cursor with the next batch (for frames that produced no
+        event). Returns once durable."""
+        await self._check_open()
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        await self._queue.put((_CursorOnly(host, upstream_seq), fut))
+        await fut
+
+    async def _check_open(self) -> None:
+        if self._failure is not None:
+            raise SequencerClosedError(f"sequencer stopped: {self._failure}") from self._failure
+        if self._closed:
+            raise SequencerClosedError("sequencer is closed")
+        if self._task is None:
+            await self.start()
+
+    # -- the writer --------------------------------------------------------------------------
+    async def _run(self) -> None:
+        stop = False
+        while not stop:
+            items = [await self._queue.get()]
+            if items[0] is _STOP:
+                break
+            if self._queue.qsize() < self.max_batch - 1 and self.max_delay > 0:
+                await asyncio.sleep(self.max_delay)
+            while len(items) < self.max_batch:
+                try:
+                    item = self._queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    break
+                if item is _STOP:
+                    stop = True
+                    break
+                items.append(item)
+            try:
+                await self._write(items)
+            except (SequencerLockedError, SequencerConflictError) as exc:
+                self._failure = exc
+                log.error("sequencer stopped: %s", exc)
+                self._fail_pending(exc)
+                return
+
+    def _fail_pending(self, exc: BaseException) -> None:
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except asyncio.QueueEmpty:
+                return
+            if item is not _STOP and not item[1].done():
+                item[1].set_exception(SequencerClosedError(f"sequencer stopped: {exc}"))
+
+    async def _write(self, items: list[tuple[Any, asyncio.Future[Any]]]) -> None:
+        assert self._lease is not None
+        lease = self._lease
+        event_dids = {
+            item.did for item, _ in items if isinstance(item, PendingEvent) and (item.rev or item.account)
+        }
+        account_dids = {item.account.did for item, _ in items if isinstance(item, PendingEvent) and item.account}
+        try:
+            heads = await lease.account_heads(event_dids | account_dids) if event_dids or account_dids else {}
+        except Exception as exc:  # database unreachable: nothing written, callers retry
+            self._batch_failed(items, exc)
+            return
+
+        now = max(self.clock(), self._last_time)
+        seq = self._high_water
+        last_rev: dict[str, str | None] = {did: head[1] for did, head in heads.items()}
+        rows: list[tuple[int, str, str, float, bytes]] = []
+        sequenced: list[SequencedEvent] = []
+        results: list[tuple[asyncio.Future[Any], SequencedEvent | None]] = []
+        errors: list[tuple[asyncio.Future[Any], BaseException]] = []
+        accounts: dict[str, AccountState] = {}
+        cursors: dict[str, int] = {}
+
+        for item, fut in items:
+            if isinstance(item, _CursorOnly):
+                cursors[item.host] = max(cursors.get(item.host, 0), item.upstream_seq)
+                results.append((fut, None))
+                continue
+            event: PendingEvent = item
+            if event.host is not None and event.upstream_seq is not None:
+                cursors[event.host] = max(cursors.get(event.host, 0), event.upstream_seq)
+            if event.rev is not None:
+                previous = last_rev.get(event.did)
+                if previous is not None and event.rev <= previous:
+                    self.stats.ignored += 1
+                    results.append((fut, None))
+                    continue
+            if seq + 1 >= SEQ_LIMIT:
+                errors.append((fut, SeqExhaustedError("seq would reach 2**53")))
+                continue
+            try:
+                frame = self.frame_encoder(event.kind, {**event.body, "seq": seq + 1})
+            except Exception as exc:  # a body the encoder refuses fails only its own submit
+                self.stats.encode_errors += 1
+                errors.append((fut, exc))
+                continue
+            seq += 1
+            if event.rev is not None:
+                last_rev[event.did] = event.rev
+            rows.append((seq, event.did, event.kind, now, frame))
+            sequenced.append(SequencedEvent(seq, event.did, event.kind, now, frame))
+            results.append((fut, sequenced[-1]))
+            if event.account is not None:
+                if not event.account.updated_at:
+                    event.account.updated_at = now
+                accounts[event.account.did] = event.account
+
+        host_updates: dict[str, list[Any]] = {h: [c, now, 0] for h, c in cursors.items()}
+        for did, state in accounts.items():
+            head = heads.get(did)
+            for host, delta in host_count_deltas(head is not None, head[0] if head else None, state.host).items():
+                host_updates.setdefault(host, [None, None, 0])[2] += delta
+
+        batch = BatchWrite(
+            expected_high_water=self._high_water,
+            new_high_water=seq,
+            events=rows,
+            accounts=list(accounts.values()),
+            host_updates={h: (u[0], u[1], u[2]) for h, u in host_updates.items()},
+        )
+        try:
+            if rows or batch.accounts or batch.host_updates:
+                await lease.commit_batch(batch)
+        except SequencerConflictError:
+            self._batch_failed(items, None)
+            raise
+        except Exception as exc:
+            self._batch_failed(items, exc)
+            await self._recover()
+            return
+
+        self._high_water = seq
+        self._last_time = now
+        self.stats.batches += 1
+        self.stats.events += len(sequenced)
+        if sequenced:
+            try:
+                await self.publish(sequenced)
+            except Exception:  # durable already: consumers will catch up by replay
+                self.stats.publish_errors += 1
+                log.exception("publishing %d sequenced events failed", len(sequenced))
+        for fut, result in results:
+            if not fut.done():
+                fut.set_result(result)
+        for fut, exc in errors:
+            if not fut.done():
+                fut.set_exception(exc)
+
+    def _batch_failed(self, items: list[tuple[Any, asyncio.Future[Any]]], exc: BaseException | None) -> None:
+        self.stats.failed_batches += 1
+        if exc is not None:
+            log.warning("sequencer batch of %d failed: %s", len(items), exc)
+        error = exc or SequencerConflictError("batch not written: seq high-water mark moved")
+        for _, fut in items:
+            if not fut.done():
+                fut.set_exception(error)
+
+    async def _recover(self) -> None:
+        """After a failed write: the commit may or may not have happened (connection lost), and
+        the lease may be gone. Re-take the lease and reload the high-water mark."""
+        assert self._lease is not None
+        try:
+            self._high_water = await self._lease.high_water()
+            return
+        except Exception:
+            pass
+        await self._lease.release()
+        self._lease = None
+        try:
+            self._lease = await self.store.acquire_writer(wait=False)
+            self._high_water = await self._lease.high_water()
+        except SequencerLockedError:
+            raise
+        except Exception as exc:
+            raise SequencerConflictError(f"writer lease lost and not recoverable: {exc}") from exc

@@ -1,0 +1,492 @@
+"""SQLite backend: the embedded default. See ``backfill.store`` for each method's contract.
+
+Each connection lives on its own single thread (``sqlite3`` is blocking); whole operations run
+there, so one await costs one thread hop however many statements it takes. One writer
+connection serialises writes inside this process; WAL mode lets reader connections replay while
+it writes; ``busy_timeout`` covers other processes. The single-writer lease is an exclusive
+``flock`` on ``<db>.writer.lock`` (released by the kernel if the process dies).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import os
+import sqlite3
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+from backfill.errors import MigrationError, SequencerConflictError, SequencerLockedError
+from backfill.migrations import discover, split_sqlite_statements
+from backfill.store import BatchWrite, Store, WriterLease, host_count_deltas, retention_prefix
+from backfill.types import AccountState, HostState, SequencedEvent
+
+T = TypeVar("T")
+
+_ACCOUNT_COLS = "did, host, upstream_status, local_status, rev, commit_cid, data_cid, sync_state, updated_at"
+_HOST_COLS = (
+    "hostname, status, upstream_cursor, account_limit, trusted, rate_limit_per_second, "
+    "rate_limit_per_hour, rate_limit_per_day, last_seen, account_count, created_at"
+)
+_SQL_UPSERT_ACCOUNT_FROM_EVENT = (
+    f"INSERT INTO accounts ({_ACCOUNT_COLS}) VALUES (?,?,?,?,?,?,?,?,?) "
+    "ON CONFLICT (did) DO UPDATE SET host = excluded.host, upstream_status = excluded.upstream_status, "
+    "rev = excluded.rev, commit_cid = excluded.commit_cid, data_cid = excluded.data_cid, "
+    "sync_state = excluded.sync_state, updated_at = excluded.updated_at"
+)
+_SQL_UPDATE_HOST = (
+    "INSERT INTO hosts (hostname, upstream_cursor, last_seen, account_count, created_at) "
+    "VALUES (?, COALESCE(?, 0), ?, ?, ?) ON CONFLICT (hostname) DO UPDATE SET "
+    "upstream_cursor = MAX(upstream_cursor, excluded.upstream_cursor), "
+    "last_seen = COALESCE(excluded.last_seen, last_seen), "
+    "account_count = account_count + excluded.account_count"
+)
+
+
+def _account(row: tuple[Any, ...]) -> AccountState:
+    return AccountState(*row)
+
+
+def _host(row: tuple[Any, ...]) -> HostState:
+    values = list(row)
+    values[4] = bool(values[4])
+    return HostState(*values)
+
+
+class _Conn:
+    """One sqlite3 connection pinned to one thread."""
+
+    def __init__(self, path: str) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlite")
+        self._path = path
+        self.conn: sqlite3.Connection | None = None
+
+    async def open(self) -> None:
+        await self.run(self._open)
+
+    def _open(self) -> None:
+        conn = sqlite3.connect(self._path, isolation_level=None, check_same_thread=False, timeout=30)
+        conn.execute("PRAGMA busy_timeout = 30000")
+        conn.execute("PRAGMA journal_mode = WAL")
+        conn.execute("PRAGMA synchronous = NORMAL")  # durable against process crashes in WAL mode
+        conn.execute("PRAGMA temp_store = MEMORY")
+        conn.execute("PRAGMA cache_size = -32000")
+        self.conn = conn
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, fn, *args)
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(conn, *args)`` on the connection's thread."""
+        return await self.run(lambda: fn(self.conn, *args))
+
+    async def close(self) -> None:
+        def _close() -> None:
+            if self.conn is not None:
+                self.conn.close()
+                self.conn = None
+
+        try:
+            await self.run(_close)
+        finally:
+            self._pool.shutdown(wait=False)
+
+
+class _Tx:
+    """``with _Tx(conn, immediate=True):`` BEGIN … COMMIT/ROLLBACK on an autocommit connection."""
+
+    def __init__(self, conn: sqlite3.Connection, immediate: bool = True) -> None:
+        self.conn = conn
+        self.immediate = immediate
+
+    def __enter__(self) -> sqlite3.Connection:
+        self.conn.execute("BEGIN IMMEDIATE" if self.immediate else "BEGIN")
+        return self.conn
+
+    def __exit__(self, exc_type: object, *_: object) -> None:
+        self.conn.execute("COMMIT" if exc_type is None else "ROLLBACK")
+
+
+def _fetchall(conn: sqlite3.Connection, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    return conn.execute(sql, params).fetchall()
+
+
+def _fetchval(conn: sqlite3.Connection, sql: str, params: tuple[Any, ...] = ()) -> Any:
+    row = conn.execute(sql, params).fetchone()
+    return None if row is None else row[0]
+
+
+class SqliteStore(Store):
+    backend = "sqlite"
+
+    def __init__(self, path: str, writer: _Conn, readers: list[_Conn]) -> None:
+        self.path = path
+        self._writer = writer
+        self._readers = readers
+        self._idle: asyncio.Queue[_Conn] = asyncio.Queue()
+        for reader in readers:
+            self._idle.put_nowait(reader)
+        self._closed = False
+
+    @classmethod
+    async def open(cls, path: str, *, readers: int = 2) -> SqliteStore:
+        parent = Path(path).resolve().parent
+        parent.mkdir(parents=True, exist_ok=True)
+        writer = _Conn(path)
+        await writer.open()
+        conns = [_Conn(path) for _ in range(readers)]
+        for conn in conns:
+            await conn.open()
+        return cls(path, writer, conns)
+
+    async def _read(self, fn: Callable[..., T], *args: Any) -> T:
+        conn = await self._idle.get()
+        try:
+            return await conn.call(fn, *args)
+        finally:
+            self._idle.put_nowait(conn)
+
+    async def _write(self, fn: Callable[..., T], *args: Any) -> T:
+        return await self._writer.call(fn, *args)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    async def migrate(self) -> list[int]:
+        migrations = discover("sqlite")
+
+        def _migrate(conn: sqlite3.Connection) -> list[int]:
+            conn.execute(
+                "CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY,"
+                " name TEXT NOT NULL, applied_at REAL NOT NULL)"
+            )
+            applied: list[int] = []
+            for migration in migrations:
+                # BEGIN IMMEDIATE takes the database write lock: a concurrent runner waits here,
+                # then sees the version recorded and skips it.
+                with _Tx(conn):
+                    if _fetchval(conn, "SELECT 1 FROM schema_migrations WHERE version = ?", (migration.version,)):
+                        continue
+                    try:
+                        for statement in split_sqlite_statements(migration.sql):
+                            conn.execute(statement)
+                    except sqlite3.Error as exc:
+                        raise MigrationError(
+                            f"migration {migration.version:04d}_{migration.name} failed: {exc}"
+                        ) from exc
+                    conn.execute(
+                        "INSERT INTO schema_migrations (version, name, applied_at) VALUES (?, ?, ?)",
+                        (migration.version, migration.name, time.time()),
+                    )
+                applied.append(migration.version)
+            return applied
+
+        return await self._write(_migrate)
+
+    async def applied_migrations(self) -> list[int]:
+        rows = await self._read(_fetchall, "SELECT version FROM schema_migrations ORDER BY version")
+        return [r[0] for r in rows]
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        await self._writer.close()
+        for reader in self._readers:
+            await reader.close()
+
+    async def acquire_writer(self, *, wait: bool = False, timeout: float | None = None) -> WriterLease:
+        lock_path = self.path + ".writer.lock"
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    return _SqliteLease(self, fd)
+                except BlockingIOError:
+                    pass
+                if not wait or (deadline is not None and time.monotonic() >= deadline):
+                    raise SequencerLockedError(
+                        f"another sequencer holds the write lock on {self.path}: only one relay "
+                        f"process may write to a database; stop the other one or point this one elsewhere"
+                    )
+                await asyncio.sleep(0.2)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    # -- events ------------------------------------------------------------------------------
+    async def read_after(self, cursor: int, limit: int = 1000) -> list[SequencedEvent]:
+        rows = await self._read(
+            _fetchall,
+            "SELECT seq, did, kind, time, frame FROM events WHERE seq > ? ORDER BY seq LIMIT ?",
+            (cursor, limit),
+        )
+        return [SequencedEvent(r[0], r[1], r[2], r[3], r[4]) for r in rows]
+
+    async def oldest_seq(self) -> int | None:
+        return await self._read(_fetchval, "SELECT seq FROM events ORDER BY seq LIMIT 1")
+
+    async def latest_seq(self) -> int:
+        return await self._read(_fetchval, "SELECT value FROM relay_meta WHERE key = 'seq_high_water'")
+
+    async def count_events(self) -> int:
+        return await self._read(_fetchval, "SELECT count(*) FROM events")
+
+    async def events_bytes(self) -> int:
+        return await self._read(_fetchval, "SELECT value FROM relay_meta WHERE key = 'events_bytes'")
+
+    async def trim(
+        self,
+        older_than_seconds: float | None = None,
+        max_bytes: int | None = None,
+        batch: int = 2000,
+        *,
+        now: float | None = None,
+    ) -> int:
+        if older_than_seconds is None and max_bytes is None:
+            return 0
+        cutoff = None if older_than_seconds is None else (now or time.time()) - older_than_seconds
+
+        def _trim_batch(conn: sqlite3.Connection) -> int:
+            with _Tx(conn):
+                rows = _fetchall(conn, "SELECT seq, time, length(frame) FROM events ORDER BY seq LIMIT ?", (batch,))
+                if not rows:
+                    conn.execute("UPDATE relay_meta SET value = 0 WHERE key = 'events_bytes'")
+                    return 0
+                excess = 0
+                if max_bytes is not None:
+                    stored = _fetchval(conn, "SELECT value FROM relay_meta WHERE key = 'events_bytes'")
+                    excess = max(0, stored - max_bytes)
+                count, freed = retention_prefix(rows, cutoff, excess)
+                if count:
+                    conn.execute("DELETE FROM events WHERE seq >= ? AND seq <= ?", (rows[0][0], rows[count - 1][0]))
+                    conn.execute(
+                        "UPDATE relay_meta SET value = MAX(0, value - ?) WHERE key = 'events_bytes'", (freed,)
+                    )
+                return count
+
+        total = 0
+        while True:
+            count = await self._write(_trim_batch)
+            total += count
+            if count < batch:
+                return total
+            await asyncio.sleep(0)
+
+    # -- accounts ----------------------------------------------------------------------------
+    async def get_account(self, did: str) -> AccountState | None:
+        rows = await self._read(_fetchall, f"SELECT {_ACCOUNT_COLS} FROM accounts WHERE did = ?", (did,))
+        return _account(rows[0]) if rows else None
+
+    async def get_accounts(self, dids: Iterable[str]) -> dict[str, AccountState]:
+        wanted = list(dict.fromkeys(dids))
+
+        def _get(conn: sqlite3.Connection) -> dict[str, AccountState]:
+            out: dict[str, AccountState] = {}
+            for i in range(0, len(wanted), 500):
+                chunk = wanted[i : i + 500]
+                marks = ",".join("?" * len(chunk))
+                for row in conn.execute(f"SELECT {_ACCOUNT_COLS} FROM accounts WHERE did IN ({marks})", chunk):
+                    out[row[0]] = _account(row)
+            return out
+
+        return await self._read(_get) if wanted else {}
+
+    async def upsert_account(self, state: AccountState) -> None:
+        def _upsert(conn: sqlite3.Connection) -> None:
+            with _Tx(conn):
+                row = conn.execute("SELECT host FROM accounts WHERE did = ?", (state.did,)).fetchone()
+                conn.execute(
+                    f"INSERT INTO accounts ({_ACCOUNT_COLS}) VALUES (?,?,?,?,?,?,?,?,?) "
+                    "ON CONFLICT (did) DO UPDATE SET host = excluded.host, "
+                    "upstream_status = excluded.upstream_status, local_status = excluded.local_status, "
+                    "rev = excluded.rev, commit_cid = excluded.commit_cid, data_cid = excluded.data_cid, "
+                    "sync_state = excluded.sync_state, updated_at = excluded.updated_at",
+                    (
+                        state.did,
+                        state.host,
+                        state.upstream_status,
+                        state.local_status,
+                        state.rev,
+                        state.commit_cid,
+                        state.data_cid,
+                        state.sync_state,
+                        state.updated_at or time.time(),
+                    ),
+                )
+                now = time.time()
+                for host, delta in host_count_deltas(row is not None, row[0] if row else None, state.host).items():
+                    conn.execute(_SQL_UPDATE_HOST, (host, None, None, delta, now))
+
+        await self._write(_upsert)
+
+    async def list_accounts(self, after_did: str | None = None, limit: int = 500) -> list[AccountState]:
+        rows = await self._read(
+            _fetchall,
+            f"SELECT {_ACCOUNT_COLS} FROM accounts WHERE did > ? ORDER BY did LIMIT ?",
+            (after_did or "", limit),
+        )
+        return [_account(r) for r in rows]
+
+    async def accounts_by_sync_state(self, state: str, limit: int = 500) -> list[AccountState]:
+        rows = await self._read(
+            _fetchall,
+            f"SELECT {_ACCOUNT_COLS} FROM accounts WHERE sync_state = ? ORDER BY did LIMIT ?",
+            (state, limit),
+        )
+        return [_account(r) for r in rows]
+
+    async def count_accounts(self, host: str | None = None) -> int:
+        if host is None:
+            return await self._read(_fetchval, "SELECT count(*) FROM accounts")
+        return await self._read(_fetchval, "SELECT count(*) FROM accounts WHERE host = ?", (host,))
+
+    # -- hosts -------------------------------------------------------------------------------
+    async def get_host(self, hostname: str) -> HostState | None:
+        rows = await self._read(_fetchall, f"SELECT {_HOST_COLS} FROM hosts WHERE hostname = ?", (hostname,))
+        return _host(rows[0]) if rows else None
+
+    async def list_hosts(self, after: str | None = None, limit: int = 500) -> list[HostState]:
+        rows = await self._read(
+            _fetchall,
+            f"SELECT {_HOST_COLS} FROM hosts WHERE hostname > ? ORDER BY hostname LIMIT ?",
+            (after or "", limit),
+        )
+        return [_host(r) for r in rows]
+
+    async def upsert_host(self, host: HostState) -> None:
+        def _upsert(conn: sqlite3.Connection) -> None:
+            conn.execute(
+                f"INSERT INTO hosts ({_HOST_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?) "
+                "ON CONFLICT (hostname) DO UPDATE SET status = excluded.status, "
+                "account_limit = excluded.account_limit, trusted = excluded.trusted, "
+                "rate_limit_per_second = excluded.rate_limit_per_second, "
+                "rate_limit_per_hour = excluded.rate_limit_per_hour, "
+                "rate_limit_per_day = excluded.rate_limit_per_day, "
+                "last_seen = COALESCE(excluded.last_seen, last_seen)",
+                (
+                    host.hostname,
+                    host.status,
+                    host.cursor,
+                    host.account_limit,
+                    int(host.trusted),
+                    host.rate_limit_per_second,
+                    host.rate_limit_per_hour,
+                    host.rate_limit_per_day,
+                    host.last_seen,
+                    host.account_count,
+                    host.created_at or time.time(),
+                ),
+            )
+
+        await self._write(_upsert)
+
+    async def _update_one(self, sql: str, params: tuple[Any, ...]) -> bool:
+        return await self._write(lambda conn: conn.execute(sql, params).rowcount == 1)
+
+    async def set_host_status(self, hostname: str, status: str) -> bool:
+        return await self._update_one("UPDATE hosts SET status = ? WHERE hostname = ?", (status, hostname))
+
+    async def host_cursor(self, hostname: str) -> int | None:
+        return await self._read(_fetchval, "SELECT upstream_cursor FROM hosts WHERE hostname = ?", (hostname,))
+
+    async def set_host_cursor(self, hostname: str, cursor: int) -> bool:
+        return await self._update_one("UPDATE hosts SET upstream_cursor = ? WHERE hostname = ?", (cursor, hostname))
+
+    # -- domain bans -------------------------------------------------------------------------
+    async def list_domain_bans(self) -> list[str]:
+        return [r[0] for r in await self._read(_fetchall, "SELECT domain FROM domain_bans ORDER BY domain")]
+
+    async def add_domain_ban(self, domain: str) -> bool:
+        return await self._update_one(
+            "INSERT INTO domain_bans (domain, created_at) VALUES (?, ?) ON CONFLICT DO NOTHING",
+            (domain.strip().lower(), time.time()),
+        )
+
+    async def remove_domain_ban(self, domain: str) -> bool:
+        return await self._update_one("DELETE FROM domain_bans WHERE domain = ?", (domain.strip().lower(),))
+
+
+class _SqliteLease(WriterLease):
+    def __init__(self, store: SqliteStore, fd: int) -> None:
+        self._store = store
+        self._fd: int | None = fd
+
+    async def account_heads(self, dids: Iterable[str]) -> dict[str, tuple[str | None, str | None]]:
+        wanted = list(dids)
+
+        def _heads(conn: sqlite3.Connection) -> dict[str, tuple[str | None, str | None]]:
+            out: dict[str, tuple[str | None, str | None]] = {}
+            for i in range(0, len(wanted), 500):
+                chunk = wanted[i : i + 500]
+                marks = ",".join("?" * len(chunk))
+                for did, host, rev in conn.execute(
+                    f"SELECT did, host, rev FROM accounts WHERE did IN ({marks})", chunk
+                ):
+                    out[did] = (host, rev)
+            return out
+
+        return await self._store._write(_heads) if wanted else {}
+
+    async def high_water(self) -> int:
+        return await self._store._write(_fetchval, "SELECT value FROM relay_meta WHERE key = 'seq_high_water'")
+
+    async def commit_batch(self, batch: BatchWrite) -> None:
+        if self._fd is None:
+            raise SequencerConflictError("writer lease already released")
+
+        def _commit(conn: sqlite3.Connection) -> None:
+            with _Tx(conn):
+                cur = conn.execute(
+                    "UPDATE relay_meta SET value = ? WHERE key = 'seq_high_water' AND value = ?",
+                    (batch.new_high_water, batch.expected_high_water),
+                )
+                if cur.rowcount != 1:
+                    raise SequencerConflictError(
+                        f"seq high-water mark is no longer {batch.expected_high_water}: another writer"
+                    )
+                if batch.events:
+                    conn.executemany(
+                        "INSERT INTO events (seq, did, kind, time, frame) VALUES (?, ?, ?, ?, ?)", batch.events
+                    )
+                    conn.execute(
+                        "UPDATE relay_meta SET value = value + ? WHERE key = 'events_bytes'", (batch.frame_bytes,)
+                    )
+                if batch.accounts:
+                    conn.executemany(
+                        _SQL_UPSERT_ACCOUNT_FROM_EVENT,
+                        [
+                            (
+                                a.did,
+                                a.host,
+                                a.upstream_status,
+                                a.local_status,
+                                a.rev,
+                                a.commit_cid,
+                                a.data_cid,
+                                a.sync_state,
+                                a.updated_at,
+                            )
+                            for a in batch.accounts
+                        ],
+                    )
+                if batch.host_updates:
+                    now = time.time()
+                    conn.executemany(
+                        _SQL_UPDATE_HOST,
+                        [(h, c, s, d, now) for h, (c, s, d) in batch.host_updates.items()],
+                    )
+
+        await self._store._write(_commit)
+
+    async def release(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            finally:
+                os.close(fd)

@@ -1,0 +1,144 @@
+"""Accounts, hosts and domain bans on both backends (the ``store`` fixture is parametrized)."""
+
+from __future__ import annotations
+
+from backfill.store import Store, sqlite_path_from_url
+from backfill.types import AccountState, HostState
+
+
+def acct(did: str, host: str | None = "pds.example", **kw: object) -> AccountState:
+    return AccountState(did=did, host=host, **kw)  # type: ignore[arg-type]
+
+
+async def test_account_roundtrip_and_replace(store: Store) -> None:
+    assert await store.get_account("did:plc:a") is None
+    state = acct("did:plc:a", rev="3kaaaaaaaaaa2", commit_cid="bafyc", data_cid="bafyd", updated_at=12.5)
+    await store.upsert_account(state)
+    assert await store.get_account("did:plc:a") == state
+    state2 = acct("did:plc:a", upstream_status="deactivated", local_status="takendown", sync_state="desynchronized")
+    await store.upsert_account(state2)
+    got = await store.get_account("did:plc:a")
+    assert got is not None
+    assert (got.upstream_status, got.local_status, got.sync_state, got.rev) == (
+        "deactivated",
+        "takendown",
+        "desynchronized",
+        None,
+    )
+    assert got.updated_at > 0  # filled in when the caller left it at 0
+
+
+async def test_get_accounts_many(store: Store) -> None:
+    for i in range(700):  # more than one SQLite parameter chunk
+        await store.upsert_account(acct(f"did:plc:{i:04d}"))
+    got = await store.get_accounts([f"did:plc:{i:04d}" for i in range(0, 1400, 2)])
+    assert sorted(got) == [f"did:plc:{i:04d}" for i in range(0, 700, 2)]
+    assert await store.get_accounts([]) == {}
+
+
+async def test_list_accounts_pages_in_did_order(store: Store) -> None:
+    dids = [f"did:plc:{c}" for c in "qwertyuiopasdfgh"]
+    for did in dids:
+        await store.upsert_account(acct(did))
+    seen: list[str] = []
+    cursor = None
+    for _ in range(20):
+        page = await store.list_accounts(cursor, limit=5)
+        if not page:
+            break
+        seen += [a.did for a in page]
+        cursor = page[-1].did
+    assert seen == sorted(dids)
+
+
+async def test_accounts_by_sync_state_and_counts(store: Store) -> None:
+    await store.upsert_account(acct("did:plc:1", host="a.example", sync_state="desynchronized"))
+    await store.upsert_account(acct("did:plc:2", host="a.example"))
+    await store.upsert_account(acct("did:plc:3", host="b.example", sync_state="desynchronized"))
+    desync = await store.accounts_by_sync_state("desynchronized")
+    assert [a.did for a in desync] == ["did:plc:1", "did:plc:3"]
+    assert [a.did for a in await store.accounts_by_sync_state("desynchronized", limit=1)] == ["did:plc:1"]
+    assert await store.count_accounts() == 3
+    assert await store.count_accounts("a.example") == 2
+    assert await store.count_accounts("nowhere.example") == 0
+
+
+async def test_host_account_count_follows_upserts(store: Store) -> None:
+    await store.upsert_account(acct("did:plc:1", host="a.example"))
+    await store.upsert_account(acct("did:plc:2", host="a.example"))
+    await store.upsert_account(acct("did:plc:2", host="a.example"))  # same host: no change
+    await store.upsert_account(acct("did:plc:1", host="b.example"))  # moved
+    a, b = await store.get_host("a.example"), await store.get_host("b.example")
+    assert a is not None and b is not None
+    assert (a.account_count, b.account_count) == (1, 1)
+
+
+async def test_hosts_crud_and_cursor(store: Store) -> None:
+    host = HostState(
+        "pds.example",
+        account_limit=100,
+        trusted=True,
+        rate_limit_per_second=50,
+        rate_limit_per_hour=1000,
+        rate_limit_per_day=9000,
+        cursor=7,
+    )
+    await store.upsert_host(host)
+    got = await store.get_host("pds.example")
+    assert got is not None
+    assert (got.status, got.cursor, got.account_limit, got.trusted, got.rate_limit_per_second) == (
+        "active",
+        7,
+        100,
+        True,
+        50,
+    )
+    assert (got.rate_limit_per_hour, got.rate_limit_per_day) == (1000, 9000)
+    assert got.created_at > 0
+    # Reconfiguring keeps the cursor (owned by the sequencer).
+    await store.upsert_host(HostState("pds.example", trusted=False, account_limit=5, cursor=0))
+    got = await store.get_host("pds.example")
+    assert got is not None and (got.cursor, got.trusted, got.account_limit) == (7, False, 5)
+    assert await store.host_cursor("pds.example") == 7
+    assert await store.set_host_cursor("pds.example", 3)
+    assert await store.host_cursor("pds.example") == 3
+    assert await store.host_cursor("unknown.example") is None
+    assert not await store.set_host_cursor("unknown.example", 1)
+    assert await store.set_host_status("pds.example", "banned")
+    assert not await store.set_host_status("unknown.example", "banned")
+    got = await store.get_host("pds.example")
+    assert got is not None and got.status == "banned"
+
+
+async def test_list_hosts_paging(store: Store) -> None:
+    names = [f"h{i:02d}.example" for i in range(7)]
+    for name in reversed(names):
+        await store.upsert_host(HostState(name))
+    first = await store.list_hosts(limit=4)
+    rest = await store.list_hosts(after=first[-1].hostname, limit=4)
+    assert [h.hostname for h in first + rest] == names
+
+
+async def test_domain_bans(store: Store) -> None:
+    assert await store.list_domain_bans() == []
+    assert await store.add_domain_ban("Evil.Example")
+    assert not await store.add_domain_ban("evil.example")
+    assert await store.add_domain_ban("bad.example")
+    assert await store.list_domain_bans() == ["bad.example", "evil.example"]
+    assert await store.remove_domain_ban("EVIL.example")
+    assert not await store.remove_domain_ban("evil.example")
+    assert await store.list_domain_bans() == ["bad.example"]
+
+
+async def test_empty_window(store: Store) -> None:
+    assert await store.latest_seq() == 0
+    assert await store.oldest_seq() is None
+    assert await store.read_after(0) == []
+    assert await store.events_bytes() == 0
+
+
+def test_sqlite_url_forms() -> None:
+    assert sqlite_path_from_url(None) == "./data/relay.sqlite"
+    assert sqlite_path_from_url("sqlite:///tmp/x.db") == "/tmp/x.db"
+    assert sqlite_path_from_url("sqlite:rel/x.db") == "rel/x.db"
+    assert sqlite_path_from_url("/abs/x.db") == "/abs/x.db"
