@@ -220,10 +220,13 @@ class SafeClient:
     """An httpx client whose every hop passes the ``AddressGuard``; bodies are size-limited."""
 
     def __init__(self, guard: AddressGuard, *, timeout: float = 10.0, max_redirects: int = 3,
-                 user_agent: str = "atproto-relay (python)") -> None:
+                 user_agent: str = "atproto-relay (python)",
+                 inner_transport: httpx.AsyncBaseTransport | None = None) -> None:
+        """``inner_transport`` replaces the network (tests stand in for the public internet)."""
         self.guard = guard
+        inner = inner_transport or httpx.AsyncHTTPTransport(retries=0)
         self._client = httpx.AsyncClient(
-            transport=_GuardedTransport(guard, httpx.AsyncHTTPTransport(retries=0)),
+            transport=_GuardedTransport(guard, inner),
             timeout=httpx.Timeout(timeout, connect=min(timeout, 5.0)),
             follow_redirects=True,
             max_redirects=max_redirects,

@@ -1,0 +1,244 @@
+"""Admin API under ``/admin/``: ``Authorization: Bearer $RELAY_ADMIN_TOKEN``.
+
+The token is compared in constant time (``hmac.compare_digest``). Without a configured token the
+whole admin API answers 404 ``AdminDisabled``. A missing token answers 401 ``AuthRequired``, a
+wrong one 403 ``InvalidToken``. Bodies are JSON; errors are ``{error, message}``.
+
+| method | path | body / effect |
+| --- | --- | --- |
+| GET | /admin/hosts | ``?cursor&limit`` list hosts (with limits) |
+| POST | /admin/hosts | ``{hostname, account_limit?, trusted?}`` add (skips crawl switch/limit) |
+| POST | /admin/hosts/{hostname}/block · /unblock | ban / re-admit a host |
+| POST | /admin/hosts/{hostname}/limits | ``{account_limit?, trusted?}`` |
+| POST | /admin/hosts/{hostname}/reset-cursor | ``{cursor?: 0}`` resubscribe from there |
+| GET/POST | /admin/domain-bans | list / ``{domain}`` ban (blocks matching hosts) |
+| DELETE | /admin/domain-bans/{domain} | lift a ban |
+| POST | /admin/accounts/{did}/takedown · /reverse-takedown | emits ``#account`` |
+| GET | /admin/accounts/{did} | stored account state |
+| GET | /admin/consumers | connected subscribeRepos consumers |
+| GET/POST | /admin/crawling | ``{enabled}`` public requestCrawl on/off |
+| GET | /admin/audit | recent admin actions |
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Route
+
+from relay.hosts import CrawlRefused
+from relay.xrpc import XrpcError, int_param, invalid
+
+if TYPE_CHECKING:
+    from relay.service import RelayService
+
+
+def _service(request: Request) -> RelayService:
+    return request.app.state.service
+
+
+def check_token(configured: str, header: str | None) -> str:
+    """``ok`` | ``disabled`` | ``missing`` | ``wrong`` for an Authorization header value."""
+    if not configured:
+        return "disabled"
+    if not header:
+        return "missing"
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        return "missing"
+    if hmac.compare_digest(token.strip().encode(), configured.encode()):
+        return "ok"
+    return "wrong"
+
+
+def _authorize(request: Request) -> None:
+    service = _service(request)
+    result = check_token(service.config.admin_token, request.headers.get("authorization"))
+    service.metrics.admin_requests.labels(result=result).inc()
+    if result == "disabled":
+        raise XrpcError(404, "AdminDisabled", "the admin API is off (set RELAY_ADMIN_TOKEN)")
+    if result == "missing":
+        raise XrpcError(401, "AuthRequired", "Authorization: Bearer <RELAY_ADMIN_TOKEN> required")
+    if result == "wrong":
+        raise XrpcError(403, "InvalidToken", "wrong admin token")
+
+
+async def _json(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    if not raw:
+        return {}
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        raise invalid("body is not JSON") from None
+    if not isinstance(body, dict):
+        raise invalid("body must be a JSON object")
+    return body
+
+
+def _opt_int(body: dict[str, Any], key: str) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise invalid(f"{key} must be a non-negative integer")
+    return value
+
+
+def _opt_bool(body: dict[str, Any], key: str) -> bool | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, bool):
+        raise invalid(f"{key} must be true or false")
+    return value
+
+
+def _admin_host_view(service: RelayService, host: Any) -> dict[str, Any]:
+    return {"hostname": host.hostname, "status": host.status, "seq": host.cursor,
+            "accountCount": host.account_count, "accountLimit": service.hosts.account_limit(host),
+            "trusted": service.hosts.is_trusted(host), "lastSeen": host.last_seen,
+            "createdAt": host.created_at}
+
+
+def _admin(handler):  # type: ignore[no-untyped-def]
+    async def wrapped(request: Request) -> Response:
+        _authorize(request)
+        try:
+            return await handler(request, _service(request))
+        except KeyError as exc:
+            raise XrpcError(404, "NotFound", f"unknown {exc.args[0]}") from None
+        except CrawlRefused as exc:
+            raise XrpcError(400, exc.xrpc_error, f"{exc.reason}: {exc.message}") from None
+
+    return wrapped
+
+
+async def list_hosts(request: Request, service: RelayService) -> Response:
+    limit = int_param(request, "limit", default=500, minimum=1, maximum=1000)
+    hosts = await service.store.list_hosts(after=request.query_params.get("cursor"), limit=limit)
+    out: dict[str, Any] = {"hosts": [_admin_host_view(service, h) for h in hosts]}
+    if len(hosts) == limit:
+        out["cursor"] = hosts[-1].hostname
+    return JSONResponse(out)
+
+
+async def add_host(request: Request, service: RelayService) -> Response:
+    body = await _json(request)
+    hostname = body.get("hostname")
+    if not isinstance(hostname, str):
+        raise invalid("hostname required")
+    host = await service.hosts.add_host(hostname, account_limit=_opt_int(body, "account_limit"),
+                                        trusted=bool(_opt_bool(body, "trusted")))
+    return JSONResponse(_admin_host_view(service, host))
+
+
+async def block_host(request: Request, service: RelayService) -> Response:
+    host = await service.hosts.block(request.path_params["hostname"])
+    return JSONResponse(_admin_host_view(service, host))
+
+
+async def unblock_host(request: Request, service: RelayService) -> Response:
+    host = await service.hosts.unblock(request.path_params["hostname"])
+    return JSONResponse(_admin_host_view(service, host))
+
+
+async def set_limits(request: Request, service: RelayService) -> Response:
+    body = await _json(request)
+    host = await service.hosts.set_limits(request.path_params["hostname"],
+                                          account_limit=_opt_int(body, "account_limit"),
+                                          trusted=_opt_bool(body, "trusted"))
+    return JSONResponse(_admin_host_view(service, host))
+
+
+async def reset_cursor(request: Request, service: RelayService) -> Response:
+    body = await _json(request)
+    cursor = _opt_int(body, "cursor") or 0
+    host = await service.hosts.reset_cursor(request.path_params["hostname"], cursor)
+    return JSONResponse(_admin_host_view(service, host))
+
+
+async def domain_bans(request: Request, service: RelayService) -> Response:
+    if request.method == "POST":
+        body = await _json(request)
+        domain = body.get("domain")
+        if not isinstance(domain, str):
+            raise invalid("domain required")
+        blocked = await service.hosts.ban_domain(domain)
+        return JSONResponse({"domain": domain.strip().lower().strip("."), "blockedHosts": blocked})
+    return JSONResponse({"domains": await service.store.list_domain_bans()})
+
+
+async def remove_domain_ban(request: Request, service: RelayService) -> Response:
+    removed = await service.hosts.unban_domain(request.path_params["domain"])
+    if not removed:
+        raise KeyError(request.path_params["domain"])
+    return JSONResponse({"removed": True})
+
+
+def _account_view(state: Any) -> dict[str, Any]:
+    return {"did": state.did, "host": state.host, "upstreamStatus": state.upstream_status,
+            "localStatus": state.local_status, "status": state.combined_status, "rev": state.rev,
+            "head": state.commit_cid, "syncState": state.sync_state}
+
+
+async def get_account(request: Request, service: RelayService) -> Response:
+    state = await service.store.get_account(request.path_params["did"])
+    if state is None:
+        raise KeyError(request.path_params["did"])
+    return JSONResponse(_account_view(state))
+
+
+async def takedown(request: Request, service: RelayService) -> Response:
+    state = await service.set_local_status(request.path_params["did"], "takendown")
+    return JSONResponse(_account_view(state))
+
+
+async def reverse_takedown(request: Request, service: RelayService) -> Response:
+    state = await service.set_local_status(request.path_params["did"], "active")
+    return JSONResponse(_account_view(state))
+
+
+async def consumers(request: Request, service: RelayService) -> Response:
+    return JSONResponse({"consumers": service.consumers.list()})
+
+
+async def crawling(request: Request, service: RelayService) -> Response:
+    if request.method == "POST":
+        enabled = _opt_bool(await _json(request), "enabled")
+        if enabled is None:
+            raise invalid("enabled (true/false) required")
+        await service.hosts.set_crawling(enabled)
+    return JSONResponse({"enabled": service.hosts.crawling_enabled})
+
+
+async def audit(request: Request, service: RelayService) -> Response:
+    return JSONResponse({"actions": service.hosts.audit[-200:]})
+
+
+def admin_routes() -> list[BaseRoute]:
+    return [
+        Route("/admin/hosts", _admin(list_hosts), methods=["GET"]),
+        Route("/admin/hosts", _admin(add_host), methods=["POST"]),
+        Route("/admin/hosts/{hostname}/block", _admin(block_host), methods=["POST"]),
+        Route("/admin/hosts/{hostname}/unblock", _admin(unblock_host), methods=["POST"]),
+        Route("/admin/hosts/{hostname}/limits", _admin(set_limits), methods=["POST"]),
+        Route("/admin/hosts/{hostname}/reset-cursor", _admin(reset_cursor), methods=["POST"]),
+        Route("/admin/domain-bans", _admin(domain_bans), methods=["GET", "POST"]),
+        Route("/admin/domain-bans/{domain}", _admin(remove_domain_ban), methods=["DELETE"]),
+        Route("/admin/accounts/{did}", _admin(get_account), methods=["GET"]),
+        Route("/admin/accounts/{did}/takedown", _admin(takedown), methods=["POST"]),
+        Route("/admin/accounts/{did}/reverse-takedown", _admin(reverse_takedown), methods=["POST"]),
+        Route("/admin/consumers", _admin(consumers), methods=["GET"]),
+        Route("/admin/crawling", _admin(crawling), methods=["GET", "POST"]),
+        Route("/admin/audit", _admin(audit), methods=["GET"]),
+        Route("/admin/{rest:path}", _admin(_unknown), methods=["GET", "POST", "DELETE"]),
+    ]
+
+
+async def _unknown(request: Request, service: RelayService) -> Response:
+    raise XrpcError(404, "NotFound", f"no admin endpoint {request.url.path}")

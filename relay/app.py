@@ -1,0 +1,225 @@
+"""The relay's HTTP surface: public XRPC (com.atproto.sync.*), health, metrics and the admin API.
+
+``build_app(service)`` returns a Starlette app over a running ``relay.service.RelayService``.
+Public endpoints follow the Lexicons in ``lexicons/com/atproto/sync/`` exactly; errors are
+``{"error", "message"}`` with the Lexicon's error names. The admin API lives in ``relay.admin``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import TYPE_CHECKING
+from urllib.parse import urlencode
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, RedirectResponse, Response
+from starlette.routing import BaseRoute, Route
+
+from backfill.types import AccountState, HostState
+from relay.accounts import reported_status
+from relay.admin import admin_routes
+from relay.hosts import CrawlRefused, host_base_url
+from relay.metrics import CONTENT_TYPE_LATEST
+from relay.xrpc import XrpcError, did_param, int_param, invalid, param
+
+if TYPE_CHECKING:
+    from relay.service import RelayService
+
+log = logging.getLogger("relay.app")
+
+NSID = "com.atproto.sync."
+#: getLatestCommit / getRepo errors for inactive accounts (Lexicon error names).
+_INACTIVE_ERRORS = {
+    "takendown": "RepoTakendown",
+    "suspended": "RepoSuspended",
+    "deactivated": "RepoDeactivated",
+    "deleted": "RepoNotFound",
+}
+
+
+def host_view(host: HostState) -> dict[str, object]:
+    """``com.atproto.sync.listHosts#host`` / getHostStatus output."""
+    return {"hostname": host.hostname, "seq": host.cursor, "accountCount": host.account_count,
+            "status": host.status}
+
+
+def _service(request: Request) -> RelayService:
+    return request.app.state.service
+
+
+async def _account(request: Request, did: str) -> AccountState:
+    state = await _service(request).store.get_account(did)
+    if state is None:
+        raise XrpcError(400, "RepoNotFound", f"no repository for {did}")
+    return state
+
+
+def _refuse_inactive(state: AccountState) -> None:
+    status = state.combined_status
+    if status != "active":
+        raise XrpcError(400, _INACTIVE_ERRORS.get(status, "RepoNotFound"), f"repository is {status}")
+
+
+async def list_hosts(request: Request) -> Response:
+    limit = int_param(request, "limit", default=200, minimum=1, maximum=1000)
+    cursor = param(request, "cursor")
+    hosts = await _service(request).store.list_hosts(after=cursor, limit=limit)
+    out: dict[str, object] = {"hosts": [host_view(h) for h in hosts]}
+    if len(hosts) == limit:
+        out["cursor"] = hosts[-1].hostname
+    return JSONResponse(out)
+
+
+async def get_host_status(request: Request) -> Response:
+    hostname = (param(request, "hostname", required=True) or "").lower()
+    host = await _service(request).store.get_host(hostname)
+    if host is None:
+        raise XrpcError(400, "HostNotFound", f"unknown host {hostname}")
+    return JSONResponse(host_view(host))
+
+
+async def list_repos(request: Request) -> Response:
+    limit = int_param(request, "limit", default=500, minimum=1, maximum=1000)
+    cursor = param(request, "cursor")
+    store = _service(request).store
+    accounts = await store.list_accounts(after_did=cursor, limit=limit)
+    repos = []
+    for state in accounts:
+        if not state.commit_cid or not state.rev:
+            continue  # nothing to report for an account we have never seen a commit of
+        status = reported_status(state)
+        repo: dict[str, object] = {"did": state.did, "head": state.commit_cid, "rev": state.rev,
+                                   "active": status == "active"}
+        if status != "active":
+            repo["status"] = status
+        repos.append(repo)
+    out: dict[str, object] = {"repos": repos}
+    if len(accounts) == limit:
+        out["cursor"] = accounts[-1].did
+    return JSONResponse(out)
+
+
+async def get_repo_status(request: Request) -> Response:
+    did = did_param(request)
+    state = await _account(request, did)
+    status = reported_status(state)
+    out: dict[str, object] = {"did": did, "active": status == "active"}
+    if status != "active":
+        out["status"] = status
+    elif state.rev:
+        out["rev"] = state.rev
+    return JSONResponse(out)
+
+
+async def get_latest_commit(request: Request) -> Response:
+    did = did_param(request)
+    state = await _account(request, did)
+    _refuse_inactive(state)
+    if not state.commit_cid or not state.rev:
+        raise XrpcError(400, "RepoNotFound", f"no commit known for {did}")
+    return JSONResponse({"cid": state.commit_cid, "rev": state.rev})
+
+
+async def get_repo(request: Request) -> Response:
+    """Relays do not serve repositories: redirect to the account's PDS."""
+    did = did_param(request)
+    since = param(request, "since")
+    service = _service(request)
+    state = await _account(request, did)
+    _refuse_inactive(state)
+    pds = None
+    try:
+        pds = (await service.identity.resolve(did)).pds
+    except Exception as exc:  # identity failures fall back to the host the account streams from
+        log.info("getRepo identity lookup failed", extra={"fields": {"did": did, "error": str(exc)}})
+    if not pds and state.host:
+        pds = host_base_url(state.host, insecure=service.config.allow_insecure_hosts)
+    if not pds:
+        raise XrpcError(400, "RepoNotFound", f"no PDS known for {did}")
+    query = {"did": did, **({"since": since} if since else {})}
+    return RedirectResponse(f"{pds.rstrip('/')}/xrpc/com.atproto.sync.getRepo?{urlencode(query)}",
+                            status_code=302)
+
+
+async def request_crawl(request: Request) -> Response:
+    if request.method != "POST":
+        raise XrpcError(405, "InvalidRequest", "requestCrawl is a procedure: use POST")
+    try:
+        body = json.loads(await request.body() or b"{}")
+    except ValueError:
+        raise invalid("request body is not JSON") from None
+    hostname = body.get("hostname") if isinstance(body, dict) else None
+    if not isinstance(hostname, str) or not hostname:
+        raise invalid("missing required field 'hostname'")
+    try:
+        await _service(request).hosts.request_crawl(hostname)
+    except CrawlRefused as exc:
+        raise XrpcError(400, exc.xrpc_error, f"{exc.reason}: {exc.message}") from None
+    return JSONResponse({})
+
+
+async def health(request: Request) -> Response:
+    service = _service(request)
+    try:
+        seq = await service.store.latest_seq()
+    except Exception as exc:  # the database is the one dependency health reports on
+        return JSONResponse({"status": "error", "error": type(exc).__name__}, status_code=503)
+    return JSONResponse({"status": "ok", "version": service.version, "seq": seq, "role": service.role})
+
+
+async def metrics(request: Request) -> Response:
+    service = _service(request)
+    await service.refresh_gauges()
+    return Response(service.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+async def not_implemented(request: Request) -> Response:
+    method = request.path_params.get("method", "")
+    raise XrpcError(501, "MethodNotImplemented", f"{method} is not implemented by this relay")
+
+
+async def root(request: Request) -> Response:
+    return PlainTextResponse(
+        "This is an AT Protocol relay.\n"
+        "Stream: ws(s)://<this host>/xrpc/com.atproto.sync.subscribeRepos\n"
+        "Hosts:  /xrpc/com.atproto.sync.listHosts\n")
+
+
+def _xrpc_route(name: str, endpoint, methods: tuple[str, ...] = ("GET", "HEAD")) -> Route:  # type: ignore[no-untyped-def]
+    return Route(f"/xrpc/{NSID}{name}", endpoint, methods=list(methods))
+
+
+async def _xrpc_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, XrpcError)
+    return exc.response()
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error", exc_info=exc)
+    return JSONResponse({"error": "InternalServerError", "message": "internal error"}, status_code=500)
+
+
+def build_app(service: RelayService) -> Starlette:
+    """The Starlette app. Fan-out-only processes skip requestCrawl/admin (ingest owns them)."""
+    routes: list[BaseRoute] = [Route("/", root), Route("/_health", health), Route("/metrics", metrics)]
+    routes += service.subscribe_routes()
+    routes += [
+        _xrpc_route("listHosts", list_hosts),
+        _xrpc_route("getHostStatus", get_host_status),
+        _xrpc_route("listRepos", list_repos),
+        _xrpc_route("getRepoStatus", get_repo_status),
+        _xrpc_route("getLatestCommit", get_latest_commit),
+        _xrpc_route("getRepo", get_repo),
+    ]
+    if service.hosts is not None:
+        routes.append(_xrpc_route("requestCrawl", request_crawl, ("POST", "GET")))
+        routes += admin_routes()
+    routes.append(Route("/xrpc/{method}", not_implemented, methods=["GET", "POST"]))
+    app = Starlette(routes=routes, exception_handlers={XrpcError: _xrpc_error, Exception: _server_error})
+    app.state.service = service
+    return app
+
+
+__all__ = ["build_app", "host_view"]

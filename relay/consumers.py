@@ -1,0 +1,93 @@
+"""Connected ``subscribeRepos`` consumers: a registry for the admin API and the metrics.
+
+``ConsumerTracking`` wraps the firehose package's ASGI WebSocket endpoint: it records each
+connection (remote address, user agent, cursor, connect time) while it is open and counts the
+bytes sent to it. It never touches the frames themselves.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from relay.metrics import RelayMetrics
+
+
+@dataclass(slots=True)
+class ConsumerInfo:
+    id: int
+    remote: str
+    user_agent: str
+    cursor: str | None
+    connected_at: float
+    frames_sent: int = 0
+    bytes_sent: int = 0
+
+    def view(self) -> dict[str, Any]:
+        return {"id": self.id, "remote": self.remote, "userAgent": self.user_agent, "cursor": self.cursor,
+                "connectedAt": self.connected_at, "framesSent": self.frames_sent, "bytesSent": self.bytes_sent}
+
+
+class ConsumerRegistry:
+    """Currently connected consumers."""
+
+    def __init__(self, metrics: RelayMetrics) -> None:
+        self.metrics = metrics
+        self._ids = itertools.count(1)
+        self._open: dict[int, ConsumerInfo] = {}
+
+    def open(self, remote: str, user_agent: str, cursor: str | None) -> ConsumerInfo:
+        info = ConsumerInfo(next(self._ids), remote, user_agent, cursor, time.time())
+        self._open[info.id] = info
+        self.metrics.consumers.set(len(self._open))
+        return info
+
+    def close(self, info: ConsumerInfo) -> None:
+        self._open.pop(info.id, None)
+        self.metrics.consumers.set(len(self._open))
+
+    def list(self) -> list[dict[str, Any]]:
+        return [c.view() for c in self._open.values()]
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+
+class ConsumerTracking:
+    """ASGI middleware around the subscribeRepos WebSocket endpoint."""
+
+    def __init__(self, app: ASGIApp, registry: ConsumerRegistry) -> None:
+        self.app = app
+        self.registry = registry
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "websocket":
+            await self.app(scope, receive, send)
+            return
+        client = scope.get("client") or ("?", 0)
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        query = scope.get("query_string", b"").decode("latin-1")
+        cursor = next((p.split("=", 1)[1] for p in query.split("&") if p.startswith("cursor=")), None)
+        info: ConsumerInfo | None = None
+        metrics = self.registry.metrics
+
+        async def tracked_send(message: Message) -> None:
+            nonlocal info
+            if message["type"] == "websocket.accept" and info is None:
+                info = self.registry.open(f"{client[0]}:{client[1]}", headers.get("user-agent", ""), cursor)
+            elif message["type"] == "websocket.send" and info is not None:
+                size = len(message.get("bytes") or b"") + len((message.get("text") or "").encode())
+                info.frames_sent += 1
+                info.bytes_sent += size
+                metrics.bytes_out.inc(size)
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked_send)
+        finally:
+            if info is not None:
+                self.registry.close(info)

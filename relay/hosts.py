@@ -1,0 +1,298 @@
+"""Upstream hosts: requestCrawl admission, admin host operations, statuses and account limits.
+
+Admission of a public ``requestCrawl`` (in this order; each refusal has a snake_case reason):
+crawling enabled → hostname syntax (``relay.ssrf.normalize_hostname``) → domain bans (every
+parent suffix) → already known (banned → ``HostBanned``; otherwise resubscribe) → new-hosts-per-day
+limit → every resolved address public (unless insecure) → ``describeServer`` probe (SSRF-checked,
+redirects re-checked) → stored as ``active`` and a subscriber is started.
+
+Host statuses and their transitions (``com.atproto.sync.defs#hostStatus``):
+
+* ``active``    — subscribed and connected (set on admission, unblock, and every successful connect);
+* ``idle``      — connected but no frames for ``idle_after`` seconds (back to active on a frame);
+* ``offline``   — the connection keeps failing (``offline_after`` consecutive failures); the
+                  subscriber keeps retrying with backoff and a connect makes it active again;
+* ``throttled`` — more accounts than the host's limit: the extra accounts are held (not dropped)
+                  as ``throttled`` and resynchronized when the limit is raised;
+* ``banned``    — blocked by an operator or a domain ban: no subscriber, ``requestCrawl`` refused.
+
+Account limits: trusted domains (``RELAY_TRUSTED_DOMAINS``, suffix match) and hosts marked
+trusted are unlimited; others get their own ``account_limit`` or ``RELAY_DEFAULT_ACCOUNT_LIMIT``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httpx
+
+from backfill.store import Store
+from backfill.types import HostState
+from relay.config import RelayConfig
+from relay.jsonlog import fields
+from relay.metrics import RelayMetrics
+from relay.ssrf import AddressGuard, SafeClient, SSRFError, normalize_hostname, split_host_port
+
+log = logging.getLogger("relay.hosts")
+
+HOST_STATUSES = ("active", "idle", "offline", "throttled", "banned")
+
+
+class CrawlRefused(Exception):
+    """``requestCrawl``/add refused. ``reason`` is snake_case; ``xrpc_error`` the Lexicon name."""
+
+    def __init__(self, reason: str, message: str, xrpc_error: str = "InvalidRequest") -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+        self.xrpc_error = xrpc_error
+
+
+def domain_suffixes(hostname: str) -> list[str]:
+    """``a.b.example.com:443`` → ``[a.b.example.com, b.example.com, example.com, com]``."""
+    name, _ = split_host_port(hostname)
+    labels = name.lower().rstrip(".").split(".")
+    return [".".join(labels[i:]) for i in range(len(labels))]
+
+
+def matches_domain(hostname: str, domains: set[str] | tuple[str, ...] | list[str]) -> bool:
+    """True when ``hostname`` or any parent domain of it is in ``domains``."""
+    wanted = {d.lower().strip(".") for d in domains}
+    return any(s in wanted for s in domain_suffixes(hostname))
+
+
+def host_base_url(hostname: str, *, insecure: bool, websocket: bool = False) -> str:
+    """The URL of a host: https/wss, or http/ws for ``host:port``/IP/localhost in insecure mode."""
+    name, port = split_host_port(hostname)
+    plain = insecure and (port is not None or name in ("localhost",) or name.replace(".", "").isdigit()
+                          or ":" in name)
+    if websocket:
+        return f"{'ws' if plain else 'wss'}://{hostname}"
+    return f"{'http' if plain else 'https'}://{hostname}"
+
+
+StartHost = Callable[[HostState], Awaitable[None]]
+StopHost = Callable[[str], Awaitable[None]]
+LimitRaised = Callable[[str], Awaitable[None]]
+
+
+class HostManager:
+    """Admits, lists and changes hosts; asks the ingest side to start/stop subscribers."""
+
+    def __init__(self, *, store: Store, config: RelayConfig, metrics: RelayMetrics, guard: AddressGuard,
+                 safe: SafeClient, start_host: StartHost | None = None, stop_host: StopHost | None = None,
+                 limit_raised: LimitRaised | None = None) -> None:
+        self.store = store
+        self.config = config
+        self.metrics = metrics
+        self.guard = guard
+        self.safe = safe
+        self.start_host = start_host
+        self.stop_host = stop_host
+        self.limit_raised = limit_raised
+        self.crawling_enabled = config.crawling_enabled
+        self._admitted: list[float] = []  # times of public admissions (new-hosts-per-day window)
+        self.audit: list[dict[str, Any]] = []
+
+    # -- policy ---------------------------------------------------------------------------
+    def is_trusted(self, host: HostState) -> bool:
+        return host.trusted or matches_domain(host.hostname, self.config.trusted_domains)
+
+    def account_limit(self, host: HostState) -> int | None:
+        """Accounts allowed on ``host`` (None = unlimited)."""
+        if self.is_trusted(host):
+            return None
+        return host.account_limit if host.account_limit is not None else self.config.default_account_limit
+
+    async def is_domain_banned(self, hostname: str) -> bool:
+        return matches_domain(hostname, await self.store.list_domain_bans())
+
+    def _record(self, action: str, target: str, **detail: object) -> None:
+        entry = {"time": time.time(), "action": action, "target": target, "detail": detail}
+        self.audit.append(entry)
+        del self.audit[:-1000]
+        log.info("admin action", extra=fields(action=action, target=target, detail=json.dumps(detail)))
+
+    # -- admission ------------------------------------------------------------------------
+    async def request_crawl(self, raw_hostname: str) -> HostState:
+        """Public ``requestCrawl``. Raises ``CrawlRefused``."""
+        try:
+            host = await self._admit(raw_hostname, public=True)
+        except CrawlRefused as exc:
+            self.metrics.crawl_requests.labels(result=exc.reason).inc()
+            log.info("requestCrawl refused", extra=fields(hostname=raw_hostname[:300], reason=exc.reason))
+            raise
+        self.metrics.crawl_requests.labels(result="accepted").inc()
+        return host
+
+    async def add_host(self, raw_hostname: str, *, account_limit: int | None = None,
+                       trusted: bool = False) -> HostState:
+        """Operator add: skips the crawling switch and the daily limit, not the safety checks."""
+        host = await self._admit(raw_hostname, public=False, account_limit=account_limit, trusted=trusted)
+        self._record("add_host", host.hostname, account_limit=account_limit, trusted=trusted)
+        return host
+
+    async def _admit(self, raw_hostname: str, *, public: bool, account_limit: int | None = None,
+                     trusted: bool = False) -> HostState:
+        if public and not self.crawling_enabled:
+            raise CrawlRefused("crawling_disabled", "this relay is not accepting new hosts right now")
+        insecure = self.config.allow_insecure_hosts
+        try:
+            hostname = normalize_hostname(raw_hostname, allow_insecure=insecure)
+        except SSRFError as exc:
+            raise CrawlRefused(exc.reason, str(exc)) from None
+        if await self.is_domain_banned(hostname):
+            raise CrawlRefused("domain_banned", f"{hostname} is banned", "HostBanned")
+        existing = await self.store.get_host(hostname)
+        if existing is not None:
+            if existing.status == "banned":
+                raise CrawlRefused("host_banned", f"{hostname} is banned", "HostBanned")
+            if not public:
+                changed = False
+                if account_limit is not None and existing.account_limit != account_limit:
+                    existing.account_limit, changed = account_limit, True
+                if trusted and not existing.trusted:
+                    existing.trusted, changed = True, True
+                if changed:
+                    await self.store.upsert_host(existing)
+            if self.start_host is not None:
+                await self.start_host(existing)
+            return existing
+        if public:
+            now = time.time()
+            self._admitted = [t for t in self._admitted if t > now - 86400]
+            if len(self._admitted) >= self.config.new_hosts_per_day:
+                raise CrawlRefused("new_host_limit", "too many new hosts today; try again later")
+        name, _ = split_host_port(hostname)
+        try:
+            await self.guard.check_host(name)
+        except SSRFError as exc:
+            raise CrawlRefused(exc.reason, str(exc)) from None
+        await self._probe(hostname)
+        host = HostState(hostname=hostname, status="active", account_limit=account_limit, trusted=trusted,
+                         created_at=time.time())
+        await self.store.upsert_host(host)
+        if public:
+            self._admitted.append(time.time())
+        log.info("host added", extra=fields(hostname=hostname, public=public))
+        stored = await self.store.get_host(hostname) or host
+        if self.start_host is not None:
+            await self.start_host(stored)
+        return stored
+
+    async def _probe(self, hostname: str) -> None:
+        """``describeServer`` must answer 200 with a JSON object naming the server's DID."""
+        url = host_base_url(hostname, insecure=self.config.allow_insecure_hosts)
+        try:
+            status, body, _ = await self.safe.get(f"{url}/xrpc/com.atproto.server.describeServer",
+                                                  max_bytes=256 * 1024)
+        except SSRFError as exc:
+            raise CrawlRefused(exc.reason, f"describeServer: {exc}") from None
+        except httpx.HTTPError as exc:
+            raise CrawlRefused("host_unreachable", f"describeServer failed: {type(exc).__name__}") from None
+        if status != 200:
+            raise CrawlRefused("describe_server_failed", f"describeServer answered HTTP {status}")
+        try:
+            doc = json.loads(body)
+        except ValueError:
+            doc = None
+        if not isinstance(doc, dict) or not isinstance(doc.get("did"), str):
+            raise CrawlRefused("describe_server_failed", "describeServer did not return a server DID")
+
+    # -- operator changes -----------------------------------------------------------------
+    async def _require(self, hostname: str) -> HostState:
+        host = await self.store.get_host(hostname.lower())
+        if host is None:
+            raise KeyError(hostname)
+        return host
+
+    async def block(self, hostname: str) -> HostState:
+        host = await self._require(hostname)
+        await self.store.set_host_status(host.hostname, "banned")
+        if self.stop_host is not None:
+            await self.stop_host(host.hostname)
+        self._record("block_host", host.hostname)
+        return await self._require(host.hostname)
+
+    async def unblock(self, hostname: str) -> HostState:
+        host = await self._require(hostname)
+        await self.store.set_host_status(host.hostname, "active")
+        self._record("unblock_host", host.hostname)
+        host = await self._require(host.hostname)
+        if self.start_host is not None:
+            await self.start_host(host)
+        return host
+
+    async def set_limits(self, hostname: str, *, account_limit: int | None = None,
+                         trusted: bool | None = None) -> HostState:
+        """Change a host's account limit / trust; raising it releases throttled accounts."""
+        host = await self._require(hostname)
+        before = self.account_limit(host)
+        if account_limit is not None:
+            host.account_limit = account_limit
+        if trusted is not None:
+            host.trusted = trusted
+        await self.store.upsert_host(host)
+        after = self.account_limit(host)
+        self._record("set_limits", host.hostname, account_limit=account_limit, trusted=trusted)
+        raised = after is None or (before is not None and after > before)
+        if raised and self.limit_raised is not None:
+            await self.limit_raised(host.hostname)
+        return await self._require(host.hostname)
+
+    async def reset_cursor(self, hostname: str, cursor: int = 0) -> HostState:
+        host = await self._require(hostname)
+        if self.stop_host is not None:
+            await self.stop_host(host.hostname)
+        await self.store.set_host_cursor(host.hostname, cursor)
+        self._record("reset_cursor", host.hostname, cursor=cursor)
+        host = await self._require(host.hostname)
+        if host.status != "banned" and self.start_host is not None:
+            await self.start_host(host)
+        return host
+
+    async def ban_domain(self, domain: str) -> list[str]:
+        """Ban ``domain`` and block every known host under it; returns the hosts blocked."""
+        domain = domain.strip().lower().strip(".")
+        if not domain or " " in domain or "/" in domain:
+            raise CrawlRefused("bad_domain", "not a domain")
+        await self.store.add_domain_ban(domain)
+        blocked: list[str] = []
+        after: str | None = None
+        while True:
+            page = await self.store.list_hosts(after=after, limit=500)
+            for host in page:
+                if matches_domain(host.hostname, [domain]) and host.status != "banned":
+                    await self.block(host.hostname)
+                    blocked.append(host.hostname)
+            if len(page) < 500:
+                break
+            after = page[-1].hostname
+        self._record("ban_domain", domain, blocked=blocked)
+        return blocked
+
+    async def unban_domain(self, domain: str) -> bool:
+        removed = await self.store.remove_domain_ban(domain.strip().lower().strip("."))
+        self._record("unban_domain", domain)
+        return removed
+
+    async def set_crawling(self, enabled: bool) -> None:
+        self.crawling_enabled = enabled
+        self._record("set_crawling", "relay", enabled=enabled)
+
+    async def refresh_status_gauge(self) -> None:
+        counts = dict.fromkeys(HOST_STATUSES, 0)
+        after: str | None = None
+        while True:
+            page = await self.store.list_hosts(after=after, limit=500)
+            for host in page:
+                counts[host.status] = counts.get(host.status, 0) + 1
+            if len(page) < 500:
+                break
+            after = page[-1].hostname
+        for status, n in counts.items():
+            self.metrics.hosts.labels(status=status).set(n)

@@ -1,0 +1,162 @@
+"""Configuration parsing and the SSRF guard."""
+
+from __future__ import annotations
+
+import argparse
+
+import httpx
+import pytest
+
+from relay.config import SETTINGS, ConfigError, RelayConfig, add_arguments
+from relay.ssrf import (
+    AddressGuard,
+    SafeClient,
+    SSRFError,
+    is_public_address,
+    normalize_hostname,
+    static_resolver,
+)
+
+
+def test_defaults_match_the_issue() -> None:
+    c = RelayConfig.from_env({})
+    assert c.bind == "127.0.0.1:2470" and (c.host, c.port) == ("127.0.0.1", 2470)
+    assert c.plc_url == "https://plc.directory"
+    assert c.replay_window == 72 * 3600
+    assert c.admin_token == "" and c.allow_insecure_hosts is False
+    assert not c.uses_postgres
+
+
+def test_env_names_are_fixed_and_parsed() -> None:
+    env = {
+        "RELAY_DATABASE_URL": "postgresql://postgres@127.0.0.1/test",
+        "RELAY_BIND": "0.0.0.0:9000",
+        "RELAY_PLC_URL": "http://127.0.0.1:1",
+        "RELAY_ADMIN_TOKEN": "s3cret",
+        "RELAY_ALLOW_INSECURE_HOSTS": "true",
+        "RELAY_REPLAY_WINDOW": "30m",
+        "RELAY_TRUSTED_DOMAINS": "host.bsky.network, Example.COM.",
+        "RELAY_DEFAULT_ACCOUNT_LIMIT": "7",
+        "RELAY_REDIS_URL": "redis://127.0.0.1:6379/15",
+    }
+    c = RelayConfig.from_env(env)
+    assert c.uses_postgres and c.port == 9000 and c.admin_token == "s3cret"
+    assert c.allow_insecure_hosts is True and c.replay_window == 1800
+    assert c.trusted_domains == ("host.bsky.network", "example.com")
+    assert c.default_account_limit == 7 and c.redis_url.startswith("redis://")
+    assert "s3cret" not in str(c.describe())
+
+
+def test_flags_override_environment() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    ns = parser.parse_args(["--bind", "127.0.0.1:0", "--replay-window", "3d"])
+    c = RelayConfig.from_args(ns, {"RELAY_BIND": "127.0.0.1:5", "RELAY_ADMIN_TOKEN": "t"})
+    assert c.port == 0 and c.replay_window == 3 * 86400 and c.admin_token == "t"
+    assert {s.env for s in SETTINGS} >= {"RELAY_DATABASE_URL", "RELAY_BIND", "RELAY_PLC_URL"}
+
+
+@pytest.mark.parametrize("env,reason", [
+    ({"RELAY_BIND": "nope"}, "bad_bind"),
+    ({"RELAY_ALLOW_INSECURE_HOSTS": "maybe"}, "bad_bool"),
+    ({"RELAY_REPLAY_WINDOW": "forever"}, "bad_duration"),
+    ({"RELAY_DEFAULT_ACCOUNT_LIMIT": "-1"}, "bad_int"),
+])
+def test_bad_settings_are_typed(env: dict[str, str], reason: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        RelayConfig.from_env(env)
+    assert err.value.reason == reason
+
+
+@pytest.mark.parametrize("raw,expected", [
+    ("pds.example.com", "pds.example.com"),
+    ("PDS.Example.com.", "pds.example.com"),
+    ("https://pds.example.com/", "pds.example.com"),
+    ("wss://pds.example.com", "pds.example.com"),
+])
+def test_hostnames_normalized(raw: str, expected: str) -> None:
+    assert normalize_hostname(raw) == expected
+
+
+@pytest.mark.parametrize("raw,reason", [
+    ("localhost", "non_public_address"),
+    ("10.0.0.1", "ip_literal"),
+    ("169.254.169.254", "ip_literal"),
+    ("pds.example.com:8080", "port_not_allowed"),
+    ("http://pds.example.com", "insecure_scheme"),
+    ("https://pds.example.com/path", "bad_hostname"),
+    ("single", "bad_hostname"),
+    ("bad_name.example.com", "bad_hostname"),
+    ("", "bad_hostname"),
+])
+def test_hostnames_refused(raw: str, reason: str) -> None:
+    with pytest.raises(SSRFError) as err:
+        normalize_hostname(raw)
+    assert err.value.reason == reason
+
+
+def test_insecure_mode_allows_local_names() -> None:
+    assert normalize_hostname("127.0.0.1:2583", allow_insecure=True) == "127.0.0.1:2583"
+    assert normalize_hostname("localhost", allow_insecure=True) == "localhost"
+    assert normalize_hostname("http://localhost:80", allow_insecure=True) == "localhost:80"
+
+
+@pytest.mark.parametrize("addr,public", [
+    ("8.8.8.8", True), ("2606:4700::1111", True),
+    ("127.0.0.1", False), ("10.1.2.3", False), ("172.16.0.1", False), ("192.168.1.1", False),
+    ("169.254.169.254", False), ("100.64.0.1", False), ("0.0.0.0", False), ("224.0.0.1", False),
+    ("::1", False), ("fe80::1", False), ("fc00::1", False), ("::ffff:127.0.0.1", False),
+])
+def test_public_address_classification(addr: str, public: bool) -> None:
+    assert is_public_address(addr) is public
+
+
+async def test_guard_refuses_names_resolving_to_loopback() -> None:
+    guard = AddressGuard(resolver=static_resolver({"evil.example.com": ["127.0.0.1"],
+                                                   "mixed.example.com": ["8.8.8.8", "10.0.0.1"],
+                                                   "good.example.com": ["8.8.8.8"]}))
+    for host in ("evil.example.com", "mixed.example.com", "10.0.0.1", "169.254.169.254", "localhost"):
+        with pytest.raises(SSRFError) as err:
+            await guard.check_host(host)
+        assert err.value.reason == "non_public_address"
+    assert await guard.check_host("good.example.com") == ["8.8.8.8"]
+    insecure = AddressGuard(allow_insecure=True, resolver=static_resolver({"evil.example.com": ["127.0.0.1"]}))
+    assert await insecure.check_host("evil.example.com") == ["127.0.0.1"]
+
+
+async def test_redirect_to_private_address_is_refused() -> None:
+    """The public hop (a stand-in for the internet) redirects to 169.254.169.254: refused."""
+    hops: list[str] = []
+
+    def internet(request: httpx.Request) -> httpx.Response:
+        hops.append(str(request.url))
+        return httpx.Response(302, headers={"location": "https://169.254.169.254/latest/meta-data"})
+
+    guard = AddressGuard(resolver=static_resolver({"pds.example.com": ["8.8.8.8"]}))
+    client = SafeClient(guard, inner_transport=httpx.MockTransport(internet))
+    try:
+        with pytest.raises(SSRFError) as err:
+            await client.get("https://pds.example.com/xrpc/com.atproto.sync.getRepo")
+        assert err.value.reason == "non_public_address"
+        assert hops == ["https://pds.example.com/xrpc/com.atproto.sync.getRepo"]
+        with pytest.raises(SSRFError) as err:
+            await client.get("http://pds.example.com/")
+        assert err.value.reason == "insecure_scheme"
+    finally:
+        await client.aclose()
+
+
+async def test_body_size_limit() -> None:
+    def internet(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=b"x" * 5000)
+
+    guard = AddressGuard(resolver=static_resolver({"pds.example.com": ["8.8.8.8"]}))
+    client = SafeClient(guard, inner_transport=httpx.MockTransport(internet))
+    try:
+        status, body, _ = await client.get("https://pds.example.com/a", max_bytes=5000)
+        assert status == 200 and len(body) == 5000
+        with pytest.raises(SSRFError) as err:
+            await client.get("https://pds.example.com/a", max_bytes=4999)
+        assert err.value.reason == "too_large"
+    finally:
+        await client.aclose()

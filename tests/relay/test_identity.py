@@ -1,0 +1,161 @@
+"""Identity: DID document parsing (current and legacy key forms), caches, resolver over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis.asyncio as aioredis
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from mst.crypto import PrivateKey, base58_encode
+from relay.identity import (
+    Identity,
+    IdentityError,
+    IdentityResolver,
+    MemoryIdentityCache,
+    RedisIdentityCache,
+    TokenBucket,
+    parse_did_document,
+)
+from relay.metrics import RelayMetrics
+from relay.ssrf import AddressGuard, SafeClient
+from tests.relay.helpers import serve_asgi
+
+DID = "did:plc:ewvi7nxzyoun6zhxrhs64oiz"
+
+
+def _doc(did: str, method: dict, pds: str = "https://pds.example.com") -> dict:
+    return {
+        "id": did,
+        "alsoKnownAs": ["at://Alice.example.com"],
+        "verificationMethod": [{"id": f"{did}#atproto", "controller": did, **method}],
+        "service": [{"id": "#atproto_pds", "type": "AtprotoPersonalDataServer", "serviceEndpoint": pds}],
+    }
+
+
+def test_multikey_document() -> None:
+    key = PrivateKey.generate_k256()
+    multibase = key.did_key()[len("did:key:"):]
+    ident = parse_did_document(DID, _doc(DID, {"type": "Multikey", "publicKeyMultibase": multibase}))
+    assert ident == Identity(DID, key.did_key(), "https://pds.example.com", "alice.example.com")
+    assert ident.pds_hostname == "pds.example.com"
+
+
+@pytest.mark.parametrize("gen,key_type", [
+    (PrivateKey.generate_k256, "EcdsaSecp256k1VerificationKey2019"),
+    (PrivateKey.generate_p256, "EcdsaSecp256r1VerificationKey2019"),
+])
+def test_legacy_key_forms(gen, key_type: str) -> None:  # type: ignore[no-untyped-def]
+    key = gen()
+    compressed = key.public_key.compressed
+    ident = parse_did_document(DID, _doc(DID, {"type": key_type, "publicKeyMultibase": "z" + base58_encode(compressed)}))
+    assert ident.signing_key == key.did_key()
+
+
+@pytest.mark.parametrize("mutate,reason", [
+    (lambda d: d.update(id="did:plc:other"), "bad_did_document"),
+    (lambda d: d.update(verificationMethod=[]), "no_signing_key"),
+    (lambda d: d["verificationMethod"][0].update(publicKeyMultibase="zzzz"), "no_signing_key"),
+    (lambda d: d["verificationMethod"][0].update(type="Ed25519VerificationKey2020"), "no_signing_key"),
+])
+def test_bad_documents(mutate, reason: str) -> None:  # type: ignore[no-untyped-def]
+    key = PrivateKey.generate_k256()
+    doc = _doc(DID, {"type": "Multikey", "publicKeyMultibase": key.did_key()[8:]})
+    mutate(doc)
+    with pytest.raises(IdentityError) as err:
+        parse_did_document(DID, doc)
+    assert err.value.reason == reason
+
+
+async def test_memory_cache_bounded_and_expiring() -> None:
+    cache = MemoryIdentityCache(max_entries=2, ttl=0.05)
+    for i in range(3):
+        await cache.put(Identity(f"did:plc:{i}", "did:key:x"))
+    assert len(cache) == 2 and await cache.get("did:plc:0") is None
+    assert await cache.get("did:plc:2") is not None
+    await asyncio.sleep(0.06)
+    assert await cache.get("did:plc:2") is None
+
+
+async def test_redis_cache(redis_url: str) -> None:
+    client = aioredis.from_url(redis_url)
+    cache = RedisIdentityCache(client, ttl=30, prefix="test:identity:")
+    try:
+        ident = Identity(DID, "did:key:zabc", "https://pds.example.com", None)
+        await cache.put(ident)
+        assert await cache.get(DID) == ident
+        await cache.purge(DID)
+        assert await cache.get(DID) is None
+    finally:
+        await client.delete("test:identity:" + DID)
+        await client.aclose()
+
+
+async def test_token_bucket_refuses_beyond_max_wait() -> None:
+    bucket = TokenBucket(rate=1.0, burst=2)
+    await bucket.acquire()
+    await bucket.acquire()
+    with pytest.raises(IdentityError) as err:
+        await bucket.acquire(max_wait=0.1)
+    assert err.value.reason == "rate_limited"
+
+
+async def test_resolver_plc_cache_purge_and_handles() -> None:
+    key = PrivateKey.generate_k256()
+    hits: list[str] = []
+
+    async def plc(request: Request) -> JSONResponse:
+        did = request.path_params["did"]
+        hits.append(did)
+        if did != DID:
+            return JSONResponse({"message": "not found"}, status_code=404)
+        return JSONResponse(_doc(DID, {"type": "Multikey", "publicKeyMultibase": key.did_key()[8:]}))
+
+    async def resolve_handle(request: Request) -> JSONResponse:
+        if request.query_params.get("handle") == "alice.example.com":
+            return JSONResponse({"did": DID})
+        return JSONResponse({"error": "InvalidRequest"}, status_code=400)
+
+    app = Starlette(routes=[Route("/xrpc/com.atproto.identity.resolveHandle", resolve_handle),
+                            Route("/{did}", plc)])
+    metrics = RelayMetrics()
+    async with serve_asgi(app) as url:
+        safe = SafeClient(AddressGuard())
+        resolver = IdentityResolver(plc_url=url, safe_client=safe, metrics=metrics, handle_resolver_url=url)
+        try:
+            ident = await resolver.resolve(DID)
+            assert ident.signing_key == key.did_key() and ident.handle == "alice.example.com"
+            await asyncio.gather(*(resolver.resolve(DID) for _ in range(5)))
+            assert hits == [DID]  # cached
+            await resolver.purge(DID)
+            await resolver.resolve(DID)
+            await resolver.resolve(DID, fresh=True)
+            assert hits == [DID, DID, DID]
+            with pytest.raises(IdentityError) as err:
+                await resolver.resolve("did:plc:aaaaaaaaaaaaaaaaaaaaaaaa")
+            assert err.value.reason == "did_not_found"
+            with pytest.raises(IdentityError) as err:
+                await resolver.resolve("did:example:123")
+            assert err.value.reason == "bad_did"
+            assert await resolver.verify_handle("alice.example.com", DID)
+            assert not await resolver.verify_handle("mallory.example.com", DID)
+            assert metrics.identity_cache.labels(result="hit")._value.get() >= 5
+        finally:
+            await resolver.aclose()
+            await safe.aclose()
+
+
+async def test_did_web_goes_through_the_ssrf_guard() -> None:
+    safe = SafeClient(AddressGuard())
+    resolver = IdentityResolver(plc_url="http://127.0.0.1:9", safe_client=safe)
+    try:
+        with pytest.raises(IdentityError) as err:
+            await resolver.resolve("did:web:localhost")
+        assert err.value.reason == "resolution_failed"
+    finally:
+        await resolver.aclose()
+        await safe.aclose()
