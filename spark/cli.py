@@ -1,0 +1,261 @@
+"""``relay spark resync|reconcile|export|package [options]`` — run a batch job.
+
+``main(argv) -> int`` (exit code 0 on success, 1 when the job ran but some repositories or hosts
+failed, 2 on usage errors). Jobs run in ``local[*]`` unless ``--master`` says otherwise; under
+``spark-submit`` use ``spark/submit.py`` (same options; the master comes from spark-submit).
+Progress: Spark's UI address is printed, and a progress line (repositories done, outcomes) is
+redrawn on stderr from the results table while the job runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+import uuid
+import zipfile
+from pathlib import Path
+from typing import Any
+
+from spark.config import FetchConfig, JobConfig
+from spark.relaydb import AccountFilter
+
+PACKAGES = ("mst", "firehose", "backfill", "relay", "spark")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _default_db() -> str:
+    env = os.environ.get("RELAY_DATABASE_URL")
+    if env:
+        return env
+    from backfill.store import DEFAULT_SQLITE_PATH
+
+    return DEFAULT_SQLITE_PATH
+
+
+def build_parser(default_master: str | None = "local[*]") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="relay spark", description="Spark batch jobs over every repository.")
+    sub = parser.add_subparsers(dest="job", required=True)
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--db", default=None, help="relay database URL (default: $RELAY_DATABASE_URL or the embedded SQLite file)")
+        p.add_argument("--master", default=default_master, help="Spark master (default: %(default)s)")
+        p.add_argument("--partitions", type=int, default=0, help="tasks (default: Spark's default parallelism)")
+        p.add_argument("--run-id", default=None, help="run id (a rerun with the same id resumes it)")
+        p.add_argument("--host", action="append", default=[], help="only this host (repeatable)")
+        p.add_argument("--host-concurrency", type=int, default=4, help="concurrent requests per host")
+        p.add_argument("--host-rate", type=float, default=20.0, help="requests per second per host")
+        p.add_argument("--shards-per-host", type=int, default=1, help="tasks sharing one host's budget")
+        p.add_argument("--timeout", type=float, default=30.0, help="per-request timeout, seconds")
+        p.add_argument("--retries", type=int, default=3, help="retries for timeouts, 429 and 5xx")
+        p.add_argument("--max-repo-bytes", type=int, default=256 * 1024 * 1024)
+        p.add_argument("--plc-url", default="https://plc.directory")
+        p.add_argument("--scheme", default="https", choices=("https", "http"),
+                       help="scheme for bare host names (http only for local testing)")
+        p.add_argument("--allow-private", action="store_true",
+                       help="allow loopback/private addresses (local testing only)")
+        p.add_argument("--write-batch", type=int, default=200, help="rows per write-back transaction")
+        p.add_argument("--no-progress", action="store_true", help="no progress line")
+        p.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+    p = sub.add_parser("resync", help="re-verify repositories from their hosts and repair the relay's state")
+    common(p)
+    p.add_argument("--sync-state", action="append", default=[],
+                   help="only accounts in this sync state (repeatable; e.g. desynchronized)")
+    p.add_argument("--include-inactive", action="store_true", help="also accounts that are not active")
+    p.add_argument("--resume", action="store_true", help="continue the latest unfinished resync run")
+    p.add_argument("--retry-failed", action="store_true", help="when resuming, retry failed repositories")
+
+    p = sub.add_parser("reconcile", help="compare every host's listRepos with the relay (anti-entropy)")
+    common(p)
+
+    p = sub.add_parser("export", help="records of verified repositories -> Parquet + manifest")
+    common(p)
+    p.add_argument("--out", required=True, help="output directory (local path)")
+    p.add_argument("--collection", action="append", default=[], help="only this collection (repeatable)")
+    p.add_argument("--sync-state", action="append", default=[])
+    p.add_argument("--include-inactive", action="store_true")
+
+    p = sub.add_parser("package", help="zip the project's packages for spark-submit --py-files")
+    p.add_argument("--out", default="dist/relay-spark.zip")
+    return parser
+
+
+def package(out: str) -> Path:
+    """Write a zip of the project's Python packages (for ``--py-files``); returns its path."""
+    target = Path(out)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(target, "w", zipfile.ZIP_DEFLATED) as zf:
+        for name in PACKAGES:
+            for path in sorted((ROOT / name).rglob("*.py")):
+                if "__pycache__" not in path.parts:
+                    zf.write(path, path.relative_to(ROOT).as_posix())
+    return target
+
+
+class Progress:
+    """Redraws ``<job>: N/total repositories  ok=… repaired=… failed=…`` on stderr."""
+
+    def __init__(self, db_url: str, run_id: str, job: str, total: int | None, every: float = 1.0) -> None:
+        self.db_url, self.run_id, self.job, self.total, self.every = db_url, run_id, job, total, every
+        self.stop_event = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True, name="spark-progress")
+
+    def _line(self) -> str:
+        from spark.db import connect_db
+        from spark.relaydb import result_counts
+
+        with connect_db(self.db_url) as db:
+            counts = result_counts(db, self.run_id)
+        done = sum(counts.values())
+        parts = " ".join(f"{k}={v}" for k, v in sorted(counts.items()))
+        if self.total:
+            width = 30
+            filled = min(width, int(width * done / max(1, self.total)))
+            return f"{self.job}: [{'#' * filled}{'.' * (width - filled)}] {done}/{self.total}  {parts}"
+        return f"{self.job}: {done} repositories  {parts}"
+
+    def _loop(self) -> None:
+        while not self.stop_event.wait(self.every):
+            try:
+                sys.stderr.write("\r" + self._line()[:150].ljust(150))
+                sys.stderr.flush()
+            except Exception:  # noqa: BLE001 - progress must never break the job
+                pass
+
+    def __enter__(self) -> Progress:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_event.set()
+        self.thread.join(timeout=5)
+        try:
+            sys.stderr.write("\r" + self._line()[:150].ljust(150) + "\n")
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def _job_config(args: argparse.Namespace, run_id: str) -> JobConfig:
+    fetch = FetchConfig(
+        host_concurrency=args.host_concurrency,
+        host_rate=args.host_rate,
+        timeout_s=args.timeout,
+        retries=args.retries,
+        max_repo_bytes=args.max_repo_bytes,
+        allow_private=args.allow_private,
+        scheme=args.scheme,
+        plc_url=args.plc_url.rstrip("/"),
+        shards_per_host=max(1, args.shards_per_host),
+    )
+    return JobConfig(db_url=args.db, run_id=run_id, fetch=fetch, write_batch=args.write_batch,
+                     partitions=args.partitions)
+
+
+def _selected(db_url: str, flt: AccountFilter) -> int:
+    from spark.db import connect_db
+
+    where, args = flt.where()
+    with connect_db(db_url) as db:
+        return int(db.fetchval(f"SELECT count(*) FROM accounts a WHERE {where}", *args) or 0)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the parsed job and return its summary."""
+    from pyspark.sql import SparkSession
+
+    from spark.db import connect_db
+    from spark.relaydb import latest_unfinished_run
+    from spark.session import build_session
+
+    args.db = args.db or _default_db()
+    run_id = args.run_id
+    if run_id is None and getattr(args, "resume", False):
+        with connect_db(args.db) as db:
+            run_id = latest_unfinished_run(db, args.job)
+    run_id = run_id or f"{args.job}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{uuid.uuid4().hex[:6]}"
+    cfg = _job_config(args, run_id)
+    existing = SparkSession.getActiveSession()
+    spark = build_session(args.master, app_name=f"relay-spark-{args.job}", progress_bar=False)
+    url = spark.sparkContext.uiWebUrl
+    print(f"relay spark {args.job}: run {run_id}" + (f", Spark UI {url}" if url else ""), file=sys.stderr)
+    try:
+        flt = AccountFilter(
+            hosts=tuple(args.host),
+            sync_states=tuple(getattr(args, "sync_state", [])),
+            include_inactive=getattr(args, "include_inactive", False),
+            retry_failed=getattr(args, "retry_failed", False),
+        )
+        total = None
+        if args.job in ("resync", "export") and not args.no_progress:
+            total = _selected(args.db, flt)
+        progress = Progress(args.db, run_id, args.job, total) if not args.no_progress else None
+        if progress:
+            progress.__enter__()
+        try:
+            if args.job == "resync":
+                from spark.resync import run_resync
+
+                return run_resync(spark, cfg, flt)
+            if args.job == "reconcile":
+                from spark.reconcile import run_reconcile
+
+                return run_reconcile(spark, cfg, args.host or None)
+            from spark.export import run_export
+
+            return run_export(spark, cfg, flt, args.out, args.collection or None)
+        finally:
+            if progress:
+                progress.__exit__(None, None, None)
+    finally:
+        if existing is None:
+            spark.stop()
+
+
+def _failed(summary: dict[str, Any]) -> bool:
+    if summary.get("job") == "resync":
+        return bool(summary.get("totals", {}).get("failed"))
+    if summary.get("job") == "reconcile":
+        return any(k.startswith("host_failed") for h in summary.get("hosts", {}).values() for k in h)
+    return bool(summary.get("failed"))
+
+
+def main(argv: list[str] | None = None, default_master: str | None = "local[*]") -> int:
+    parser = build_parser(default_master)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.job == "package":
+        print(package(args.out))
+        return 0
+    summary = run(args)
+    if args.json:
+        print(json.dumps(summary, indent=2, sort_keys=True))
+    else:
+        _print_summary(summary)
+    return 1 if _failed(summary) else 0
+
+
+def _print_summary(summary: dict[str, Any]) -> None:
+    job = summary.get("job")
+    print(f"{job} run {summary.get('run_id')}")
+    if job == "resync":
+        for outcome, n in sorted(summary.get("totals", {}).items()):
+            print(f"  {outcome:<10} {n}")
+        for key, n in sorted(summary.get("this_pass", {}).items()):
+            print(f"    this pass {key}: {n}")
+    elif job == "reconcile":
+        for host, counts in sorted(summary.get("hosts", {}).items()):
+            print(f"  {host}: " + ", ".join(f"{k}={v}" for k, v in sorted(counts.items())))
+    else:
+        print(f"  cursor (relay seq at start): {summary.get('cursor')}")
+        print(f"  records: {summary.get('records')} in {summary.get('repositories_with_records')} repositories")
+        for coll, n in sorted(summary.get("records_per_collection", {}).items()):
+            print(f"    {coll}: {n}")
+        if summary.get("failed"):
+            print(f"  failed repositories: {len(summary['failed'])}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

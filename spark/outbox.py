@@ -1,0 +1,92 @@
+"""The relay side of the repair outbox: turn queued repairs into sequenced ``#sync``/``#account``.
+
+The Spark jobs never write events themselves (the sequencer is the single writer). They queue
+rows in ``spark_repair_outbox``; the running relay calls
+
+    await drain_repair_outbox(db_url, sequencer.submit)
+
+periodically (or after a job finishes). Each pending row becomes one ``PendingEvent``, carrying
+the account's current stored state so the sequencer persists it with the event; after ``submit``
+resolves, the row is marked consumed with the assigned ``seq``. Delivery is at-least-once: a crash
+between the two steps re-emits the same ``#sync`` (same rev), which consumers treat as a no-op.
+
+No PySpark import here: the relay imports this module cheaply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from typing import Any
+
+from backfill.types import AccountState, PendingEvent
+
+Submit = Callable[[PendingEvent], Awaitable[Any]]
+
+PENDING_SQL = (
+    "SELECT o.id, o.kind, o.did, o.host, o.rev, o.blocks, o.active, o.status, "
+    "a.host AS a_host, a.upstream_status, a.local_status, a.rev AS a_rev, a.commit_cid, a.data_cid, "
+    "a.sync_state, a.updated_at "
+    "FROM spark_repair_outbox o LEFT JOIN accounts a ON a.did = o.did "
+    "WHERE o.consumed_at IS NULL ORDER BY o.id LIMIT ?"
+)
+DONE_SQL = "UPDATE spark_repair_outbox SET consumed_at = ?, seq = ? WHERE id = ?"
+
+
+def _iso(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")[:-4] + "Z"
+
+
+def event_for(row: dict[str, Any], now: float) -> PendingEvent | None:
+    """The event for one outbox row (None when the account has vanished from the relay)."""
+    if row.get("a_host") is None and row.get("upstream_status") is None:
+        return None
+    state = AccountState(
+        did=row["did"],
+        host=row["a_host"],
+        upstream_status=row["upstream_status"],
+        local_status=row["local_status"],
+        rev=row["a_rev"],
+        commit_cid=row["commit_cid"],
+        data_cid=row["data_cid"],
+        sync_state=row["sync_state"],
+        updated_at=float(row["updated_at"] or now),
+    )
+    if row["kind"] == "#sync":
+        body = {"did": row["did"], "blocks": bytes(row["blocks"]), "rev": row["rev"], "time": _iso(now)}
+        return PendingEvent(kind="#sync", did=row["did"], body=body, rev=row["rev"], account=state)
+    active, status = bool(row["active"]), row["status"]
+    if state.local_status != "active":  # an operator takedown outranks what the host says
+        active, status = False, state.local_status
+    body = {"did": row["did"], "time": _iso(now), "active": active}
+    if not active and status:
+        body["status"] = status
+    return PendingEvent(kind="#account", did=row["did"], body=body, account=state)
+
+
+def _seq_of(result: Any) -> int | None:
+    if isinstance(result, int):
+        return result
+    seq = getattr(result, "seq", None)
+    return int(seq) if isinstance(seq, int) else None
+
+
+async def drain_repair_outbox(db_url: str, submit: Submit, limit: int = 500) -> int:
+    """Submit up to ``limit`` pending repairs in outbox order; returns how many were consumed."""
+    from spark.db import connect_db
+
+    db = await asyncio.to_thread(connect_db, db_url)
+    try:
+        rows = await asyncio.to_thread(db.fetch, PENDING_SQL, limit)
+        done = 0
+        for row in rows:
+            now = time.time()
+            event = event_for(row, now)
+            seq = _seq_of(await submit(event)) if event is not None else None
+            await asyncio.to_thread(db.execute, DONE_SQL, now, seq, row["id"])
+            done += 1
+        return done
+    finally:
+        await asyncio.to_thread(db.close)

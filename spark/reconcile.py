@@ -1,0 +1,156 @@
+"""Anti-entropy: compare every host's ``listRepos`` with what the relay believes.
+
+``run_reconcile(spark, cfg, hosts=None) -> dict`` — hosts default to the relay's ``hosts`` table.
+One task per host pages ``com.atproto.sync.listRepos`` (did, head, rev, active, status) with the
+host's rate limit, SSRF check, timeouts and retries, and for each page compares with the stored
+accounts (outcome per account, written to ``spark_job_results``):
+
+* ``status_diverged`` → the stored upstream status is updated and an ``#account`` event is
+  queued in ``spark_repair_outbox`` (the relay emits it);
+* ``head_diverged`` → the account is marked ``desynchronized`` for the resync job and the
+  relay's own resync workers (an account the relay is ahead on is ``relay_ahead``, untouched);
+* ``added`` → an account the relay did not know is inserted (desynchronized: no state yet);
+* ``host_mismatch`` → listed here but the relay has it on another host (reported only);
+* ``missing_on_host`` → the relay has it on this host but the host does not list it (reported);
+* ``ok`` otherwise. A host that cannot be listed yields one ``host_failed`` entry in the summary.
+
+Idempotent: the second run over the same data finds nothing to change.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from spark.config import JobConfig
+from spark.db import JobDB, connect_db
+from spark.http import FetchError, HostFetcher, base_url_for
+from spark.relaydb import (
+    ResultRow,
+    accounts_by_did,
+    add_accounts,
+    apply_status_changes,
+    dids_on_host,
+    finish_run,
+    mark_desynchronized,
+    start_run,
+    write_results,
+)
+from spark.repo_check import StoredAccount
+
+if TYPE_CHECKING:  # pragma: no cover
+    from pyspark.sql import SparkSession
+
+JOB = "reconcile"
+PAGE_LIMIT = 1000
+MAX_PAGES = 1_000_000
+
+
+def listed_status(entry: dict[str, Any]) -> str:
+    """Upstream status from a ``listRepos`` entry (``active`` defaults to true)."""
+    if entry.get("active", True) is not False:
+        return "active"
+    status = entry.get("status")
+    return status if isinstance(status, str) and status else "deactivated"
+
+
+def compare_entry(host: str, entry: dict[str, Any], stored: StoredAccount | None) -> ResultRow:
+    """Pure comparison of one listed repository with the stored account."""
+    did = entry["did"]
+    status = listed_status(entry)
+    rev = entry.get("rev")
+    if stored is None:
+        return ResultRow(did, host, "added", status, rev=rev)
+    if stored.host != host:
+        return ResultRow(did, host, "host_mismatch", None, rev=rev)
+    if stored.upstream_status != status:
+        return ResultRow(did, host, "status_diverged", status, rev=rev)
+    if entry.get("head") != stored.commit_cid or rev != stored.rev:
+        if stored.rev is not None and isinstance(rev, str) and stored.rev > rev:
+            return ResultRow(did, host, "relay_ahead", None, rev=rev)
+        return ResultRow(did, host, "head_diverged", stored.sync_state, rev=rev)
+    return ResultRow(did, host, "ok", None, rev=rev)
+
+
+def _apply_page(db: JobDB, cfg: JobConfig, host: str, rows: list[ResultRow],
+                stored: dict[str, StoredAccount]) -> None:
+    added = [(r.did, host, r.reason or "active") for r in rows if r.outcome == "added"]
+    status = [(r.did, host, r.reason or "active") for r in rows if r.outcome == "status_diverged"]
+    desync = [r.did for r in rows if r.outcome == "head_diverged" and stored[r.did].sync_state == "synced"]
+    with db.transaction():
+        add_accounts(db, added)
+        apply_status_changes(db, cfg.run_id, status)
+        mark_desynchronized(db, desync)
+        write_results(db, cfg.run_id, JOB, rows)
+
+
+def reconcile_host(cfg: JobConfig, host: str) -> Iterator[tuple[str, str, int]]:
+    """Executor side: page one host and reconcile it; yields (host, outcome, count)."""
+    counts: dict[str, int] = defaultdict(int)
+    seen: set[str] = set()
+    with connect_db(cfg.db_url) as db, HostFetcher(base_url_for(host, cfg.fetch.scheme), cfg.fetch) as fetcher:
+        cursor: str | None = None
+        try:
+            for _ in range(MAX_PAGES):
+                params = {"limit": str(PAGE_LIMIT)}
+                if cursor:
+                    params["cursor"] = cursor
+                page = fetcher.get("/xrpc/com.atproto.sync.listRepos", params, max_bytes=32 * 1024 * 1024).json()
+                entries = [e for e in page.get("repos") or [] if isinstance(e, dict) and isinstance(e.get("did"), str)]
+                entries = [e for e in entries if e["did"] not in seen]
+                seen.update(e["did"] for e in entries)
+                stored = accounts_by_did(db, [e["did"] for e in entries])
+                rows = [compare_entry(host, e, stored.get(e["did"])) for e in entries]
+                _apply_page(db, cfg, host, rows, stored)
+                for row in rows:
+                    counts[row.outcome] += 1
+                next_cursor = page.get("cursor")
+                if not entries or not isinstance(next_cursor, str) or not next_cursor or next_cursor == cursor:
+                    break
+                cursor = next_cursor
+        except (FetchError, ValueError, AttributeError) as exc:
+            counts[f"host_failed:{getattr(exc, 'reason', 'bad_listing')}"] += 1
+        else:
+            missing = sorted(dids_on_host(db, host) - seen)
+            rows = [ResultRow(did, host, "missing_on_host", None) for did in missing]
+            with db.transaction():
+                write_results(db, cfg.run_id, JOB, rows)
+            counts["missing_on_host"] += len(missing)
+    for outcome, n in counts.items():
+        if n:
+            yield host, outcome, n
+
+
+def relay_hosts(db: JobDB) -> list[str]:
+    """Hosts the relay subscribes to (the ``hosts`` table), excluding banned/blocked ones."""
+    rows = db.fetch("SELECT * FROM hosts")
+    out = []
+    for row in rows:
+        name = row.get("hostname") or row.get("host")
+        status = row.get("status") or "active"
+        if name and status not in ("banned", "blocked"):
+            out.append(str(name))
+    return sorted(out)
+
+
+def run_reconcile(spark: SparkSession, cfg: JobConfig, hosts: list[str] | None = None) -> dict[str, Any]:
+    """Driver side: one task per host; returns ``{"run_id", "hosts": {host: {outcome: n}}}``."""
+    sc = spark.sparkContext
+    with connect_db(cfg.db_url) as db:
+        targets = sorted(set(hosts)) if hosts else relay_hosts(db)
+        start_run(db, cfg.run_id, JOB, {"hosts": targets})
+    per_host: dict[str, dict[str, int]] = {h: {} for h in targets}
+    if targets:
+        sc.setJobDescription(f"reconcile {cfg.run_id}: {len(targets)} hosts")
+        triples = (
+            sc.parallelize(targets, len(targets))
+            .flatMap(lambda h: reconcile_host(cfg, h))
+            .collect()
+        )
+        for host, outcome, n in triples:
+            per_host[host][outcome] = per_host[host].get(outcome, 0) + n
+    summary = {"run_id": cfg.run_id, "job": JOB, "hosts": per_host}
+    with connect_db(cfg.db_url) as db:
+        finish_run(db, cfg.run_id, summary)
+    return summary

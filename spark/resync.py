@@ -1,0 +1,109 @@
+"""Mass resync: re-verify selected repositories from their hosts and repair the relay's state.
+
+``run_resync(spark, cfg, flt) -> dict`` (summary: counts per outcome, selected, run id).
+
+Per repository (in executors, grouped by host, with the host's rate/concurrency share, SSRF
+check, timeouts and retries — see ``spark.partitioning`` and ``spark.http``): ``getRepo``, resolve
+the signing key, verify signature + every block hash + the full MST (``mst.verify``), compare with
+the stored state (``spark.repo_check.judge``). Every ``cfg.write_batch`` repositories one
+transaction writes the results rows (did, host, outcome ok/repaired/failed, reason, records,
+bytes), the repaired accounts' rev/commit/data/sync state, and one ``#sync`` row per repaired
+account into ``spark_repair_outbox``, which the running relay drains (``spark.outbox``).
+
+Resumable: a rerun with the same run id skips repositories that already have a result
+(``retry_failed`` re-attempts the failed ones). Idempotent: a fresh run over repaired accounts
+finds them ``ok`` and writes nothing to the accounts or the outbox.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from spark.config import JobConfig
+from spark.db import connect_db
+from spark.http import HostFetcher
+from spark.identity import IdentityClient
+from spark.partitioning import batched, by_host_shard, for_each_host, read_accounts_rdd
+from spark.relaydb import (
+    AccountFilter,
+    ResultRow,
+    SyncRepair,
+    apply_sync_repairs,
+    finish_run,
+    result_counts,
+    start_run,
+    write_results,
+)
+from spark.repo_check import CheckError, StoredAccount, fetch_verified, judge, sync_blocks
+
+if TYPE_CHECKING:  # pragma: no cover
+    from pyspark.sql import SparkSession
+
+JOB = "resync"
+
+
+def check_account(
+    fetcher: HostFetcher, identities: IdentityClient, account: StoredAccount
+) -> tuple[ResultRow, SyncRepair | None]:
+    """Fetch, verify and judge one account (never raises for bad input)."""
+    try:
+        fetched = fetch_verified(fetcher, identities, account.did)
+    except CheckError as exc:
+        return ResultRow(account.did, account.host, "failed", exc.reason), None
+    verdict = judge(account, fetched)
+    row = ResultRow(
+        account.did, account.host, verdict.outcome, verdict.reason,
+        records=len(fetched.records), bytes=fetched.size, rev=fetched.rev,
+    )
+    if verdict.outcome != "repaired":
+        return row, None
+    repair = SyncRepair(
+        did=account.did, host=account.host, rev=fetched.rev, commit_cid=fetched.commit_cid,
+        data_cid=fetched.data_cid, blocks=sync_blocks(fetched),
+    )
+    return row, repair
+
+
+def resync_partition(cfg: JobConfig, accounts: Iterable[StoredAccount]) -> Iterator[tuple[str, str]]:
+    """Executor side: check every account and write back in batches; yields (outcome, reason)."""
+    checked = for_each_host(cfg, accounts, check_account)
+    with connect_db(cfg.db_url) as db:
+        for batch in batched(checked, cfg.write_batch):
+            rows = [row for row, _ in batch]
+            repairs = [repair for _, repair in batch if repair is not None]
+            with db.transaction():
+                apply_sync_repairs(db, cfg.run_id, repairs)
+                write_results(db, cfg.run_id, JOB, rows)
+            for row in rows:
+                yield row.outcome, row.reason or ""
+
+
+def run_resync(spark: SparkSession, cfg: JobConfig, flt: AccountFilter) -> dict[str, Any]:
+    """Driver side: select, distribute, verify, repair; returns the run's summary."""
+    sc = spark.sparkContext
+    parts = cfg.partitions or max(1, sc.defaultParallelism)
+    flt = replace(flt, skip_finished_run=cfg.run_id)
+    with connect_db(cfg.db_url) as db:
+        start_run(db, cfg.run_id, JOB, {"filter": repr(flt)})
+    accounts, selected = read_accounts_rdd(sc, cfg, flt, parts)
+    sc.setJobDescription(f"resync {cfg.run_id}: {selected} repositories")
+    outcomes = (
+        by_host_shard(accounts, cfg, parts)
+        .mapPartitions(lambda it: resync_partition(cfg, it))
+        .map(lambda pair: (f"{pair[0]}:{pair[1]}" if pair[1] else pair[0], 1))
+        .reduceByKey(lambda a, b: a + b)
+        .collectAsMap()
+    )
+    with connect_db(cfg.db_url) as db:
+        totals = result_counts(db, cfg.run_id)
+        summary = {
+            "run_id": cfg.run_id,
+            "job": JOB,
+            "selected_this_pass": selected,
+            "this_pass": dict(sorted(outcomes.items())),
+            "totals": totals,
+        }
+        finish_run(db, cfg.run_id, summary)
+    return summary
