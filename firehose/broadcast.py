@@ -1,0 +1,332 @@
+"""Downstream delivery: per-consumer replay-then-live with the I-D §4.3 cursor rules.
+
+Transport-agnostic core. :class:`Broadcaster` owns one bus subscription and fans each event
+(its stored ``frame`` bytes: encoded once, shared by every consumer) out to the registered
+:class:`ConsumerSession` objects. A transport adapter (``firehose.serve_asgi`` for Starlette,
+``firehose.serve_websockets`` for a plain ``websockets`` server) pulls frames from
+:meth:`ConsumerSession.frames` and sends them.
+
+Cursor rules (inclusive, as the I-D states: "seq greater than or equal to the cursor"):
+
+* no cursor — live only, from the moment of connection;
+* ``cursor > latest seq`` — ``FutureCursor`` error frame, then close;
+* ``cursor == 0`` — the whole window from the oldest stored event, then live;
+* ``cursor < oldest`` — ``#info OutdatedCursor``, then the whole window, then live;
+* otherwise — every stored event with ``seq >= cursor``, then live.
+
+No gap, no duplicate at the replay→live handoff: a session registers for live events
+*before* its first store read and buffers them (bounded); when a store read comes back short
+(caught up) the switch to live happens without an intervening ``await``; from then on any
+event with ``seq <= last sent`` is dropped (the store can show an event before the bus
+delivers it, so a replayed event may still arrive live). Every event published after registration is in the
+buffer; every event published before it was durable before it, hence visible to the reads.
+
+A catching-up consumer is never dropped: if its buffer overflows during replay the buffer is
+discarded and replay simply continues from the store (which has everything). Only a consumer
+whose *live* queue overflows (count or bytes) gets ``ConsumerTooSlow`` and is closed.
+Memory per consumer is bounded by ``live_queue_max`` frames / ``live_queue_bytes`` bytes plus one
+replay batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from backfill.types import SequencedEvent
+from firehose.bus import BusClosed, EventBus, Subscription
+from firehose.frames import encode_error_frame, encode_info_frame
+
+log = logging.getLogger(__name__)
+
+FUTURE_CURSOR = "FutureCursor"
+CONSUMER_TOO_SLOW = "ConsumerTooSlow"
+OUTDATED_CURSOR = "OutdatedCursor"
+
+
+class ReplayStore(Protocol):
+    """The part of ``backfill.store.Store`` the broadcaster reads."""
+
+    async def read_after(self, seq: int, limit: int = ...) -> list[SequencedEvent]:
+        """Events with ``seq > seq`` in ascending order, at most ``limit``."""
+        ...
+
+    async def oldest_seq(self) -> int | None: ...
+
+    async def latest_seq(self) -> int | None: ...
+
+
+@dataclass(slots=True)
+class BroadcastStats:
+    """Counters exposed for metrics."""
+
+    consumers: int = 0
+    too_slow: int = 0
+    future_cursor: int = 0
+    outdated_cursor: int = 0
+    replay_overflows: int = 0
+    bus_gaps_filled: int = 0
+
+
+class ConsumerSession:
+    """One downstream connection's state. Create with :meth:`Broadcaster.session`."""
+
+    def __init__(self, broadcaster: Broadcaster, cursor: int | None) -> None:
+        self._b = broadcaster
+        self.cursor = cursor
+        self._live = cursor is None
+        self._queue: deque[SequencedEvent] = deque()
+        self._queued_bytes = 0
+        self._replay_overflow = False
+        self._wake = asyncio.Event()
+        #: Set when the live queue overflowed; the transport must send :attr:`close_frame` and close.
+        self.too_slow = asyncio.Event()
+        self.close_frame: bytes | None = None
+        self.last_seq: int | None = None
+        self.sent = 0
+
+    # -- called by the broadcaster's fan-out (synchronously, never awaits)
+    def _offer(self, ev: SequencedEvent) -> None:
+        if self.too_slow.is_set():
+            return
+        b = self._b
+        size = len(ev.frame)
+        if len(self._queue) >= b.live_queue_max or self._queued_bytes + size > b.live_queue_bytes:
+            if self._live:
+                self.close_frame = encode_error_frame(CONSUMER_TOO_SLOW, "live queue overflowed")
+                b.stats.too_slow += 1
+                self._queue.clear()
+                self._queued_bytes = 0
+                self.too_slow.set()
+                self._wake.set()
+                return
+            # catching up: forget the buffer, the store has these events
+            if not self._replay_overflow:
+                b.stats.replay_overflows += 1
+            self._replay_overflow = True
+            self._queue.clear()
+            self._queued_bytes = 0
+            return
+        self._queue.append(ev)
+        self._queued_bytes += size
+        self._wake.set()
+
+    async def frames(self) -> AsyncIterator[bytes]:
+        """Yield the frames to send, in order. Ends after an error frame or on close."""
+        b = self._b
+        b._sessions.add(self)
+        b.stats.consumers += 1
+        try:
+            if self.cursor is not None:
+                async for frame in self._replay():
+                    yield frame
+                if self.close_frame is not None:
+                    yield self.close_frame
+                    return
+            while True:
+                while not self._queue:
+                    if self.too_slow.is_set() or b._closed:
+                        break
+                    self._wake.clear()
+                    await self._wake.wait()
+                if self.too_slow.is_set() or (b._closed and not self._queue):
+                    break
+                ev = self._queue.popleft()
+                self._queued_bytes -= len(ev.frame)
+                if self.last_seq is not None and ev.seq <= self.last_seq:
+                    continue  # replayed from the store before the bus delivered it
+                self.last_seq = ev.seq
+                self.sent += 1
+                yield ev.frame
+            # ConsumerTooSlow is sent by ``pump`` (the transport may be stalled mid-send).
+        finally:
+            b._sessions.discard(self)
+            b.stats.consumers -= 1
+
+    async def _replay(self) -> AsyncIterator[bytes]:
+        b = self._b
+        cursor = self.cursor
+        assert cursor is not None
+        latest = await b.store.latest_seq()
+        if cursor > (latest or 0):
+            b.stats.future_cursor += 1
+            self.close_frame = encode_error_frame(FUTURE_CURSOR, "cursor is ahead of the stream")
+            return
+        oldest = await b.store.oldest_seq()
+        if cursor == 0:
+            last = 0
+        elif oldest is None or cursor < oldest:
+            b.stats.outdated_cursor += 1
+            yield encode_info_frame(OUTDATED_CURSOR, "cursor is older than the backfill window")
+            last = 0
+        else:
+            last = cursor - 1
+        while True:
+            events = await b.store.read_after(last, b.replay_batch)
+            for ev in events:
+                if ev.seq <= last:
+                    continue
+                last = ev.seq
+                self.last_seq = ev.seq
+                self.sent += 1
+                yield ev.frame
+            if len(events) >= b.replay_batch:
+                continue
+            # Caught up. No await between this check and the switch to live.
+            if self._replay_overflow:
+                self._replay_overflow = False
+                continue
+            while self._queue and self._queue[0].seq <= last:
+                self._queued_bytes -= len(self._queue.popleft().frame)
+            self._live = True
+            return
+
+
+class Broadcaster:
+    """Fan-out from one bus subscription to many consumer sessions."""
+
+    def __init__(
+        self,
+        store: ReplayStore,
+        bus: EventBus,
+        *,
+        live_queue_max: int = 10_000,
+        live_queue_bytes: int = 64 * 1024 * 1024,
+        replay_batch: int = 500,
+        max_consumers: int = 10_000,
+    ) -> None:
+        self.store = store
+        self.bus = bus
+        self.live_queue_max = live_queue_max
+        self.live_queue_bytes = live_queue_bytes
+        self.replay_batch = replay_batch
+        self.max_consumers = max_consumers
+        self.stats = BroadcastStats()
+        self._sessions: set[ConsumerSession] = set()
+        self._sub: Subscription | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+        self._last_seq: int | None = None
+        #: Optional synchronous hooks run for every live batch (the fast websockets path).
+        self._batch_hooks: list[Callable[[list[SequencedEvent]], None]] = []
+
+    @property
+    def at_capacity(self) -> bool:
+        return len(self._sessions) >= self.max_consumers
+
+    @property
+    def consumer_count(self) -> int:
+        return len(self._sessions)
+
+    async def start(self) -> None:
+        """Position the bus subscription at the store's latest seq and start fanning out."""
+        latest = await self.store.latest_seq()
+        self._last_seq = latest
+        self._sub = self.bus.subscribe(after_seq=latest or 0)
+        self._task = asyncio.create_task(self._fan_out(), name="broadcast-fan-out")
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._sub is not None:
+            await self._sub.close()
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, BusClosed):
+                pass
+        for s in list(self._sessions):
+            s._wake.set()
+
+    def session(self, cursor: int | None) -> ConsumerSession:
+        return ConsumerSession(self, cursor)
+
+    async def _fill_gap(self, upto: int) -> list[SequencedEvent]:
+        """Read events the bus skipped (Redis trim) from the store: ``last < seq < upto``."""
+        out: list[SequencedEvent] = []
+        last = self._last_seq or 0
+        while True:
+            evs = await self.store.read_after(last, self.replay_batch)
+            evs = [e for e in evs if e.seq < upto]
+            out.extend(evs)
+            if len(evs) < self.replay_batch:
+                return out
+            last = evs[-1].seq
+
+    async def _fan_out(self) -> None:
+        assert self._sub is not None
+        while not self._closed:
+            try:
+                batch = await self._sub.next_batch()
+            except BusClosed:
+                return
+            first = batch[0]
+            prev = first.extra.get("prev_seq") if first.extra else None
+            if prev is not None and self._last_seq is not None and prev > self._last_seq:
+                filled = await self._fill_gap(first.seq)
+                self.stats.bus_gaps_filled += 1
+                batch = filled + batch
+            self.deliver(batch)
+
+    def deliver(self, batch: list[SequencedEvent]) -> None:
+        """Hand a batch (ascending seq) to every session. Synchronous: never awaits."""
+        last = self._last_seq
+        if last is not None:
+            batch = [e for e in batch if e.seq > last]
+        if not batch:
+            return
+        self._last_seq = batch[-1].seq
+        sessions = list(self._sessions)
+        for ev in batch:
+            for s in sessions:
+                s._offer(ev)
+        for hook in self._batch_hooks:
+            hook(batch)
+
+
+SendFn = Callable[[bytes], Awaitable[None]]
+
+
+async def pump(
+    session: ConsumerSession,
+    send: SendFn,
+    closed: Awaitable[object] | None = None,
+    *,
+    error_send_timeout: float = 2.0,
+) -> None:
+    """Drive one session over a transport: send every frame; stop at once when the peer goes
+    away (``closed`` completes) or on ``ConsumerTooSlow`` (even if a send is stuck on a stalled
+    peer: the error frame is then tried briefly). The caller closes the transport afterwards.
+    """
+
+    async def run() -> None:
+        async for frame in session.frames():
+            await send(frame)
+
+    task = asyncio.create_task(run())
+    slow = asyncio.create_task(session.too_slow.wait())
+    gone = asyncio.ensure_future(closed) if closed is not None else None
+    waiters = {task, slow} | ({gone} if gone is not None else set())
+    try:
+        done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            task.result()
+            return
+        task.cancel()
+        try:
+            await task
+        except (asyncio.CancelledError, Exception):
+            pass
+        if slow in done and session.close_frame is not None:
+            try:
+                await asyncio.wait_for(send(session.close_frame), error_send_timeout)
+            except Exception:  # stalled or already gone: closing is all that is left
+                pass
+    finally:
+        for w in waiters:
+            if not w.done():
+                w.cancel()

@@ -1,0 +1,195 @@
+"""Event bus between the sequencer (publisher) and broadcasters (subscribers).
+
+Contract: ``publish(events)`` is called by the single sequencer *after* the events are durable,
+with strictly increasing ``seq``. A :class:`Subscription` yields every event published after its
+position, in ``seq`` order, in batches. Frames travel as the stored bytes (never re-encoded).
+
+* :class:`InProcessBus` — embedded mode; bounded queues, a slow subscriber back-pressures
+  ``publish`` (the broadcaster never is slow: it only moves references into per-consumer queues).
+* :class:`RedisStreamBus` — scale-out mode; one Redis Stream whose entry IDs are ``<seq>-0``,
+  so a subscription can be positioned exactly *after a seq* without a round trip. Each entry
+  records the previous published seq (``prev``) so a reader that fell behind the stream's trim
+  point sees ``extra["prev_seq"]`` disagree with what it last saw and can fill from the store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Protocol
+
+import redis.asyncio as aioredis
+
+from backfill.types import SequencedEvent
+
+
+class Subscription(Protocol):
+    """An ordered feed of events published after the subscription's position."""
+
+    async def next_batch(self) -> list[SequencedEvent]:
+        """Wait for and return the next non-empty batch (raises ``BusClosed`` once closed)."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class EventBus(Protocol):
+    async def publish(self, events: Sequence[SequencedEvent]) -> None: ...
+
+    def subscribe(self, after_seq: int | None = None) -> Subscription:
+        """Subscribe to events with ``seq > after_seq`` (``None``: everything published from now)."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class BusClosed(Exception):
+    """The bus or the subscription was closed."""
+
+
+class _InProcessSubscription:
+    def __init__(self, bus: InProcessBus, after_seq: int | None, maxsize: int) -> None:
+        self._bus = bus
+        self._after = after_seq
+        self._queue: asyncio.Queue[list[SequencedEvent] | None] = asyncio.Queue(maxsize)
+        self._closed = False
+
+    async def _put(self, batch: list[SequencedEvent]) -> None:
+        if self._after is not None:
+            batch = [e for e in batch if e.seq > self._after]
+            if not batch:
+                return
+        await self._queue.put(batch)
+
+    async def next_batch(self) -> list[SequencedEvent]:
+        if self._closed and self._queue.empty():
+            raise BusClosed()
+        batch = await self._queue.get()
+        if batch is None:
+            self._closed = True
+            raise BusClosed()
+        return batch
+
+    async def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._bus._subs.discard(self)
+            try:
+                self._queue.put_nowait(None)
+            except asyncio.QueueFull:
+                pass
+
+
+class InProcessBus:
+    """In-process fan-out to subscriptions; bounded (``maxsize`` batches per subscription)."""
+
+    def __init__(self, maxsize: int = 1024) -> None:
+        self._subs: set[_InProcessSubscription] = set()
+        self._maxsize = maxsize
+        self.last_seq: int | None = None
+
+    async def publish(self, events: Sequence[SequencedEvent]) -> None:
+        if not events:
+            return
+        batch = list(events)
+        self.last_seq = batch[-1].seq
+        for sub in list(self._subs):
+            await sub._put(batch)
+
+    def subscribe(self, after_seq: int | None = None) -> _InProcessSubscription:
+        sub = _InProcessSubscription(self, after_seq, self._maxsize)
+        self._subs.add(sub)
+        return sub
+
+    async def close(self) -> None:
+        for sub in list(self._subs):
+            await sub.close()
+
+
+class _RedisSubscription:
+    def __init__(self, bus: RedisStreamBus, after_seq: int | None) -> None:
+        self._bus = bus
+        self._last_id: str | None = None if after_seq is None else f"{after_seq}-0"
+        self._closed = False
+
+    async def _position(self) -> str:
+        if self._last_id is None:
+            newest = await self._bus.redis.xrevrange(self._bus.stream, count=1)
+            self._last_id = newest[0][0].decode() if newest else "0-0"
+        return self._last_id
+
+    async def next_batch(self) -> list[SequencedEvent]:
+        last = await self._position()
+        while True:
+            if self._closed:
+                raise BusClosed()
+            reply = await self._bus.redis.xread(
+                {self._bus.stream: last}, count=self._bus.read_count, block=self._bus.block_ms
+            )
+            if not reply:
+                continue
+            entries = reply[0][1]
+            batch = [_decode_entry(fields) for _, fields in entries]
+            self._last_id = last = entries[-1][0].decode()
+            if batch:
+                return batch
+
+    async def close(self) -> None:
+        self._closed = True
+
+
+def _decode_entry(fields: dict[bytes, bytes]) -> SequencedEvent:
+    prev = fields.get(b"prev", b"")
+    return SequencedEvent(
+        seq=int(fields[b"seq"]),
+        did=fields[b"did"].decode(),
+        kind=fields[b"kind"].decode(),
+        time=float(fields[b"time"]),
+        frame=fields[b"frame"],
+        extra={"prev_seq": int(prev)} if prev else {},
+    )
+
+
+class RedisStreamBus:
+    """Redis Streams bus. Entry ID ``<seq>-0``; ``maxlen`` bounds the stream (approximate trim)."""
+
+    def __init__(
+        self,
+        url: str,
+        stream: str = "relay:events",
+        *,
+        maxlen: int = 200_000,
+        block_ms: int = 1000,
+        read_count: int = 512,
+    ) -> None:
+        self.redis = aioredis.from_url(url, decode_responses=False)
+        self.stream = stream
+        self.maxlen = maxlen
+        self.block_ms = block_ms
+        self.read_count = read_count
+        self._last_published: int | None = None
+
+    async def publish(self, events: Sequence[SequencedEvent]) -> None:
+        if not events:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        prev = self._last_published
+        for e in events:
+            fields = {
+                "seq": str(e.seq),
+                "did": e.did,
+                "kind": e.kind,
+                "time": repr(e.time),
+                "frame": e.frame,
+                "prev": "" if prev is None else str(prev),
+            }
+            pipe.xadd(self.stream, fields, id=f"{e.seq}-0", maxlen=self.maxlen, approximate=True)
+            prev = e.seq
+        await pipe.execute()
+        self._last_published = prev
+
+    def subscribe(self, after_seq: int | None = None) -> _RedisSubscription:
+        return _RedisSubscription(self, after_seq)
+
+    async def close(self) -> None:
+        await self.redis.aclose()

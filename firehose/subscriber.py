@@ -1,0 +1,230 @@
+"""Upstream subscriber for one host's ``com.atproto.sync.subscribeRepos`` stream.
+
+Contract:
+
+* ``on_frame(UpstreamFrame)`` is awaited for every message frame that carries a ``seq``
+  (``#commit #sync #identity #account``), in order; awaiting it is the backpressure.
+* The reconnect cursor advances **only** through :meth:`HostSubscriber.ack`, which the sequencer
+  calls after the event is durably sequenced. A crash therefore replays, never skips.
+* Per connection ``seq`` must strictly increase; a frame that does not is dropped and counted
+  (``seq_not_increasing``). Frames with ``seq <= acked cursor`` are re-deliveries and skipped
+  (``duplicate_event``).
+* Cursor-reset policy (a wiped or restored host): a ``FutureCursor`` error, a first frame whose
+  ``seq`` is below the cursor we asked for, or more than ``max_backwards`` consecutive
+  non-increasing frames reset the cursor (``on_cursor_reset(old, reason)``) and the stream is
+  followed from its current position instead of idling forever.
+* Rate limits are token buckets awaited before ``on_frame``: backpressure, never drops.
+* Reconnects use capped exponential backoff with jitter; WebSocket pings keep the link alive.
+* Malformed frames drop the connection (event-stream spec: invalid framing is a hard error);
+  unknown ``op``/``t`` are skipped and counted; ``#info`` is counted and logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
+
+from firehose.frames import MAX_FRAME_BYTES, Frame, FrameError, decode_frame
+from firehose.ratelimit import RateLimiter
+from firehose.reasons import Reason
+
+log = logging.getLogger(__name__)
+
+SUBSCRIBE_PATH = "/xrpc/com.atproto.sync.subscribeRepos"
+
+
+@dataclass(slots=True)
+class SubscriberConfig:
+    ping_interval: float = 20.0
+    ping_timeout: float = 20.0
+    open_timeout: float = 10.0
+    backoff_base: float = 1.0
+    backoff_max: float = 60.0
+    #: (events, window seconds) buckets; all must have a token.
+    rate_limits: list[tuple[float, float]] = field(default_factory=lambda: [(50.0, 1.0), (2500.0, 3600.0)])
+    max_backwards: int = 10
+
+
+@dataclass(slots=True)
+class UpstreamFrame:
+    host: str
+    seq: int
+    frame: Frame
+    raw: bytes
+
+
+class _Reset(Exception):
+    def __init__(self, reason: Reason) -> None:
+        self.reason = reason
+
+
+def stream_url(host: str, cursor: int | None) -> str:
+    """``ws[s]://host/xrpc/com.atproto.sync.subscribeRepos[?cursor=N]`` from a hostname or URL."""
+    if "://" not in host:
+        base = f"wss://{host}"
+    else:
+        parts = urlsplit(host)
+        scheme = {"http": "ws", "https": "wss", "ws": "ws", "wss": "wss"}.get(parts.scheme)
+        if scheme is None:
+            raise ValueError(f"unsupported scheme in {host!r}")
+        base = f"{scheme}://{parts.netloc}"
+    url = base + SUBSCRIBE_PATH
+    return url if cursor is None else f"{url}?cursor={cursor}"
+
+
+class HostSubscriber:
+    """Follows one upstream host. ``await run()`` until :meth:`stop`."""
+
+    def __init__(
+        self,
+        host: str,
+        on_frame: Callable[[UpstreamFrame], Awaitable[None]],
+        *,
+        cursor: int | None = None,
+        config: SubscriberConfig | None = None,
+        on_cursor_reset: Callable[[int | None, str], Awaitable[None] | None] | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.host = host
+        self.on_frame = on_frame
+        self.config = config or SubscriberConfig()
+        self.on_cursor_reset = on_cursor_reset
+        self._acked = cursor
+        self._rng = rng or random.Random()
+        self.limiter = RateLimiter(self.config.rate_limits)
+        self.counters: Counter[str] = Counter()
+        self.connections = 0
+        self.resets = 0
+        self._stopping = asyncio.Event()
+        self._ws: ClientConnection | None = None
+        self.connected = asyncio.Event()
+
+    # -- cursor
+    @property
+    def cursor(self) -> int | None:
+        """The reconnect cursor: the highest seq acknowledged as durably sequenced."""
+        return self._acked
+
+    def ack(self, upstream_seq: int) -> None:
+        """Called by the sequencer after the event with this upstream seq is durable."""
+        if self._acked is None or upstream_seq > self._acked:
+            self._acked = upstream_seq
+
+    async def _reset(self, reason: Reason) -> None:
+        old = self._acked
+        self._acked = None
+        self.resets += 1
+        self.counters[reason.value] += 1
+        log.warning("cursor reset", extra={"host": self.host, "old_cursor": old, "reason": reason.value})
+        if self.on_cursor_reset is not None:
+            result = self.on_cursor_reset(old, reason.value)
+            if isinstance(result, Awaitable):
+                await result
+
+    def backoff_delay(self, attempt: int) -> float:
+        """Capped exponential backoff with "equal jitter": in [cap/2, cap]."""
+        cap = min(self.config.backoff_max, self.config.backoff_base * (2 ** min(attempt, 30)))
+        return cap / 2 + self._rng.uniform(0, cap / 2)
+
+    async def stop(self) -> None:
+        self._stopping.set()
+        if self._ws is not None:
+            await self._ws.close()
+
+    async def run(self) -> None:
+        attempt = 0
+        while not self._stopping.is_set():
+            delivered = 0
+            try:
+                delivered = await self._connect_once()
+                reset_now = False
+            except _Reset as r:
+                await self._reset(r.reason)
+                reset_now = True
+            except (OSError, ConnectionClosed, InvalidHandshake, InvalidStatus, TimeoutError) as exc:
+                self.counters["connection_failed"] += 1
+                log.info("upstream connection ended", extra={"host": self.host, "error": type(exc).__name__})
+                reset_now = False
+            if self._stopping.is_set():
+                return
+            if reset_now:
+                continue
+            attempt = 0 if delivered else attempt + 1
+            try:
+                await asyncio.wait_for(self._stopping.wait(), self.backoff_delay(attempt))
+            except TimeoutError:
+                pass
+
+    async def _connect_once(self) -> int:
+        asked = self._acked
+        url = stream_url(self.host, asked)
+        delivered = 0
+        async with connect(
+            url,
+            ping_interval=self.config.ping_interval,
+            ping_timeout=self.config.ping_timeout,
+            open_timeout=self.config.open_timeout,
+            max_size=MAX_FRAME_BYTES,
+            compression=None,
+        ) as ws:
+            self._ws = ws
+            self.connections += 1
+            self.connected.set()
+            last_seq: int | None = None
+            backwards = 0
+            try:
+                async for raw in ws:
+                    if isinstance(raw, str):
+                        self.counters[Reason.BAD_HEADER_CBOR.value] += 1
+                        return delivered
+                    try:
+                        frame = decode_frame(raw)
+                    except FrameError as exc:  # hard error: drop the connection
+                        self.counters[exc.reason] += 1
+                        return delivered
+                    ignored = frame.ignored_reason
+                    if ignored is not None:
+                        self.counters[ignored] += 1
+                        continue
+                    if frame.is_error:
+                        self.counters[Reason.ERROR_FRAME.value] += 1
+                        if frame.error == "FutureCursor":
+                            raise _Reset(Reason.FUTURE_CURSOR)
+                        log.info("upstream error frame", extra={"host": self.host, "error": frame.error})
+                        return delivered
+                    if frame.t == "#info":
+                        self.counters["info_" + str(frame.body.get("name", "unknown"))[:32]] += 1
+                        continue
+                    seq = frame.body.get("seq")
+                    if type(seq) is not int or seq < 1:
+                        self.counters[Reason.MISSING_SEQ.value] += 1
+                        continue
+                    if last_seq is None and asked is not None and seq < asked:
+                        await self._reset(Reason.SEQ_WENT_BACKWARDS)
+                        asked = None
+                    elif last_seq is not None and seq <= last_seq:
+                        self.counters[Reason.SEQ_NOT_INCREASING.value] += 1
+                        backwards += 1
+                        if backwards > self.config.max_backwards:
+                            raise _Reset(Reason.SEQ_WENT_BACKWARDS)
+                        continue
+                    backwards = 0
+                    last_seq = seq
+                    if self._acked is not None and seq <= self._acked:
+                        self.counters[Reason.DUPLICATE_EVENT.value] += 1
+                        continue
+                    await self.limiter.acquire()
+                    await self.on_frame(UpstreamFrame(self.host, seq, frame, bytes(raw)))
+                    delivered += 1
+            finally:
+                self._ws = None
+                self.connected.clear()
+        return delivered

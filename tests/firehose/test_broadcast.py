@@ -1,0 +1,168 @@
+"""Broadcaster over real WebSocket connections on 127.0.0.1, backed by the real stores."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import httpx
+import pytest
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+from firehose.broadcast import Broadcaster
+from firehose.frames import decode_frame
+
+from .conftest import Ingest
+from .servers import serve, ws_url
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def wait_until(pred, timeout: float = 5.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not pred():
+            await asyncio.sleep(0.005)
+
+
+async def collect(url: str, *, until_seq: int | None = None, count: int | None = None, delay: float = 0.0):
+    """Read frames until a seq >= until_seq, ``count`` frames, an error frame or close."""
+    out: list = []
+    async with connect(url, max_size=None) as ws:
+        try:
+            while True:
+                f = decode_frame(await ws.recv())
+                if f.is_error:
+                    out.append(("error", f.error))
+                    return out
+                if f.t == "#info":
+                    out.append(("info", f.body["name"]))
+                    continue
+                out.append(f.body["seq"])
+                if until_seq is not None and f.body["seq"] >= until_seq:
+                    return out
+                if count is not None and len(out) >= count:
+                    return out
+                if delay:
+                    await asyncio.sleep(delay)
+        except ConnectionClosed:
+            out.append(("closed",))
+            return out
+
+
+@pytest.fixture
+async def broadcaster(ingest: Ingest):
+    b = Broadcaster(ingest.store, ingest.bus, replay_batch=25, live_queue_max=500)
+    yield b
+    await b.close()
+
+
+@pytest.mark.parametrize("transport", ["websockets", "asgi"])
+async def test_cursor_rules(ingest: Ingest, broadcaster: Broadcaster, transport: str) -> None:
+    old = time.time() - 3600
+    await ingest.add(20, when=old)
+    await ingest.add(30)
+    assert await ingest.store.trim(older_than_seconds=60) == 20  # window is now seq 21..50
+    await broadcaster.start()
+    async with serve(broadcaster, transport) as hp:
+        # cursor 0: the whole window from the oldest
+        assert await collect(ws_url(hp, 0), until_seq=50) == list(range(21, 51))
+        # in window: seq >= cursor
+        assert await collect(ws_url(hp, 40), until_seq=50) == list(range(40, 51))
+        # older than the window: #info OutdatedCursor, then the whole window
+        assert await collect(ws_url(hp, 5), until_seq=50) == [("info", "OutdatedCursor"), *range(21, 51)]
+        # future cursor: error frame then close
+        assert await collect(ws_url(hp, 51)) == [("error", "FutureCursor")]
+        assert broadcaster.stats.future_cursor == 1
+        # no cursor: live only
+        live = asyncio.create_task(collect(ws_url(hp), until_seq=55))
+        await wait_until(lambda: broadcaster.consumer_count == 1)
+        await ingest.add(5)
+        assert await live == [51, 52, 53, 54, 55]
+        # in-window cursor followed by live events
+        task = asyncio.create_task(collect(ws_url(hp, 50), until_seq=60))
+        await wait_until(lambda: broadcaster.consumer_count == 1)
+        await ingest.add(5)
+        assert await task == list(range(50, 61))
+
+
+async def test_handoff_under_concurrent_ingest(ingest: Ingest, broadcaster: Broadcaster) -> None:
+    await ingest.add(200)
+    await broadcaster.start()
+    target = 200 + 600
+    async with serve(broadcaster, "websockets") as hp:
+        writer = asyncio.create_task(ingest.add(600, batch=7))
+        readers = []
+        for cursor in (0, 1, 100, 150, 200):
+            readers.append((cursor, asyncio.create_task(collect(ws_url(hp, cursor), until_seq=target))))
+            await asyncio.sleep(0.02)
+        await writer
+        for cursor, task in readers:
+            got = await task
+            start = max(cursor, 1)
+            assert got == list(range(start, target + 1)), f"cursor {cursor}: gap or duplicate"
+
+
+async def test_slow_catching_up_consumer_is_never_dropped(ingest: Ingest) -> None:
+    b = Broadcaster(ingest.store, ingest.bus, replay_batch=10, live_queue_max=15)
+    await ingest.add(120)
+    await b.start()
+    try:
+        async with serve(b, "websockets") as hp:
+            reader = asyncio.create_task(collect(ws_url(hp, 0), until_seq=300, delay=0.002))
+            await wait_until(lambda: b.consumer_count == 1)
+            await ingest.add(180, batch=30)
+            got = await reader
+        assert got == list(range(1, 301))
+        assert b.stats.replay_overflows >= 1  # its live buffer overflowed while it was replaying
+        assert b.stats.too_slow == 0
+    finally:
+        await b.close()
+
+
+async def test_stalled_live_consumer_gets_too_slow_and_is_closed(ingest: Ingest) -> None:
+    b = Broadcaster(ingest.store, ingest.bus, live_queue_max=30, live_queue_bytes=1 << 30)
+    await b.start()
+    try:
+        async with serve(b, "websockets") as hp:
+            host, port = hp.split(":")
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect((host, int(port)))
+            healthy = asyncio.create_task(collect(ws_url(hp), until_seq=150))
+            async with connect(ws_url(hp), sock=sock, max_queue=1, max_size=None) as stalled:
+                await wait_until(lambda: b.consumer_count == 2)
+                await ingest.add(150, batch=10, payload=b"z" * 32768)  # ~5 MB: fills every buffer
+                await wait_until(lambda: b.stats.too_slow == 1, timeout=15)
+                await wait_until(lambda: b.consumer_count == 1, timeout=15)
+                # the stalled consumer's connection is closed by the server
+                with pytest.raises(ConnectionClosed):
+                    async with asyncio.timeout(15):
+                        while True:
+                            await stalled.recv()
+            assert await healthy == list(range(1, 151))
+    finally:
+        await b.close()
+
+
+@pytest.mark.parametrize("transport", ["websockets", "asgi"])
+async def test_pre_upgrade_http_errors(ingest: Ingest, transport: str) -> None:
+    b = Broadcaster(ingest.store, ingest.bus, max_consumers=0)
+    await b.start()
+    try:
+        async with serve(b, transport) as hp:
+            url = ws_url(hp).replace("ws://", "http://")
+            async with httpx.AsyncClient(timeout=5) as http:
+                assert (await http.post(url)).status_code == 405
+                assert (await http.get(url)).status_code == 426
+            with pytest.raises(InvalidStatus) as err:
+                async with connect(ws_url(hp)):
+                    pass
+            assert err.value.response.status_code == 429
+            with pytest.raises(InvalidStatus) as err:
+                async with connect(ws_url(hp).replace("?", "") + "?cursor=-4"):
+                    pass
+            assert err.value.response.status_code == 400
+    finally:
+        await b.close()
