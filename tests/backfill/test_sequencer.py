@@ -1,0 +1,224 @@
+"""Sequencer behaviour on both backends: seq assignment, durability before publish, re-delivery,
+restart, TRUNCATE, the single-writer lock."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from backfill.errors import SequencerClosedError, SequencerLockedError
+from backfill.sequencer import Sequencer
+from backfill.store import Store
+from backfill.types import AccountState, PendingEvent, SequencedEvent
+from firehose.frames import encode_frame
+from tests.backfill.conftest import StoreTarget, decode_frame
+from tests.backfill.helpers import Collector, commit_event
+
+
+async def test_sequences_frames_accounts_and_cursor(store: Store) -> None:
+    published = Collector()
+    async with Sequencer(store, published) as seq:
+        results = await asyncio.gather(*(seq.submit(commit_event(n)) for n in range(1, 41)))
+    assert [r.seq for r in results if r] == list(range(1, 41))
+    replay = await store.read_after(0, 100)
+    assert [e.seq for e in replay] == list(range(1, 41))
+    for event, result in zip(replay, results, strict=True):
+        assert result is not None
+        assert event.frame == result.frame  # replay returns the bytes encoded at sequencing
+        header, body = decode_frame(event.frame)
+        assert header == {"op": 1, "t": "#commit"}
+        assert body["seq"] == event.seq and body["upstream"] == event.seq
+        assert event.frame == encode_frame("#commit", body)
+        assert event.kind == "#commit" and event.did == body["repo"]
+    assert [e.seq for e in published.events] == list(range(1, 41))
+    assert await store.latest_seq() == 40
+    assert await store.oldest_seq() == 1
+    assert await store.host_cursor("pds.example") == 40
+    account = await store.get_account("did:plc:acct0005")
+    assert account is not None and account.rev == commit_event(39).rev  # 39 % 17 == 5, last one
+    assert account.commit_cid == "bafycommit39" and account.updated_at > 0
+    host = await store.get_host("pds.example")
+    assert host is not None and host.account_count == 17 and host.last_seen
+    assert await store.events_bytes() == sum(len(e.frame) for e in replay)
+
+
+async def test_publish_happens_after_commit(store: Store) -> None:
+    seen_durable: list[bool] = []
+
+    async def publish(events: list[SequencedEvent]) -> None:
+        stored = await store.read_after(events[0].seq - 1, len(events))
+        seen_durable.append([e.frame for e in stored] == [e.frame for e in events])
+
+    async with Sequencer(store, publish) as seq:
+        await asyncio.gather(*(seq.submit(commit_event(n)) for n in range(1, 30)))
+    assert seen_durable and all(seen_durable)
+
+
+async def test_redelivery_of_same_or_older_rev_is_ignored(store: Store) -> None:
+    published = Collector()
+    async with Sequencer(store, published) as seq:
+        first = await seq.submit(commit_event(5, did="did:plc:x"))
+        again = await seq.submit(commit_event(5, did="did:plc:x"))
+        older = await seq.submit(commit_event(4, did="did:plc:x"))
+        newer = await seq.submit(commit_event(6, did="did:plc:x"))
+        # Within one batch too:
+        a, b = await asyncio.gather(
+            seq.submit(commit_event(9, did="did:plc:y")), seq.submit(commit_event(9, did="did:plc:y"))
+        )
+        # Events without a rev (identity/account) are never deduplicated.
+        ident = [
+            await seq.submit(PendingEvent("#identity", "did:plc:x", {"did": "did:plc:x", "time": "t"}))
+            for _ in range(2)
+        ]
+    assert first is not None and first.seq == 1
+    assert again is None and older is None
+    assert newer is not None and newer.seq == 2
+    assert a is not None and b is None
+    assert [e.seq for e in ident if e] == [4, 5]
+    assert seq.stats.ignored == 3
+    assert [e.seq for e in await store.read_after(0)] == [1, 2, 3, 4, 5]
+    assert await store.host_cursor("pds.example") == 9
+
+
+async def test_seq_monotonic_across_restart(target: StoreTarget, store: Store) -> None:
+    async with Sequencer(store, Collector()) as seq:
+        for n in range(1, 11):
+            await seq.submit(commit_event(n))
+    await store.close()
+    reopened = await target.open()
+    try:
+        async with Sequencer(reopened, Collector()) as seq:
+            assert seq.high_water == 10
+            later = [await seq.submit(commit_event(n)) for n in range(11, 16)]
+        assert [e.seq for e in later if e] == [11, 12, 13, 14, 15]
+        assert [e.seq for e in await reopened.read_after(0)] == list(range(1, 16))
+    finally:
+        await reopened.close()
+
+
+async def test_high_water_survives_truncate(target: StoreTarget, store: Store) -> None:
+    async with Sequencer(store, Collector()) as seq:
+        for n in range(1, 8):
+            await seq.submit(commit_event(n))
+    await target.sql("TRUNCATE events" if target.backend == "postgres" else "DELETE FROM events")
+    assert await store.oldest_seq() is None
+    assert await store.latest_seq() == 7
+    async with Sequencer(store, Collector()) as seq:
+        event = await seq.submit(commit_event(100))
+    assert event is not None and event.seq == 8
+    assert [e.seq for e in await store.read_after(0)] == [8]
+
+
+async def test_second_sequencer_is_refused(target: StoreTarget, store: Store) -> None:
+    other_store = await target.open()
+    try:
+        async with Sequencer(store, Collector()) as first:
+            second = Sequencer(other_store, Collector())
+            with pytest.raises(SequencerLockedError) as info:
+                await second.start()
+            assert info.value.reason == "sequencer_locked"
+            assert "another sequencer" in str(info.value)
+            with pytest.raises(SequencerLockedError):
+                await second.submit(commit_event(1))
+            await first.submit(commit_event(1))
+        # A waiting sequencer takes over once the first one is gone.
+        waiting = Sequencer(other_store, Collector(), wait_for_lock=True, lock_timeout=10)
+        async with waiting:
+            event = await waiting.submit(commit_event(2))
+        assert event is not None and event.seq == 2
+    finally:
+        await other_store.close()
+
+
+async def test_waiting_sequencer_gets_lock_after_release(target: StoreTarget, store: Store) -> None:
+    other_store = await target.open()
+    try:
+        first = Sequencer(store, Collector())
+        await first.start()
+        waiter = Sequencer(other_store, Collector(), wait_for_lock=True, lock_timeout=10)
+        start = asyncio.create_task(waiter.start())
+        await asyncio.sleep(0.5)
+        assert not start.done()
+        await first.submit(commit_event(1))
+        await first.close()
+        await asyncio.wait_for(start, 10)
+        event = await waiter.submit(commit_event(2))
+        assert event is not None and event.seq == 2
+        await waiter.close()
+        timed_out = Sequencer(other_store, Collector(), wait_for_lock=True, lock_timeout=0.3)
+        async with Sequencer(store, Collector()):
+            with pytest.raises(SequencerLockedError):
+                await timed_out.start()
+    finally:
+        await other_store.close()
+
+
+async def test_encoder_failure_fails_only_that_event(store: Store) -> None:
+    def encoder(kind: str, body: dict) -> bytes:
+        if body.get("poison"):
+            raise ValueError("cannot encode")
+        return encode_frame(kind, body)
+
+    async with Sequencer(store, Collector(), encoder) as seq:
+        good1 = seq.submit(commit_event(1))
+        bad = seq.submit(PendingEvent("#identity", "did:plc:p", {"poison": True}))
+        good2 = seq.submit(commit_event(2))
+        results = await asyncio.gather(good1, bad, good2, return_exceptions=True)
+    assert isinstance(results[1], ValueError)
+    assert [r.seq for r in (results[0], results[2])] == [1, 2]  # no hole in seq
+    assert seq.stats.encode_errors == 1
+
+
+async def test_cursor_only_advance_and_publish_errors(store: Store) -> None:
+    async def failing_publish(events: list[SequencedEvent]) -> None:
+        raise RuntimeError("bus down")
+
+    async with Sequencer(store, failing_publish) as seq:
+        event = await seq.submit(commit_event(3, host="h.example"))
+        await seq.advance_cursor("h.example", 10)
+        await seq.advance_cursor("new.example", 4)
+    assert event is not None  # durable even though the bus failed
+    assert seq.stats.publish_errors == 1
+    assert await store.host_cursor("h.example") == 10
+    assert await store.host_cursor("new.example") == 4
+    assert len(await store.read_after(0)) == 1
+
+
+async def test_takedown_is_not_undone_by_sequenced_state(store: Store) -> None:
+    await store.upsert_account(AccountState("did:plc:t", host="pds.example", local_status="takendown"))
+    async with Sequencer(store, Collector()) as seq:
+        await seq.submit(commit_event(1, did="did:plc:t"))
+    account = await store.get_account("did:plc:t")
+    assert account is not None and account.local_status == "takendown" and account.rev == commit_event(1).rev
+
+
+async def test_closed_sequencer_refuses(store: Store) -> None:
+    seq = Sequencer(store, Collector())
+    await seq.submit(commit_event(1))
+    await seq.close()
+    with pytest.raises(SequencerClosedError):
+        await seq.submit(commit_event(2))
+
+
+async def test_seq_stays_below_2_pow_53(target: StoreTarget, store: Store) -> None:
+    await target.sql(f"UPDATE relay_meta SET value = {2**53 - 3} WHERE key = 'seq_high_water'")
+    async with Sequencer(store, Collector()) as seq:
+        results = await asyncio.gather(
+            *(seq.submit(commit_event(n)) for n in range(1, 5)), return_exceptions=True
+        )
+    ok = [r.seq for r in results if isinstance(r, SequencedEvent)]
+    assert ok == [2**53 - 2, 2**53 - 1]
+    assert [getattr(r, "reason", None) for r in results[2:]] == ["seq_exhausted", "seq_exhausted"]
+    assert await store.latest_seq() == 2**53 - 1
+
+
+async def test_batches_are_bounded(store: Store) -> None:
+    published = Collector()
+    seq = Sequencer(store, published, max_batch=16, max_delay=0.01)
+    async with seq:
+        futures = [await seq.enqueue(commit_event(n)) for n in range(1, 101)]
+        results = await asyncio.gather(*futures)
+    assert [r.seq for r in results if r] == list(range(1, 101))
+    assert max(len(b) for b in published.batches) <= 16
+    assert len(published.batches) < 100  # actually batched
