@@ -18,8 +18,10 @@ def to_json_value(obj: Any) -> Any:
         return {"$bytes": base64.b64encode(bytes(obj)).decode("ascii").rstrip("=")}
     if obj is None or isinstance(obj, (str, int, float, bool)):
         return obj
-    # CIDs (cbrrr.CID / multiformats.CID) stringify to their base32 form
-    return {"$link": str(obj)}
+    encode = getattr(obj, "encode", None)  # cbrrr.CID: base32 multibase string
+    if callable(encode):
+        return {"$link": encode()}
+    raise TypeError(f"not a data-model value: {type(obj).__name__}")
 
 
 def record_json(obj: Any) -> str:

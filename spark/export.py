@@ -50,6 +50,7 @@ def repo_rows(
 ) -> tuple[ResultRow, list[tuple[str, ...]]]:
     """Verified records of one repository as export rows (never raises for bad input)."""
     from mst.cbor import decode
+    from mst.cid import cid_str
 
     try:
         fetched = fetch_verified(fetcher, identities, account.did)
@@ -62,7 +63,7 @@ def repo_rows(
             if collections is not None and collection not in collections:
                 continue
             record = decode(bytes(fetched.blocks[cid]))
-            rows.append((account.did, collection, rkey, str(cid), fetched.rev, record_json(record)))
+            rows.append((account.did, collection, rkey, cid_str(cid), fetched.rev, record_json(record)))
     except Exception as exc:  # noqa: BLE001 - mst.errors.RepoError or a missing block
         return ResultRow(account.did, account.host, "failed", getattr(exc, "reason", "record_invalid")), []
     result = ResultRow(account.did, account.host, "ok", None, records=len(rows), bytes=fetched.size,

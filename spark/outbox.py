@@ -5,9 +5,8 @@ rows in ``spark_repair_outbox``; the running relay calls
 
     await drain_repair_outbox(db_url, sequencer.submit)
 
-periodically (or after a job finishes). Each pending row becomes one ``PendingEvent``, carrying
-the account's current stored state so the sequencer persists it with the event; after ``submit``
-resolves, the row is marked consumed with the assigned ``seq``. Delivery is at-least-once: a crash
+periodically (or after a job finishes). Each pending row becomes one ``PendingEvent`` (see
+``event_for``); after ``submit`` resolves, the row is marked consumed with the assigned ``seq``. Delivery is at-least-once: a crash
 between the two steps re-emits the same ``#sync`` (same rev), which consumers treat as a no-op.
 
 No PySpark import here: the relay imports this module cheaply.
@@ -21,14 +20,12 @@ from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
 
-from backfill.types import AccountState, PendingEvent
+from backfill.types import PendingEvent
 
 Submit = Callable[[PendingEvent], Awaitable[Any]]
 
 PENDING_SQL = (
-    "SELECT o.id, o.kind, o.did, o.host, o.rev, o.blocks, o.active, o.status, "
-    "a.host AS a_host, a.upstream_status, a.local_status, a.rev AS a_rev, a.commit_cid, a.data_cid, "
-    "a.sync_state, a.updated_at "
+    "SELECT o.id, o.kind, o.did, o.rev, o.blocks, o.active, o.status, a.upstream_status, a.local_status "
     "FROM spark_repair_outbox o LEFT JOIN accounts a ON a.did = o.did "
     "WHERE o.consumed_at IS NULL ORDER BY o.id LIMIT ?"
 )
@@ -40,30 +37,24 @@ def _iso(ts: float) -> str:
 
 
 def event_for(row: dict[str, Any], now: float) -> PendingEvent | None:
-    """The event for one outbox row (None when the account has vanished from the relay)."""
-    if row.get("a_host") is None and row.get("upstream_status") is None:
+    """The event for one outbox row (None when the account has vanished from the relay).
+
+    The job has already written the account's state, so the event carries no ``account`` (the
+    sequencer must not overwrite a newer state with this snapshot) and no ``rev`` (the
+    sequencer's re-delivery check would drop a ``#sync`` whose rev equals the stored one).
+    """
+    if row.get("upstream_status") is None:
         return None
-    state = AccountState(
-        did=row["did"],
-        host=row["a_host"],
-        upstream_status=row["upstream_status"],
-        local_status=row["local_status"],
-        rev=row["a_rev"],
-        commit_cid=row["commit_cid"],
-        data_cid=row["data_cid"],
-        sync_state=row["sync_state"],
-        updated_at=float(row["updated_at"] or now),
-    )
     if row["kind"] == "#sync":
         body = {"did": row["did"], "blocks": bytes(row["blocks"]), "rev": row["rev"], "time": _iso(now)}
-        return PendingEvent(kind="#sync", did=row["did"], body=body, rev=row["rev"], account=state)
+        return PendingEvent(kind="#sync", did=row["did"], body=body)
     active, status = bool(row["active"]), row["status"]
-    if state.local_status != "active":  # an operator takedown outranks what the host says
-        active, status = False, state.local_status
+    if row["local_status"] != "active":  # an operator takedown outranks what the host says
+        active, status = False, row["local_status"]
     body = {"did": row["did"], "time": _iso(now), "active": active}
     if not active and status:
         body["status"] = status
-    return PendingEvent(kind="#account", did=row["did"], body=body, account=state)
+    return PendingEvent(kind="#account", did=row["did"], body=body)
 
 
 def _seq_of(result: Any) -> int | None:

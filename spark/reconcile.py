@@ -12,6 +12,7 @@ accounts (outcome per account, written to ``spark_job_results``):
 * ``added`` → an account the relay did not know is inserted (desynchronized: no state yet);
 * ``host_mismatch`` → listed here but the relay has it on another host (reported only);
 * ``missing_on_host`` → the relay has it on this host but the host does not list it (reported);
+* ``invalid_entry`` → a malformed entry (reason ``bad_did``/``bad_head``/``bad_rev``; ignored);
 * ``ok`` otherwise. A host that cannot be listed yields one ``host_failed`` entry in the summary.
 
 Idempotent: the second run over the same data finds nothing to change.
@@ -55,9 +56,28 @@ def listed_status(entry: dict[str, Any]) -> str:
     return status if isinstance(status, str) and status else "deactivated"
 
 
+def entry_problem(entry: dict[str, Any]) -> str | None:
+    """Why a ``listRepos`` entry is unusable (``bad_did``, ``bad_head``, ``bad_rev``), or None."""
+    from mst.syntax import is_valid_cid_string, is_valid_did, is_valid_tid
+
+    if not is_valid_did(entry["did"]):
+        return "bad_did"
+    head = entry.get("head")
+    if not isinstance(head, str) or not is_valid_cid_string(head):
+        return "bad_head"
+    rev = entry.get("rev")
+    if not isinstance(rev, str) or not is_valid_tid(rev):
+        return "bad_rev"
+    return None
+
+
 def compare_entry(host: str, entry: dict[str, Any], stored: StoredAccount | None) -> ResultRow:
-    """Pure comparison of one listed repository with the stored account."""
+    """Pure comparison of one listed repository with the stored account. A malformed entry is
+    ``invalid_entry`` (reason from ``entry_problem``) and changes nothing."""
     did = entry["did"]
+    problem = entry_problem(entry)
+    if problem is not None:
+        return ResultRow(did, host, "invalid_entry", problem)
     status = listed_status(entry)
     rev = entry.get("rev")
     if stored is None:

@@ -228,6 +228,11 @@ def add_accounts(db: JobDB, rows: Sequence[tuple[str, str, str]]) -> None:
         "VALUES (?, ?, ?, 'active', 'desynchronized', ?) ON CONFLICT (did) DO NOTHING",
         [(did, host, status, now) for did, host, status in rows],
     )
+    # keep the hosts' account counts exact (what Store.upsert_account maintains), idempotently
+    db.executemany(
+        "UPDATE hosts SET account_count = (SELECT count(*) FROM accounts WHERE host = ?) WHERE hostname = ?",
+        [(host, host) for host in sorted({host for _, host, _ in rows})],
+    )
 
 
 def relay_seq(db: JobDB) -> int:

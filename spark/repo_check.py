@@ -61,6 +61,7 @@ def fetch_verified(fetcher: HostFetcher, identities: IdentityClient, did: str) -
     """Download and fully verify ``did``'s repository (see the module docstring)."""
     from mst.verify import verify_repo_car
 
+    from mst.cid import cid_str
     from mst.crypto import parse_did_key
     from mst.errors import RepoError
 
@@ -87,8 +88,8 @@ def fetch_verified(fetcher: HostFetcher, identities: IdentityClient, did: str) -
     return FetchedRepo(
         did=did,
         rev=commit.rev,
-        commit_cid=str(verified.commit_cid),
-        data_cid=str(commit.data),
+        commit_cid=cid_str(verified.commit_cid),
+        data_cid=cid_str(commit.data),
         commit_block=bytes(commit_block),
         records=dict(verified.records),
         blocks=verified.blocks,
