@@ -222,11 +222,14 @@ class Broadcaster:
     def consumer_count(self) -> int:
         return len(self._sessions)
 
-    async def start(self) -> None:
-        """Position the bus subscription at the store's latest seq and start fanning out."""
-        latest = await self.store.latest_seq()
-        self._last_seq = latest
-        self._sub = self.bus.subscribe(after_seq=latest or 0)
+    async def start(self, after_seq: int | None = None) -> None:
+        """Position the bus subscription (default: at the store's latest seq) and start fanning
+        out. Anything the bus no longer holds between the position and what it delivers is read
+        from the store."""
+        if after_seq is None:
+            after_seq = await self.store.latest_seq() or 0
+        self._last_seq = after_seq
+        self._sub = self.bus.subscribe(after_seq=after_seq)
         self._task = asyncio.create_task(self._fan_out(), name="broadcast-fan-out")
 
     async def close(self) -> None:

@@ -161,12 +161,14 @@ class RedisStreamBus:
         maxlen: int = 200_000,
         block_ms: int = 1000,
         read_count: int = 512,
+        approximate_trim: bool = True,
     ) -> None:
         self.redis = aioredis.from_url(url, decode_responses=False)
         self.stream = stream
         self.maxlen = maxlen
         self.block_ms = block_ms
         self.read_count = read_count
+        self.approximate_trim = approximate_trim
         self._last_published: int | None = None
 
     async def publish(self, events: Sequence[SequencedEvent]) -> None:
@@ -183,7 +185,7 @@ class RedisStreamBus:
                 "frame": e.frame,
                 "prev": "" if prev is None else str(prev),
             }
-            pipe.xadd(self.stream, fields, id=f"{e.seq}-0", maxlen=self.maxlen, approximate=True)
+            pipe.xadd(self.stream, fields, id=f"{e.seq}-0", maxlen=self.maxlen, approximate=self.approximate_trim)
             prev = e.seq
         await pipe.execute()
         self._last_published = prev

@@ -1,0 +1,102 @@
+"""Frame codec: round trips, error/#info frames, limits, unknown op/t, fuzz."""
+
+from __future__ import annotations
+
+import cbrrr
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from firehose.frames import (
+    MAX_FRAME_BYTES,
+    FrameError,
+    decode_frame,
+    encode_error_frame,
+    encode_frame,
+    encode_info_frame,
+)
+from firehose.reasons import ALL_REASONS, Reason
+
+
+def test_round_trip_message_frame_is_canonical() -> None:
+    body = {"seq": 7, "repo": "did:plc:abc", "blocks": b"\x00\x01", "ops": [], "tooBig": False}
+    data = encode_frame("#commit", body)
+    assert data.startswith(cbrrr.encode_dag_cbor({"op": 1, "t": "#commit"}))
+    f = decode_frame(data)
+    assert (f.op, f.t, f.body) == (1, "#commit", body)
+    assert f.ignored_reason is None and not f.is_error
+    assert encode_frame("#commit", f.body) == data
+
+
+def test_blocks_bytes_are_copied_verbatim() -> None:
+    blocks = bytes(range(256)) * 40
+    data = encode_frame("#commit", {"seq": 1, "blocks": blocks})
+    assert blocks in data
+
+
+def test_error_and_info_frames() -> None:
+    f = decode_frame(encode_error_frame("FutureCursor", "ahead"))
+    assert f.is_error and f.t is None and f.error == "FutureCursor" and f.body["message"] == "ahead"
+    i = decode_frame(encode_info_frame("OutdatedCursor"))
+    assert i.t == "#info" and i.body == {"name": "OutdatedCursor"}
+
+
+def test_unknown_op_and_type_are_ignorable_not_errors() -> None:
+    f = decode_frame(cbrrr.encode_dag_cbor({"op": 2, "t": "#commit"}) + cbrrr.encode_dag_cbor({}))
+    assert f.ignored_reason == Reason.UNKNOWN_OP
+    g = decode_frame(encode_frame("#future", {"x": 1, "extra": [1, 2]}))
+    assert g.ignored_reason == Reason.UNKNOWN_TYPE
+
+
+@pytest.mark.parametrize(
+    ("data", "reason"),
+    [
+        (b"", Reason.FRAME_EMPTY),
+        (b"\xff", Reason.BAD_HEADER_CBOR),
+        (cbrrr.encode_dag_cbor([1]) + cbrrr.encode_dag_cbor({}), Reason.HEADER_NOT_MAP),
+        (cbrrr.encode_dag_cbor({"op": "1", "t": "#x"}) + cbrrr.encode_dag_cbor({}), Reason.BAD_HEADER_OP),
+        (cbrrr.encode_dag_cbor({"op": 1}) + cbrrr.encode_dag_cbor({}), Reason.MISSING_HEADER_TYPE),
+        (cbrrr.encode_dag_cbor({"op": 1, "t": "#commit"}), Reason.BAD_BODY_CBOR),
+        (cbrrr.encode_dag_cbor({"op": 1, "t": "#commit"}) + cbrrr.encode_dag_cbor([1]), Reason.BODY_NOT_MAP),
+        (encode_frame("#commit", {}) + b"\x00", Reason.TRAILING_BYTES),
+        (cbrrr.encode_dag_cbor({"op": -1}) + cbrrr.encode_dag_cbor({"message": "x"}), Reason.MISSING_FIELD),
+        # non-canonical: map keys out of order
+        (bytes.fromhex("a2626f70016174622378") + b"\xa0", Reason.BAD_HEADER_CBOR),
+    ],
+)
+def test_malformed_frames_are_typed_errors(data: bytes, reason: Reason) -> None:
+    with pytest.raises(FrameError) as err:
+        decode_frame(data)
+    assert err.value.reason == reason
+
+
+def test_frame_size_limit() -> None:
+    big = encode_frame("#commit", {"blocks": b"x" * MAX_FRAME_BYTES})
+    with pytest.raises(FrameError) as err:
+        decode_frame(big)
+    assert err.value.reason == Reason.FRAME_TOO_LARGE
+    ok = encode_frame("#commit", {"blocks": b"x" * (MAX_FRAME_BYTES - 100)})
+    assert decode_frame(ok).t == "#commit"
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.binary(max_size=512))
+def test_fuzz_random_bytes_only_typed_errors(data: bytes) -> None:
+    try:
+        decode_frame(data)
+    except FrameError as exc:
+        assert exc.reason in ALL_REASONS
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.data())
+def test_fuzz_mutated_frames_only_typed_errors(data: st.DataObject) -> None:
+    frame = bytearray(encode_frame("#commit", {"seq": 5, "repo": "did:plc:x", "blocks": b"abc", "ops": [{"a": None}]}))
+    for _ in range(data.draw(st.integers(1, 4))):
+        i = data.draw(st.integers(0, len(frame) - 1))
+        frame[i] = data.draw(st.integers(0, 255))
+    cut = data.draw(st.integers(1, len(frame)))
+    try:
+        decode_frame(bytes(frame[:cut]))
+    except FrameError as exc:
+        assert exc.reason in ALL_REASONS

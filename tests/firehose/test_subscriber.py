@@ -1,0 +1,201 @@
+"""Upstream subscriber against a real ``websockets`` server started in the test (127.0.0.1)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from urllib.parse import parse_qs, urlsplit
+
+import pytest
+from websockets.asyncio.server import ServerConnection, serve
+
+from firehose.frames import encode_error_frame, encode_frame, encode_info_frame
+from firehose.reasons import Reason
+from firehose.subscriber import HostSubscriber, SubscriberConfig, UpstreamFrame, stream_url
+
+pytestmark = pytest.mark.timeout(60)
+
+Script = Callable[[ServerConnection, int | None], Awaitable[None]]
+
+
+def msg(seq: int) -> bytes:
+    return encode_frame("#identity", {"seq": seq, "did": "did:plc:abc", "time": "2026-01-01T00:00:00Z"})
+
+
+class Upstream:
+    """A scripted upstream host: connection i runs scripts[i] (the last one repeats)."""
+
+    def __init__(self, scripts: list[Script]) -> None:
+        self.scripts = scripts
+        self.cursors: list[int | None] = []
+        self.server = None
+
+    async def __aenter__(self) -> str:
+        async def handler(conn: ServerConnection) -> None:
+            q = parse_qs(urlsplit(conn.request.path).query).get("cursor")
+            cursor = int(q[0]) if q else None
+            self.cursors.append(cursor)
+            script = self.scripts[min(len(self.cursors) - 1, len(self.scripts) - 1)]
+            await script(conn, cursor)
+
+        self.server = await serve(handler, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.server.close()
+        await self.server.wait_closed()
+
+
+def sends(*frames: bytes, hold: bool = True) -> Script:
+    async def script(conn: ServerConnection, cursor: int | None) -> None:
+        for f in frames:
+            await conn.send(f)
+        if hold:
+            await conn.wait_closed()
+
+    return script
+
+
+def fast_config(**kw) -> SubscriberConfig:
+    return SubscriberConfig(backoff_base=0.01, backoff_max=0.05, rate_limits=[(10_000, 1.0)], **kw)
+
+
+async def run_until(sub: HostSubscriber, pred: Callable[[], bool], timeout: float = 10) -> None:
+    task = asyncio.create_task(sub.run())
+    try:
+        async with asyncio.timeout(timeout):
+            while not pred():
+                await asyncio.sleep(0.005)
+    finally:
+        await sub.stop()
+        await asyncio.wait_for(task, 5)
+
+
+def test_stream_url() -> None:
+    assert stream_url("pds.example.com", None) == "wss://pds.example.com/xrpc/com.atproto.sync.subscribeRepos"
+    assert stream_url("http://127.0.0.1:5/", 9).startswith("ws://127.0.0.1:5/xrpc/")
+    assert stream_url("https://a.b", 0).endswith("?cursor=0")
+
+
+async def test_delivers_in_order_and_cursor_moves_only_by_ack() -> None:
+    got: list[int] = []
+    async with Upstream([sends(*[msg(i) for i in range(1, 11)], encode_info_frame("OutdatedCursor"))]) as url:
+        sub = HostSubscriber(url, lambda f: _append(got, f), config=fast_config())
+        await run_until(sub, lambda: len(got) == 10 and sub.counters["info_OutdatedCursor"] == 1)
+    assert got == list(range(1, 11))
+    assert sub.cursor is None  # nothing acknowledged: the cursor never moved by itself
+    sub.ack(7)
+    sub.ack(3)
+    assert sub.cursor == 7
+
+
+async def _append(out: list[int], f: UpstreamFrame) -> None:
+    out.append(f.seq)
+
+
+async def test_reconnect_resumes_from_acked_cursor_and_skips_redeliveries() -> None:
+    got: list[int] = []
+    first = sends(*[msg(i) for i in range(1, 6)], hold=False)  # then the server drops us
+    second = sends(*[msg(i) for i in range(3, 9)])  # inclusive replay from cursor 3
+
+    async def on_frame(f: UpstreamFrame) -> None:
+        got.append(f.seq)
+        if f.seq <= 3:
+            sub.ack(f.seq)  # the "sequencer" only made 1..3 durable before the drop
+
+    async with Upstream([first, second]) as url:
+        sub = HostSubscriber(url, on_frame, config=fast_config())
+        await run_until(sub, lambda: len(got) >= 10)
+    assert got[:5] == [1, 2, 3, 4, 5]
+    assert got[5:] == [4, 5, 6, 7, 8]  # 3 was acked: skipped as a re-delivery
+    assert sub.counters[Reason.DUPLICATE_EVENT] == 1
+
+
+async def test_non_increasing_seq_is_dropped_and_counted() -> None:
+    got: list[int] = []
+    async with Upstream([sends(msg(1), msg(2), msg(2), msg(1), msg(3))]) as url:
+        sub = HostSubscriber(url, lambda f: _append(got, f), config=fast_config())
+        await run_until(sub, lambda: 3 in got)
+    assert got == [1, 2, 3]
+    assert sub.counters[Reason.SEQ_NOT_INCREASING] == 2
+
+
+async def test_future_cursor_resets_instead_of_idling() -> None:
+    got: list[int] = []
+    resets: list[tuple[int | None, str]] = []
+    upstream = Upstream([sends(encode_error_frame("FutureCursor"), hold=False), sends(msg(1), msg(2))])
+    async with upstream as url:
+        sub = HostSubscriber(
+            url, lambda f: _append(got, f), cursor=100, config=fast_config(),
+            on_cursor_reset=lambda old, reason: resets.append((old, reason)),
+        )
+        await run_until(sub, lambda: got == [1, 2])
+    assert upstream.cursors == [100, None]
+    assert resets == [(100, "future_cursor")]
+
+
+async def test_seq_below_cursor_on_new_connection_is_a_reset() -> None:
+    got: list[int] = []
+    resets: list[tuple[int | None, str]] = []
+
+    async def on_reset(old: int | None, reason: str) -> None:
+        resets.append((old, reason))
+
+    async with Upstream([sends(msg(1), msg(2), msg(3))]) as url:
+        sub = HostSubscriber(url, lambda f: _append(got, f), cursor=50, config=fast_config(), on_cursor_reset=on_reset)
+        await run_until(sub, lambda: got == [1, 2, 3])
+    assert resets == [(50, "seq_went_backwards")]
+
+
+async def test_many_backwards_frames_reset_the_stream() -> None:
+    got: list[int] = []
+    frames = [msg(100)] + [msg(5)] * 4
+    upstream = Upstream([sends(*frames), sends(msg(6), msg(7))])
+    async with upstream as url:
+        sub = HostSubscriber(url, lambda f: _append(got, f), config=fast_config(max_backwards=3))
+        await run_until(sub, lambda: got == [100, 6, 7])
+    assert sub.resets == 1 and upstream.cursors == [None, None]
+
+
+async def test_malformed_frame_drops_connection_then_reconnects() -> None:
+    got: list[int] = []
+    upstream = Upstream([sends(msg(1), b"\xff\x00", msg(2)), sends(msg(2))])
+    async with upstream as url:
+        sub = HostSubscriber(url, lambda f: _append(got, f), config=fast_config())
+        await run_until(sub, lambda: got == [1, 2])
+    assert sub.counters[Reason.BAD_HEADER_CBOR] == 1 and sub.connections == 2
+
+
+async def test_unknown_types_are_skipped_and_counted() -> None:
+    got: list[int] = []
+    async with Upstream([sends(encode_frame("#weird", {"seq": 1}), msg(2))]) as url:
+        sub = HostSubscriber(url, lambda f: _append(got, f), config=fast_config())
+        await run_until(sub, lambda: got == [2])
+    assert sub.counters[Reason.UNKNOWN_TYPE] == 1
+
+
+async def test_rate_limit_is_backpressure_not_drops() -> None:
+    got: list[int] = []
+    async with Upstream([sends(*[msg(i) for i in range(1, 31)])]) as url:
+        cfg = SubscriberConfig(backoff_base=0.01, rate_limits=[(10, 0.1)])  # 100/s, burst 10
+        sub = HostSubscriber(url, lambda f: _append(got, f), config=cfg)
+        await run_until(sub, lambda: len(got) == 30)
+    assert got == list(range(1, 31))
+    assert sub.limiter.waited_s > 0  # it had to wait: throttled, nothing dropped
+
+
+async def test_backoff_is_capped_exponential_with_jitter() -> None:
+    import random
+
+    sub = HostSubscriber("h", lambda f: _append([], f), config=SubscriberConfig(backoff_base=1, backoff_max=30),
+                         rng=random.Random(4))
+    delays = [sub.backoff_delay(a) for a in range(10)]
+    for a, d in enumerate(delays):
+        cap = min(30, 2**a)
+        assert cap / 2 <= d <= cap
+    assert len({round(d, 6) for d in delays[6:]}) > 1  # jittered at the cap
+
+
+async def test_unreachable_host_backs_off_and_counts() -> None:
+    sub = HostSubscriber("http://127.0.0.1:9", lambda f: _append([], f), config=fast_config(open_timeout=1))
+    await run_until(sub, lambda: sub.counters["connection_failed"] >= 3)
