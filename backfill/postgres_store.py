@@ -265,7 +265,9 @@ class PostgresStore(Store):
 
     async def list_accounts(self, after_did: str | None = None, limit: int = 500) -> list[AccountState]:
         rows = await self._pool.fetch(
-            f"SELECT {_ACCOUNT_COLS} FROM accounts WHERE did > $1 ORDER BY did LIMIT $2", after_did or "", limit
+            f"SELECT {_ACCOUNT_COLS} FROM accounts WHERE did > $1 ORDER BY did LIMIT $2",
+            after_did or "",
+            limit,
         )
         return [_account(r) for r in rows]
 
@@ -287,7 +289,9 @@ class PostgresStore(Store):
 
     async def list_hosts(self, after: str | None = None, limit: int = 500) -> list[HostState]:
         rows = await self._pool.fetch(
-            f"SELECT {_HOST_COLS} FROM hosts WHERE hostname > $1 ORDER BY hostname LIMIT $2", after or "", limit
+            f"SELECT {_HOST_COLS} FROM hosts WHERE hostname > $1 ORDER BY hostname LIMIT $2",
+            after or "",
+            limit,
         )
         return [_host(r) for r in rows]
 
@@ -314,7 +318,9 @@ class PostgresStore(Store):
         )
 
     async def set_host_status(self, hostname: str, status: str) -> bool:
-        result = await self._pool.execute("UPDATE hosts SET status = $2 WHERE hostname = $1", hostname, status)
+        result = await self._pool.execute(
+            "UPDATE hosts SET status = $2 WHERE hostname = $1", hostname, status
+        )
         return result == "UPDATE 1"
 
     async def host_cursor(self, hostname: str) -> int | None:
@@ -359,48 +365,62 @@ class _PgLease(WriterLease):
         return await self._conn.fetchval("SELECT value FROM relay_meta WHERE key = 'seq_high_water'")
 
     async def commit_batch(self, batch: BatchWrite) -> None:
-        conn = self._conn
-        async with conn.transaction():
-            status = await conn.execute(
-                "UPDATE relay_meta SET value = $2 WHERE key = 'seq_high_water' AND value = $1",
-                batch.expected_high_water,
-                batch.new_high_water,
+        async with self._conn.transaction():
+            await self._advance_high_water(batch)
+            await self._write_events(batch)
+            await self._write_accounts(batch)
+            await self._write_hosts(batch)
+
+    async def _advance_high_water(self, batch: BatchWrite) -> None:
+        status = await self._conn.execute(
+            "UPDATE relay_meta SET value = $2 WHERE key = 'seq_high_water' AND value = $1",
+            batch.expected_high_water,
+            batch.new_high_water,
+        )
+        if status != "UPDATE 1":
+            raise SequencerConflictError(
+                f"seq high-water mark is no longer {batch.expected_high_water}: another writer"
             )
-            if status != "UPDATE 1":
-                raise SequencerConflictError(
-                    f"seq high-water mark is no longer {batch.expected_high_water}: another writer"
-                )
-            if batch.events:
-                await conn.copy_records_to_table(
-                    "events", records=batch.events, columns=("seq", "did", "kind", "time", "frame")
-                )
-                await conn.execute(
-                    "UPDATE relay_meta SET value = value + $1 WHERE key = 'events_bytes'", batch.frame_bytes
-                )
-            if batch.accounts:
-                accts = batch.accounts
-                await conn.execute(
-                    _SQL_UPSERT_ACCOUNTS,
-                    [a.did for a in accts],
-                    [a.host for a in accts],
-                    [a.upstream_status for a in accts],
-                    [a.local_status for a in accts],
-                    [a.rev for a in accts],
-                    [a.commit_cid for a in accts],
-                    [a.data_cid for a in accts],
-                    [a.sync_state for a in accts],
-                    [a.updated_at for a in accts],
-                )
-            if batch.host_updates:
-                hosts = list(batch.host_updates.items())
-                await conn.execute(
-                    _SQL_UPDATE_HOSTS,
-                    [h for h, _ in hosts],
-                    [u[0] for _, u in hosts],
-                    [u[1] for _, u in hosts],
-                    [u[2] for _, u in hosts],
-                    time.time(),
-                )
+
+    async def _write_events(self, batch: BatchWrite) -> None:
+        if not batch.events:
+            return
+        await self._conn.copy_records_to_table(
+            "events", records=batch.events, columns=("seq", "did", "kind", "time", "frame")
+        )
+        await self._conn.execute(
+            "UPDATE relay_meta SET value = value + $1 WHERE key = 'events_bytes'", batch.frame_bytes
+        )
+
+    async def _write_accounts(self, batch: BatchWrite) -> None:
+        if not batch.accounts:
+            return
+        accts = batch.accounts
+        await self._conn.execute(
+            _SQL_UPSERT_ACCOUNTS,
+            [a.did for a in accts],
+            [a.host for a in accts],
+            [a.upstream_status for a in accts],
+            [a.local_status for a in accts],
+            [a.rev for a in accts],
+            [a.commit_cid for a in accts],
+            [a.data_cid for a in accts],
+            [a.sync_state for a in accts],
+            [a.updated_at for a in accts],
+        )
+
+    async def _write_hosts(self, batch: BatchWrite) -> None:
+        if not batch.host_updates:
+            return
+        hosts = list(batch.host_updates.items())
+        await self._conn.execute(
+            _SQL_UPDATE_HOSTS,
+            [h for h, _ in hosts],
+            [u[0] for _, u in hosts],
+            [u[1] for _, u in hosts],
+            [u[2] for _, u in hosts],
+            time.time(),
+        )
 
     async def release(self) -> None:
         if not self._conn.is_closed():

@@ -216,7 +216,9 @@ class Sequencer:
         event_dids = {
             item.did for item, _ in items if isinstance(item, PendingEvent) and (item.rev or item.account)
         }
-        account_dids = {item.account.did for item, _ in items if isinstance(item, PendingEvent) and item.account}
+        account_dids = {
+            item.account.did for item, _ in items if isinstance(item, PendingEvent) and item.account
+        }
         try:
             heads = await lease.account_heads(event_dids | account_dids) if event_dids or account_dids else {}
         except Exception as exc:  # database unreachable: nothing written, callers retry
@@ -270,7 +272,9 @@ class Sequencer:
         host_updates: dict[str, list[Any]] = {h: [c, now, 0] for h, c in cursors.items()}
         for did, state in accounts.items():
             head = heads.get(did)
-            for host, delta in host_count_deltas(head is not None, head[0] if head else None, state.host).items():
+            for host, delta in host_count_deltas(
+                head is not None, head[0] if head else None, state.host
+            ).items():
                 host_updates.setdefault(host, [None, None, 0])[2] += delta
 
         batch = BatchWrite(

@@ -167,7 +167,9 @@ class SqliteStore(Store):
                 # BEGIN IMMEDIATE takes the database write lock: a concurrent runner waits here,
                 # then sees the version recorded and skips it.
                 with _Tx(conn):
-                    if _fetchval(conn, "SELECT 1 FROM schema_migrations WHERE version = ?", (migration.version,)):
+                    if _fetchval(
+                        conn, "SELECT 1 FROM schema_migrations WHERE version = ?", (migration.version,)
+                    ):
                         continue
                     try:
                         for statement in split_sqlite_statements(migration.sql):
@@ -253,7 +255,9 @@ class SqliteStore(Store):
 
         def _trim_batch(conn: sqlite3.Connection) -> int:
             with _Tx(conn):
-                rows = _fetchall(conn, "SELECT seq, time, length(frame) FROM events ORDER BY seq LIMIT ?", (batch,))
+                rows = _fetchall(
+                    conn, "SELECT seq, time, length(frame) FROM events ORDER BY seq LIMIT ?", (batch,)
+                )
                 if not rows:
                     conn.execute("UPDATE relay_meta SET value = 0 WHERE key = 'events_bytes'")
                     return 0
@@ -263,7 +267,9 @@ class SqliteStore(Store):
                     excess = max(0, stored - max_bytes)
                 count, freed = retention_prefix(rows, cutoff, excess)
                 if count:
-                    conn.execute("DELETE FROM events WHERE seq >= ? AND seq <= ?", (rows[0][0], rows[count - 1][0]))
+                    conn.execute(
+                        "DELETE FROM events WHERE seq >= ? AND seq <= ?", (rows[0][0], rows[count - 1][0])
+                    )
                     conn.execute(
                         "UPDATE relay_meta SET value = MAX(0, value - ?) WHERE key = 'events_bytes'", (freed,)
                     )
@@ -290,7 +296,9 @@ class SqliteStore(Store):
             for i in range(0, len(wanted), 500):
                 chunk = wanted[i : i + 500]
                 marks = ",".join("?" * len(chunk))
-                for row in conn.execute(f"SELECT {_ACCOUNT_COLS} FROM accounts WHERE did IN ({marks})", chunk):
+                for row in conn.execute(
+                    f"SELECT {_ACCOUNT_COLS} FROM accounts WHERE did IN ({marks})", chunk
+                ):
                     out[row[0]] = _account(row)
             return out
 
@@ -319,7 +327,9 @@ class SqliteStore(Store):
                     ),
                 )
                 now = time.time()
-                for host, delta in host_count_deltas(row is not None, row[0] if row else None, state.host).items():
+                for host, delta in host_count_deltas(
+                    row is not None, row[0] if row else None, state.host
+                ).items():
                     conn.execute(_SQL_UPDATE_HOST, (host, None, None, delta, now))
 
         await self._write(_upsert)
@@ -392,10 +402,14 @@ class SqliteStore(Store):
         return await self._update_one("UPDATE hosts SET status = ? WHERE hostname = ?", (status, hostname))
 
     async def host_cursor(self, hostname: str) -> int | None:
-        return await self._read(_fetchval, "SELECT upstream_cursor FROM hosts WHERE hostname = ?", (hostname,))
+        return await self._read(
+            _fetchval, "SELECT upstream_cursor FROM hosts WHERE hostname = ?", (hostname,)
+        )
 
     async def set_host_cursor(self, hostname: str, cursor: int) -> bool:
-        return await self._update_one("UPDATE hosts SET upstream_cursor = ? WHERE hostname = ?", (cursor, hostname))
+        return await self._update_one(
+            "UPDATE hosts SET upstream_cursor = ? WHERE hostname = ?", (cursor, hostname)
+        )
 
     # -- domain bans -------------------------------------------------------------------------
     async def list_domain_bans(self) -> list[str]:
@@ -409,6 +423,54 @@ class SqliteStore(Store):
 
     async def remove_domain_ban(self, domain: str) -> bool:
         return await self._update_one("DELETE FROM domain_bans WHERE domain = ?", (domain.strip().lower(),))
+
+
+def _advance_high_water(conn: sqlite3.Connection, batch: BatchWrite) -> None:
+    cur = conn.execute(
+        "UPDATE relay_meta SET value = ? WHERE key = 'seq_high_water' AND value = ?",
+        (batch.new_high_water, batch.expected_high_water),
+    )
+    if cur.rowcount != 1:
+        raise SequencerConflictError(
+            f"seq high-water mark is no longer {batch.expected_high_water}: another writer"
+        )
+
+
+def _write_events(conn: sqlite3.Connection, batch: BatchWrite) -> None:
+    if batch.events:
+        conn.executemany(
+            "INSERT INTO events (seq, did, kind, time, frame) VALUES (?, ?, ?, ?, ?)", batch.events
+        )
+        conn.execute(
+            "UPDATE relay_meta SET value = value + ? WHERE key = 'events_bytes'", (batch.frame_bytes,)
+        )
+
+
+def _write_accounts(conn: sqlite3.Connection, batch: BatchWrite) -> None:
+    if batch.accounts:
+        conn.executemany(
+            _SQL_UPSERT_ACCOUNT_FROM_EVENT,
+            [
+                (
+                    a.did,
+                    a.host,
+                    a.upstream_status,
+                    a.local_status,
+                    a.rev,
+                    a.commit_cid,
+                    a.data_cid,
+                    a.sync_state,
+                    a.updated_at,
+                )
+                for a in batch.accounts
+            ],
+        )
+
+
+def _write_hosts(conn: sqlite3.Connection, batch: BatchWrite) -> None:
+    if batch.host_updates:
+        now = time.time()
+        conn.executemany(_SQL_UPDATE_HOST, [(h, c, s, d, now) for h, (c, s, d) in batch.host_updates.items()])
 
 
 class _SqliteLease(WriterLease):
@@ -433,7 +495,9 @@ class _SqliteLease(WriterLease):
         return await self._store._write(_heads) if wanted else {}
 
     async def high_water(self) -> int:
-        return await self._store._write(_fetchval, "SELECT value FROM relay_meta WHERE key = 'seq_high_water'")
+        return await self._store._write(
+            _fetchval, "SELECT value FROM relay_meta WHERE key = 'seq_high_water'"
+        )
 
     async def commit_batch(self, batch: BatchWrite) -> None:
         if self._fd is None:
@@ -441,45 +505,10 @@ class _SqliteLease(WriterLease):
 
         def _commit(conn: sqlite3.Connection) -> None:
             with _Tx(conn):
-                cur = conn.execute(
-                    "UPDATE relay_meta SET value = ? WHERE key = 'seq_high_water' AND value = ?",
-                    (batch.new_high_water, batch.expected_high_water),
-                )
-                if cur.rowcount != 1:
-                    raise SequencerConflictError(
-                        f"seq high-water mark is no longer {batch.expected_high_water}: another writer"
-                    )
-                if batch.events:
-                    conn.executemany(
-                        "INSERT INTO events (seq, did, kind, time, frame) VALUES (?, ?, ?, ?, ?)", batch.events
-                    )
-                    conn.execute(
-                        "UPDATE relay_meta SET value = value + ? WHERE key = 'events_bytes'", (batch.frame_bytes,)
-                    )
-                if batch.accounts:
-                    conn.executemany(
-                        _SQL_UPSERT_ACCOUNT_FROM_EVENT,
-                        [
-                            (
-                                a.did,
-                                a.host,
-                                a.upstream_status,
-                                a.local_status,
-                                a.rev,
-                                a.commit_cid,
-                                a.data_cid,
-                                a.sync_state,
-                                a.updated_at,
-                            )
-                            for a in batch.accounts
-                        ],
-                    )
-                if batch.host_updates:
-                    now = time.time()
-                    conn.executemany(
-                        _SQL_UPDATE_HOST,
-                        [(h, c, s, d, now) for h, (c, s, d) in batch.host_updates.items()],
-                    )
+                _advance_high_water(conn, batch)
+                _write_events(conn, batch)
+                _write_accounts(conn, batch)
+                _write_hosts(conn, batch)
 
         await self._store._write(_commit)
 

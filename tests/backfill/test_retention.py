@@ -106,7 +106,11 @@ async def test_readers_during_writes_and_retention(target, store: Store) -> None
 
     try:
         async with Sequencer(store, published, max_batch=40) as seq:
-            tasks = [asyncio.create_task(reader()), asyncio.create_task(reader()), asyncio.create_task(trimmer())]
+            tasks = [
+                asyncio.create_task(reader()),
+                asyncio.create_task(reader()),
+                asyncio.create_task(trimmer()),
+            ]
             for start in range(1, total + 1, 50):
                 await asyncio.gather(*(seq.submit(commit_event(n)) for n in range(start, start + 50)))
             stop.set()

@@ -15,7 +15,9 @@ async def test_account_roundtrip_and_replace(store: Store) -> None:
     state = acct("did:plc:a", rev="3kaaaaaaaaaa2", commit_cid="bafyc", data_cid="bafyd", updated_at=12.5)
     await store.upsert_account(state)
     assert await store.get_account("did:plc:a") == state
-    state2 = acct("did:plc:a", upstream_status="deactivated", local_status="takendown", sync_state="desynchronized")
+    state2 = acct(
+        "did:plc:a", upstream_status="deactivated", local_status="takendown", sync_state="desynchronized"
+    )
     await store.upsert_account(state2)
     got = await store.get_account("did:plc:a")
     assert got is not None
