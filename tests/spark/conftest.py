@@ -5,53 +5,15 @@ a freshly migrated relay database (a private PostgreSQL schema) seeded from the 
 from __future__ import annotations
 
 import asyncio
-import threading
 import uuid
-from collections.abc import Coroutine, Iterator
-from typing import Any, TypeVar
+from collections.abc import Iterator
+from typing import Any
 
 import asyncpg
 import pytest
 
 from backfill.store import open_store
-from backfill.types import AccountState
-from mst.cid import cid_str
-from spark.config import FetchConfig, JobConfig
-
-T = TypeVar("T")
-
-
-class FleetThread:
-    """A ``relay.sim.SimFleet`` served from a background event loop."""
-
-    def __init__(self, hosts: int, accounts_per_host: int, seed: int, initial_records: int = 3) -> None:
-        from relay.sim import SimConfig, SimFleet
-
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="sim-fleet")
-        self.thread.start()
-        self.fleet = SimFleet(SimConfig(hosts=hosts, accounts_per_host=accounts_per_host, seed=seed,
-                                        initial_records=initial_records, announce_accounts=False))
-        self.run(self.fleet.start())
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 60.0) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def call(self, fn: Any, *args: Any) -> Any:
-        """Run a plain function on the fleet's loop thread (the fleet is not thread-safe)."""
-
-        async def wrapper() -> Any:
-            return fn(*args)
-
-        return self.run(wrapper())
-
-    def stop(self) -> None:
-        try:
-            self.run(self.fleet.stop())
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(timeout=10)
-            self.loop.close()
+from tests.spark.helpers import FleetThread
 
 
 @pytest.fixture(scope="session")
@@ -98,43 +60,3 @@ def relay_db(pg_dsn: str) -> Iterator[str]:
                 await conn.close()
 
         asyncio.run(drop())
-
-
-def account_state(acct: Any) -> AccountState:
-    """What a caught-up relay stores for a simulated account."""
-    return AccountState(
-        did=acct.did,
-        host=acct.host.hostname,
-        upstream_status=acct.status,
-        rev=acct.repo.rev,
-        commit_cid=cid_str(acct.repo.head),
-        data_cid=cid_str(acct.repo.data_root),
-        sync_state="synced",
-    )
-
-
-def seed_relay(url: str, fleet: FleetThread, skip: set[str] = frozenset()) -> None:
-    """Store every simulated account (and host) as a caught-up relay would."""
-    from backfill.types import HostState
-
-    states = fleet.call(lambda: [account_state(a) for a in fleet.fleet.accounts if a.did not in skip])
-    hosts = [h.hostname for h in fleet.fleet.hosts]
-
-    async def seed() -> None:
-        store = await open_store(url)
-        try:
-            for host in hosts:
-                await store.upsert_host(HostState(hostname=host))
-            for state in states:
-                await store.upsert_account(state)
-        finally:
-            await store.close()
-
-    asyncio.run(seed())
-
-
-def job_config(url: str, fleet: FleetThread, run_id: str | None = None, **fetch: Any) -> JobConfig:
-    cfg = FetchConfig(allow_private=True, scheme="http", plc_url=fleet.fleet.plc_url, timeout_s=10.0,
-                      retries=1, backoff_s=0.05, host_rate=500.0, **fetch)
-    return JobConfig(db_url=url, run_id=run_id or f"t-{uuid.uuid4().hex[:8]}", fetch=cfg, write_batch=7,
-                     partitions=2)

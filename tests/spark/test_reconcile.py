@@ -7,7 +7,7 @@ from typing import Any
 from spark.db import connect_db
 from spark.reconcile import compare_entry, run_reconcile
 from spark.repo_check import StoredAccount
-from tests.spark.conftest import FleetThread, job_config, seed_relay
+from tests.spark.helpers import FleetThread, job_config, seed_relay
 
 
 def _snapshot(url: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

@@ -1,0 +1,153 @@
+"""resync against simulator hosts in real Spark local mode, and the relay side of its #sync."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from backfill.sequencer import Sequencer
+from backfill.store import open_store
+from backfill.types import SequencedEvent
+from mst.car import read_car
+from mst.cbor import decode, decode_prefix
+from mst.cid import cid_str
+from spark.db import connect_db
+from spark.outbox import drain_repair_outbox
+from spark.relaydb import AccountFilter, ResultRow, write_results
+from spark.resync import run_resync
+from tests.spark.helpers import FleetThread, job_config, seed_relay
+
+
+def _tamper(fleet: FleetThread, acct: Any) -> None:
+    """Make the host serve a repository with one record block altered (its hash no longer matches)."""
+    path, cid = sorted(acct.repo.records().items())[0]
+    original = acct.repo.export_car
+    car = original()
+    raw = bytes(read_car(car).blocks[cid])
+    assert b"app.bsky" in raw and car.count(raw) == 1
+    tampered = car.replace(raw, raw.replace(b"app.bsky", b"app.bskz", 1))
+    acct.repo.export_car = lambda: tampered
+
+
+def _accounts(url: str) -> dict[str, dict[str, Any]]:
+    with connect_db(url) as db:
+        return {r["did"]: r for r in db.fetch(
+            "SELECT did, host, upstream_status, rev, commit_cid, data_cid, sync_state FROM accounts")}
+
+
+def _outbox(url: str) -> list[dict[str, Any]]:
+    with connect_db(url) as db:
+        return db.fetch("SELECT id, kind, did, rev, commit_cid, blocks FROM spark_repair_outbox ORDER BY id")
+
+
+def _results(url: str, run_id: str) -> dict[str, tuple[str, str | None]]:
+    with connect_db(url) as db:
+        rows = db.fetch("SELECT did, outcome, reason FROM spark_job_results WHERE run_id = ?", run_id)
+    return {r["did"]: (r["outcome"], r["reason"]) for r in rows}
+
+
+async def _drain_through_sequencer(url: str) -> tuple[int, list[SequencedEvent]]:
+    published: list[SequencedEvent] = []
+
+    async def publish(events: list[SequencedEvent]) -> None:
+        published.extend(events)
+
+    store = await open_store(url)
+    try:
+        async with Sequencer(store, publish) as sequencer:
+            drained = await drain_repair_outbox(url, sequencer.submit)
+        stored = await store.read_after(0)
+    finally:
+        await store.close()
+    assert [e.seq for e in stored] == [e.seq for e in published]
+    return drained, stored
+
+
+def test_resync_verifies_detects_tampering_and_repairs_divergence(
+    spark_session: Any, fleet: FleetThread, relay_db: str
+) -> None:
+    accounts = fleet.fleet.accounts
+    tampered, diverged, flagged = accounts[0], accounts[1], accounts[2]
+    seed_relay(relay_db, fleet)
+    fleet.call(_tamper, fleet, tampered)
+    # the host moved on without the relay seeing it: the stored state is stale
+    fleet.call(lambda: diverged.repo.apply_writes([]))
+    # the relay's own validation flagged an account whose state is in fact right
+    with connect_db(relay_db) as db:
+        db.execute("UPDATE accounts SET sync_state = 'desynchronized' WHERE did = ?", flagged.did)
+
+    cfg = job_config(relay_db, fleet)
+    summary = run_resync(spark_session, cfg, AccountFilter())
+
+    assert summary["totals"] == {"ok": 17, "repaired": 2, "failed": 1}
+    results = _results(relay_db, cfg.run_id)
+    assert len(results) == 20
+    assert results[tampered.did] == ("failed", "car_hash_mismatch")
+    assert results[diverged.did] == ("repaired", "state_diverged")
+    assert results[flagged.did] == ("repaired", "desync_cleared")
+    with connect_db(relay_db) as db:
+        sizes = db.fetch("SELECT did, records, bytes FROM spark_job_results WHERE run_id = ? AND outcome = 'ok'",
+                         cfg.run_id)
+    truth = fleet.call(lambda: {a.did: len(a.repo.records()) for a in accounts})
+    assert all(r["records"] == truth[r["did"]] and r["bytes"] > 0 for r in sizes)
+
+    # the repaired account's stored state is now the host's verified state
+    stored = _accounts(relay_db)
+    head, rev, data = fleet.call(lambda: (cid_str(diverged.repo.head), diverged.repo.rev,
+                                          cid_str(diverged.repo.data_root)))
+    assert (stored[diverged.did]["commit_cid"], stored[diverged.did]["rev"],
+            stored[diverged.did]["data_cid"], stored[diverged.did]["sync_state"]) == (head, rev, data, "synced")
+    assert stored[flagged.did]["sync_state"] == "synced"
+    assert stored[tampered.did]["sync_state"] == "synced"  # a bad download changes nothing
+
+    outbox = _outbox(relay_db)
+    assert sorted(r["did"] for r in outbox) == sorted([diverged.did, flagged.did])
+    sync_row = next(r for r in outbox if r["did"] == diverged.did)
+    car = read_car(bytes(sync_row["blocks"]))
+    assert [cid_str(c) for c in car.roots] == [head] and len(car.blocks) == 1
+    assert decode(bytes(next(iter(car.blocks.values()))))["rev"] == rev
+
+    # the relay drains the outbox through its sequencer: one durable #sync per repaired account
+    drained, events = asyncio.run(_drain_through_sequencer(relay_db))
+    assert drained == 2
+    assert [e.kind for e in events] == ["#sync", "#sync"]
+    bodies = {}
+    for event in events:
+        header, used = decode_prefix(event.frame)
+        assert header == {"op": 1, "t": "#sync"}
+        body = decode(event.frame[used:])
+        bodies[body["did"]] = body
+        assert body["seq"] == event.seq
+    assert bodies[diverged.did]["rev"] == rev
+    assert bytes(bodies[diverged.did]["blocks"]) == bytes(sync_row["blocks"])
+    assert asyncio.run(_drain_through_sequencer(relay_db))[0] == 0  # consumed exactly once
+
+    # a fresh run changes nothing: repaired accounts are ok now, nothing new is queued
+    before_accounts, before_outbox = _accounts(relay_db), _outbox(relay_db)
+    cfg2 = job_config(relay_db, fleet)
+    again = run_resync(spark_session, cfg2, AccountFilter())
+    assert again["totals"] == {"ok": 19, "failed": 1}
+    assert _accounts(relay_db) == before_accounts
+    assert _outbox(relay_db) == before_outbox
+
+    # rerunning the same run id resumes it: every repository is finished, nothing is fetched
+    resumed = run_resync(spark_session, cfg2, AccountFilter())
+    assert resumed["selected_this_pass"] == 0 and resumed["this_pass"] == {}
+    assert resumed["totals"] == again["totals"]
+
+
+def test_resync_resumes_an_interrupted_run_and_filters_by_host(
+    spark_session: Any, fleet: FleetThread, relay_db: str
+) -> None:
+    seed_relay(relay_db, fleet)
+    host0 = fleet.fleet.hosts[0].hostname
+    on_host0 = sorted(a.did for a in fleet.fleet.accounts if a.host.hostname == host0)
+    cfg = job_config(relay_db, fleet)
+    # an earlier attempt of this run finished three repositories before it was interrupted
+    with connect_db(relay_db) as db:
+        write_results(db, cfg.run_id, "resync", [ResultRow(d, host0, "ok") for d in on_host0[:3]])
+    summary = run_resync(spark_session, cfg, AccountFilter(hosts=(host0,)))
+    assert summary["selected_this_pass"] == len(on_host0) - 3
+    assert summary["this_pass"] == {"ok": len(on_host0) - 3}
+    assert summary["totals"] == {"ok": len(on_host0)}
+    assert set(_results(relay_db, cfg.run_id)) == set(on_host0)

@@ -1,0 +1,124 @@
+"""Executor-side pieces without Spark: JSON form of records, the judgement, SSRF check, fetches
+against a real simulated host, DID resolution from the simulated PLC directory, DB URL handling."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+from mst.cid import cid_for_cbor, cid_str
+from spark.config import FetchConfig
+from spark.dagjson import record_json
+from spark.db import split_schema, to_dollar
+from spark.http import FetchError, HostFetcher, TokenBucket
+from spark.identity import IdentityClient, IdentityError
+from spark.repo_check import FetchedRepo, StoredAccount, judge
+from spark.ssrf import SsrfError, check_url
+from tests.spark.helpers import FleetThread
+
+
+def test_record_json_uses_link_and_bytes_forms() -> None:
+    cid = cid_for_cbor(b"\xa0")
+    text = record_json({"b": b"\x00\x01\xff", "a": cid, "n": [1, None, True], "s": "é"})
+    link = '{"$link":"' + cid_str(cid) + '"}'
+    assert text == '{"a":' + link + ',"b":{"$bytes":"AAH/"},"n":[1,null,true],"s":"é"}'
+
+
+def _fetched(rev: str, commit: str, data: str) -> FetchedRepo:
+    return FetchedRepo("did:plc:x", rev, commit, data, b"", {}, {}, 1)
+
+
+@pytest.mark.parametrize(
+    ("stored", "expected"),
+    [
+        (("3k2", "c1", "d1", "synced"), ("ok", None)),
+        (("3k2", "c1", "d1", "desynchronized"), ("repaired", "desync_cleared")),
+        ((None, None, None, "desynchronized"), ("repaired", "state_missing")),
+        (("3k1", "c0", "d0", "synced"), ("repaired", "state_diverged")),
+        (("3k2", "c1", "dX", "synced"), ("repaired", "state_diverged")),
+        (("3k3", "c9", "d9", "synced"), ("ok", "relay_ahead")),
+    ],
+)
+def test_judge(stored: tuple, expected: tuple) -> None:
+    rev, commit, data, state = stored
+    verdict = judge(StoredAccount("did:plc:x", "h", rev, commit, data, state), _fetched("3k2", "c1", "d1"))
+    assert (verdict.outcome, verdict.reason) == expected
+
+
+def test_ssrf_check() -> None:
+    with pytest.raises(SsrfError) as exc:
+        check_url("http://127.0.0.1:1234/x")
+    assert exc.value.reason == "private_address"
+    check_url("http://127.0.0.1:1234/x", allow_private=True)
+    for url, reason in [("ftp://example.com/", "bad_scheme"), ("http://u:p@example.com/", "userinfo_not_allowed"),
+                        ("http://[::1]:80/", "private_address"), ("http://10.1.2.3/", "private_address"),
+                        ("http://169.254.169.254/latest", "private_address"), ("http://:80/", "bad_url")]:
+        with pytest.raises(SsrfError) as exc:
+            check_url(url)
+        assert exc.value.reason == reason, url
+
+
+def test_token_bucket_limits_rate() -> None:
+    bucket = TokenBucket(rate=50.0, burst=1.0)
+    start = time.monotonic()
+    for _ in range(6):
+        bucket.acquire()
+    assert time.monotonic() - start >= 5 / 50.0 * 0.9
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_fetch_errors_are_typed(fleet: FleetThread) -> None:
+    host = fleet.fleet.hosts[0]
+    cfg = FetchConfig(allow_private=True, timeout_s=5.0, retries=1, backoff_s=0.01, host_rate=1000.0)
+    with HostFetcher(host.url, cfg) as fetcher:
+        listing = fetcher.get("/xrpc/com.atproto.sync.listRepos").json()
+        assert len(listing["repos"]) == 10
+        with pytest.raises(FetchError) as exc:
+            fetcher.get("/xrpc/com.atproto.sync.getRepo", {"did": "did:plc:aaaaaaaaaaaaaaaaaaaaaaaa"})
+        assert exc.value.reason == "repo_not_found"
+        did = listing["repos"][0]["did"]
+        with pytest.raises(FetchError) as exc:
+            fetcher.get("/xrpc/com.atproto.sync.getRepo", {"did": did}, max_bytes=100)
+        assert exc.value.reason == "too_large"
+        with pytest.raises(FetchError) as exc:
+            fetcher.get("/xrpc/no.such.method")
+        assert exc.value.reason == "http_404"
+    with HostFetcher(host.url, FetchConfig()) as guarded:  # loopback is refused by default
+        with pytest.raises(FetchError) as exc:
+            guarded.get("/xrpc/com.atproto.sync.listRepos")
+        assert exc.value.reason == "ssrf_private_address"
+    with HostFetcher(f"http://127.0.0.1:{_closed_port()}", cfg) as dead:
+        with pytest.raises(FetchError) as exc:
+            dead.get("/xrpc/_health")
+        assert exc.value.reason == "connect_error"
+
+
+def test_identity_from_simulated_plc(fleet: FleetThread) -> None:
+    acct = fleet.fleet.accounts[0]
+    client = IdentityClient(FetchConfig(allow_private=True, plc_url=fleet.fleet.plc_url, retries=0))
+    try:
+        ident = client.resolve(acct.did)
+        assert ident.signing_key == "did:key:" + acct.key.multibase
+        assert ident.pds == acct.host.url
+        with pytest.raises(IdentityError) as exc:
+            client.resolve("did:plc:aaaaaaaaaaaaaaaaaaaaaaaa")
+        assert exc.value.reason == "did_not_found"
+        with pytest.raises(IdentityError) as exc:
+            client.resolve("did:example:123")
+        assert exc.value.reason == "unsupported_did_method"
+    finally:
+        client.close()
+
+
+def test_db_url_helpers() -> None:
+    assert to_dollar("a = ? AND b IN (?, ?)") == "a = $1 AND b IN ($2, $3)"
+    assert split_schema("postgresql://u@h:5432/db?schema=s1&sslmode=disable") == (
+        "postgresql://u@h:5432/db?sslmode=disable", "s1")
+    assert split_schema("postgresql://u@h/db") == ("postgresql://u@h/db", None)
