@@ -1,0 +1,114 @@
+"""``relay admin …``: call a running relay's admin API.
+
+    relay admin [--url URL] [--token TOKEN] hosts
+    relay admin add-host HOSTNAME [--account-limit N] [--trusted]
+    relay admin block HOSTNAME | unblock HOSTNAME
+    relay admin limits HOSTNAME [--account-limit N] [--trusted | --untrusted]
+    relay admin reset-cursor HOSTNAME [--cursor N]
+    relay admin bans | ban DOMAIN | unban DOMAIN
+    relay admin takedown DID | reverse-takedown DID | account DID
+    relay admin consumers
+    relay admin crawling [on|off]
+
+``--url`` defaults to ``http://$RELAY_BIND`` (127.0.0.1:2470), ``--token`` to ``$RELAY_ADMIN_TOKEN``.
+Prints the JSON answer; exit status 0 on success, 1 on an error answer, 2 on usage errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="relay admin", description="Call a running relay's admin API.")
+    p.add_argument("--url", default=None, help="relay base URL [default http://$RELAY_BIND]")
+    p.add_argument("--token", default=None, help="admin token [env RELAY_ADMIN_TOKEN]")
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("hosts", help="list hosts")
+    a = sub.add_parser("add-host", help="add (and subscribe to) a host")
+    a.add_argument("hostname")
+    a.add_argument("--account-limit", type=int, default=None)
+    a.add_argument("--trusted", action="store_true")
+    for name in ("block", "unblock"):
+        sub.add_parser(name, help=f"{name} a host").add_argument("hostname")
+    limits = sub.add_parser("limits", help="change a host's account limit / trust")
+    limits.add_argument("hostname")
+    limits.add_argument("--account-limit", type=int, default=None)
+    trust = limits.add_mutually_exclusive_group()
+    trust.add_argument("--trusted", dest="trusted", action="store_const", const=True, default=None)
+    trust.add_argument("--untrusted", dest="trusted", action="store_const", const=False)
+    reset = sub.add_parser("reset-cursor", help="resubscribe to a host from a given upstream seq")
+    reset.add_argument("hostname")
+    reset.add_argument("--cursor", type=int, default=0)
+    sub.add_parser("bans", help="list domain bans")
+    sub.add_parser("ban", help="ban a domain (and every host under it)").add_argument("domain")
+    sub.add_parser("unban", help="lift a domain ban").add_argument("domain")
+    for name in ("takedown", "reverse-takedown", "account"):
+        sub.add_parser(name, help=f"{name} an account").add_argument("did")
+    sub.add_parser("consumers", help="list connected consumers")
+    crawl = sub.add_parser("crawling", help="show or switch public requestCrawl")
+    crawl.add_argument("state", nargs="?", choices=["on", "off"])
+    return p
+
+
+def request_for(ns: argparse.Namespace) -> tuple[str, str, dict[str, Any] | None]:
+    """(method, path, json body) for the parsed command."""
+    c = ns.command
+    host = quote(getattr(ns, "hostname", "") or "", safe="")
+    if c == "hosts":
+        return "GET", "/admin/hosts", None
+    if c == "add-host":
+        return "POST", "/admin/hosts", {"hostname": ns.hostname, "account_limit": ns.account_limit,
+                                        "trusted": ns.trusted}
+    if c in ("block", "unblock"):
+        return "POST", f"/admin/hosts/{host}/{c}", None
+    if c == "limits":
+        return "POST", f"/admin/hosts/{host}/limits", {"account_limit": ns.account_limit, "trusted": ns.trusted}
+    if c == "reset-cursor":
+        return "POST", f"/admin/hosts/{host}/reset-cursor", {"cursor": ns.cursor}
+    if c == "bans":
+        return "GET", "/admin/domain-bans", None
+    if c == "ban":
+        return "POST", "/admin/domain-bans", {"domain": ns.domain}
+    if c == "unban":
+        return "DELETE", f"/admin/domain-bans/{quote(ns.domain, safe='')}", None
+    if c in ("takedown", "reverse-takedown"):
+        return "POST", f"/admin/accounts/{quote(ns.did, safe=':')}/{c}", None
+    if c == "account":
+        return "GET", f"/admin/accounts/{quote(ns.did, safe=':')}", None
+    if c == "consumers":
+        return "GET", "/admin/consumers", None
+    if c == "crawling":
+        if ns.state is None:
+            return "GET", "/admin/crawling", None
+        return "POST", "/admin/crawling", {"enabled": ns.state == "on"}
+    raise ValueError(c)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    url = (ns.url or "http://" + os.environ.get("RELAY_BIND", "127.0.0.1:2470")).rstrip("/")
+    token = ns.token if ns.token is not None else os.environ.get("RELAY_ADMIN_TOKEN", "")
+    method, path, body = request_for(ns)
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    try:
+        resp = httpx.request(method, url + path, json=body, headers=headers, timeout=30)
+    except httpx.HTTPError as exc:
+        print(f"relay admin: cannot reach {url}: {exc}", file=sys.stderr)
+        return 1
+    try:
+        print(json.dumps(resp.json(), indent=2))
+    except ValueError:
+        print(resp.text)
+    return 0 if resp.status_code < 400 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,487 @@
+"""Ingest: upstream frames → identity and host binding → validation → the sequencer.
+
+One ``HostSubscriber`` (``firehose.subscriber``) per active host feeds ``on_frame`` in upstream
+order. For each frame:
+
+* ``#commit`` / ``#sync``: the account's DID is resolved (cached) and must be hosted by the host
+  that sent the frame; on a mismatch the identity is re-resolved once (this also follows account
+  migrations) and the frame is rejected (``wrong_host``) if it still does not match. Accounts over
+  the host's account limit are held as ``throttled`` (state kept, nothing redistributed, resynced
+  when the limit is raised). Inactive accounts (upstream status or local takedown) are not
+  redistributed. Otherwise ``firehose.validate`` judges the frame against the account's state:
+  accept → sequenced with the new state; ignore/reject → counted under their reason; desync →
+  the account is marked ``desynchronized`` and queued for ``relay.resync``. Commits arriving while
+  an account is being resynchronized are buffered and judged after the resync (``finish_resync``).
+* ``#identity``: the identity cache entry is purged and re-resolved; the handle is passed on only
+  when it resolves back to the DID.
+* ``#account``: the upstream status is stored; the relay emits ``#account`` with the combined
+  status (a local takedown wins).
+
+Account state is kept in a bounded in-memory map (write-through to the store via the sequencer)
+so consecutive commits of one account are judged against the newest state even before the
+previous one is durable. The upstream cursor advances only when the sequencer has made the
+frame's effects durable (``HostSubscriber.ack`` after the sequencer resolves).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from backfill.sequencer import Sequencer
+from backfill.store import Store
+from backfill.types import AccountState, HostState, PendingEvent
+from firehose.subscriber import HostSubscriber, SubscriberConfig, UpstreamFrame
+from mst.syntax import is_valid_did
+from relay.accounts import account_event_body
+from relay.config import RelayConfig
+from relay.hosts import HostManager, host_base_url
+from relay.identity import Identity, IdentityError, IdentityResolver
+from relay.jsonlog import fields
+from relay.metrics import RelayMetrics
+from relay.validation import Judgement, judge
+
+log = logging.getLogger("relay.ingest")
+
+#: Frames buffered per account while it is being resynchronized (older ones are covered by it).
+MAX_BUFFER_PER_ACCOUNT = 1000
+UNTRUSTED_RATE_LIMITS = [(500.0, 1.0), (500_000.0, 3600.0), (5_000_000.0, 86400.0)]
+
+
+def _did_of(kind: str, body: dict[str, Any]) -> str | None:
+    did = body.get("repo") if kind == "#commit" else body.get("did")
+    return did if isinstance(did, str) and is_valid_did(did) else None
+
+
+@dataclasses.dataclass(slots=True)
+class _HostRun:
+    subscriber: HostSubscriber
+    task: asyncio.Task[None]
+    last_frame: float = 0.0
+
+
+class Ingest:
+    """Owns the upstream subscribers and the per-account judgement."""
+
+    def __init__(self, *, store: Store, sequencer: Sequencer, identity: IdentityResolver,
+                 hosts: HostManager, metrics: RelayMetrics, config: RelayConfig,
+                 state_cache_size: int = 200_000) -> None:
+        self.store = store
+        self.sequencer = sequencer
+        self.identity = identity
+        self.hosts = hosts
+        self.metrics = metrics
+        self.config = config
+        self.resync: Callable[[str, str | None], Awaitable[None]] | None = None
+        self._runs: dict[str, _HostRun] = {}
+        self._states: OrderedDict[str, AccountState] = OrderedDict()
+        self._state_cache_size = state_cache_size
+        self._buffers: dict[str, list[tuple[str, UpstreamFrame]]] = {}
+        self._host_counts: dict[str, int] = {}
+        self._pending_cursor: dict[str, int] = {}
+        self._acks: set[asyncio.Task[None]] = set()
+        self._closed = False
+
+    # -- subscribers ----------------------------------------------------------------------
+    def subscriber_config(self, host: HostState) -> SubscriberConfig:
+        if self.hosts.is_trusted(host):
+            limits: list[tuple[float, float]] = []
+        else:
+            limits = list(UNTRUSTED_RATE_LIMITS)
+            for i, (value, window) in enumerate(((host.rate_limit_per_second, 1.0),
+                                                 (host.rate_limit_per_hour, 3600.0),
+                                                 (host.rate_limit_per_day, 86400.0))):
+                if value:
+                    limits[i] = (float(value), window)
+        return SubscriberConfig(rate_limits=limits, backoff_max=30.0)
+
+    async def start_host(self, host: HostState) -> None:
+        """Start following ``host`` from its durable cursor (no-op when already running)."""
+        if self._closed or host.status == "banned":
+            return
+        run = self._runs.get(host.hostname)
+        if run is not None and not run.task.done():
+            return
+        cursor = await self.store.host_cursor(host.hostname)
+        url = host_base_url(host.hostname, insecure=self.config.allow_insecure_hosts, websocket=True)
+        subscriber = HostSubscriber(url, self._make_on_frame(host.hostname), cursor=cursor or None,
+                                    config=self.subscriber_config(host),
+                                    on_cursor_reset=self._make_on_reset(host.hostname))
+        task = asyncio.create_task(self._run_host(host.hostname, subscriber), name=f"host:{host.hostname}")
+        self._runs[host.hostname] = _HostRun(subscriber, task)
+        if host.status not in ("active", "throttled"):
+            await self.store.set_host_status(host.hostname, "active")
+        log.info("subscribing", extra=fields(host=host.hostname, cursor=cursor))
+
+    async def _run_host(self, hostname: str, subscriber: HostSubscriber) -> None:
+        try:
+            await subscriber.run()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("subscriber crashed", extra=fields(host=hostname))
+
+    async def stop_host(self, hostname: str) -> None:
+        run = self._runs.pop(hostname, None)
+        if run is None:
+            return
+        await run.subscriber.stop()
+        run.task.cancel()
+        try:
+            await run.task
+        except (asyncio.CancelledError, Exception):
+            pass
+
+    async def start_all(self) -> None:
+        """Resume every non-banned host from its persisted cursor."""
+        after: str | None = None
+        while True:
+            page = await self.store.list_hosts(after=after, limit=500)
+            for host in page:
+                if host.status != "banned":
+                    await self.start_host(host)
+            if len(page) < 500:
+                return
+            after = page[-1].hostname
+
+    async def close(self) -> None:
+        self._closed = True
+        for hostname in list(self._runs):
+            await self.stop_host(hostname)
+        for task in list(self._acks):
+            task.cancel()
+
+    def subscriber(self, hostname: str) -> HostSubscriber | None:
+        run = self._runs.get(hostname)
+        return run.subscriber if run else None
+
+    async def watch_hosts(self, *, idle_after: float = 1800.0, offline_after: int = 5) -> None:
+        """Derive idle/offline/active host statuses from the subscribers (call periodically)."""
+        now = time.monotonic()
+        for hostname, run in list(self._runs.items()):
+            host = await self.store.get_host(hostname)
+            if host is None or host.status in ("banned", "throttled"):
+                continue
+            sub = run.subscriber
+            if sub.connected.is_set():
+                status = "idle" if run.last_frame and now - run.last_frame > idle_after else "active"
+            elif sub.counters.get("connection_failed", 0) >= offline_after and not sub.connected.is_set():
+                status = "offline"
+            else:
+                continue
+            if status != host.status:
+                await self.store.set_host_status(hostname, status)
+                log.info("host status", extra=fields(host=hostname, status=status))
+
+    def _make_on_frame(self, hostname: str) -> Callable[[UpstreamFrame], Awaitable[None]]:
+        async def on_frame(uf: UpstreamFrame) -> None:
+            run = self._runs.get(hostname)
+            if run is not None:
+                run.last_frame = time.monotonic()
+            await self.handle(hostname, uf)
+
+        return on_frame
+
+    def _make_on_reset(self, hostname: str) -> Callable[[int | None, str], Awaitable[None]]:
+        async def on_reset(old: int | None, reason: str) -> None:
+            self.metrics.verdicts.labels(kind="host", reason=reason).inc()
+            await self.store.set_host_cursor(hostname, 0)
+
+        return on_reset
+
+    # -- account state --------------------------------------------------------------------
+    async def account(self, did: str) -> AccountState | None:
+        state = self._states.get(did)
+        if state is not None:
+            self._states.move_to_end(did)
+            return state
+        state = await self.store.get_account(did)
+        if state is not None:
+            self._remember(state)
+        return state
+
+    def _remember(self, state: AccountState) -> None:
+        self._states[state.did] = state
+        self._states.move_to_end(state.did)
+        while len(self._states) > self._state_cache_size:
+            self._states.popitem(last=False)
+
+    def forget(self, did: str) -> None:
+        """Drop the in-memory state (after an out-of-band change, e.g. a Spark repair)."""
+        self._states.pop(did, None)
+
+    async def _host_account_count(self, hostname: str) -> int:
+        if hostname not in self._host_counts:
+            self._host_counts[hostname] = await self.store.count_accounts(hostname)
+        return self._host_counts[hostname]
+
+    # -- per frame ------------------------------------------------------------------------
+    def _count(self, kind: str, reason: str) -> None:
+        self.metrics.verdicts.labels(kind=kind, reason=reason).inc()
+
+    async def handle(self, hostname: str, uf: UpstreamFrame) -> None:
+        """Judge one upstream frame; never raises for bad input (it is counted instead)."""
+        kind = uf.frame.t or ""
+        self.metrics.events_in.labels(host=hostname, type=kind).inc()
+        received = time.monotonic()
+        body = uf.frame.body
+        did = _did_of(kind, body)
+        if did is None:
+            self._count("reject", "bad_did")
+            await self._skip(hostname, uf.seq)
+            return
+        try:
+            if kind in ("#commit", "#sync"):
+                event = await self._repo_event(hostname, kind, did, uf)
+            elif kind == "#identity":
+                event = await self._identity_event(hostname, did, uf)
+            elif kind == "#account":
+                event = await self._account_event(hostname, did, uf)
+            else:
+                self._count("ignore", "unknown_type")
+                event = None
+        except IdentityError as exc:
+            self._count("reject", f"identity_{exc.reason}")
+            event = None
+        if event is None:
+            await self._skip(hostname, uf.seq)
+            return
+        await self._submit(hostname, uf.seq, event, received)
+
+    async def _skip(self, hostname: str, upstream_seq: int) -> None:
+        """A frame that produced no event: remember its seq; persist the cursor now and then."""
+        self._pending_cursor[hostname] = upstream_seq
+        sub = self.subscriber(hostname)
+        acked = sub.cursor if sub is not None else None
+        if acked is None or upstream_seq - acked >= 100:
+            await self.sequencer.advance_cursor(hostname, upstream_seq)
+            if sub is not None:
+                sub.ack(upstream_seq)
+            self._pending_cursor.pop(hostname, None)
+
+    async def _submit(self, hostname: str, upstream_seq: int, event: PendingEvent, received: float) -> None:
+        event.host = hostname
+        event.upstream_seq = upstream_seq
+        self._pending_cursor.pop(hostname, None)
+        future = await self.sequencer.enqueue(event)
+        task = asyncio.create_task(self._await_durable(hostname, upstream_seq, event, future, received))
+        self._acks.add(task)
+        task.add_done_callback(self._acks.discard)
+
+    async def _await_durable(self, hostname: str, upstream_seq: int, event: PendingEvent,
+                             future: asyncio.Future[Any], received: float) -> None:
+        try:
+            result = await future
+        except Exception as exc:
+            # Nothing of the batch was stored: drop our optimistic state so it is reloaded, and
+            # do not ack (the frame is re-delivered after a reconnect/restart).
+            self.forget(event.did)
+            log.warning("sequencing failed", extra=fields(host=hostname, did=event.did, error=str(exc)))
+            return
+        sub = self.subscriber(hostname)
+        if sub is not None:
+            sub.ack(upstream_seq)
+        if result is None:
+            self._count("ignore", "already_sequenced")
+            return
+        self.metrics.events_out.labels(type=event.kind).inc()
+        self.metrics.current_seq.set(result.seq)
+        self.metrics.lag.observe(time.monotonic() - received)
+
+    async def _resolve_for_host(self, did: str, hostname: str) -> Identity | None:
+        """The identity if ``hostname`` is the account's PDS (after one fresh re-resolution)."""
+        ident = await self.identity.resolve(did)
+        if ident.pds_hostname == hostname:
+            return ident
+        ident = await self.identity.resolve(did, fresh=True)
+        return ident if ident.pds_hostname == hostname else None
+
+    async def _admit_account(self, hostname: str, did: str, state: AccountState | None) -> AccountState | None:
+        """State for an account seen on ``hostname``; None when it is held as throttled."""
+        if state is not None and state.host == hostname:
+            return state
+        if state is not None:  # migrated here (the DID document says so): rebind
+            state = dataclasses.replace(state, host=hostname)
+            self._remember(state)
+            return state
+        host = await self.store.get_host(hostname)
+        limit = self.hosts.account_limit(host) if host is not None else self.config.default_account_limit
+        count = await self._host_account_count(hostname)
+        if limit is not None and count >= limit:
+            held = AccountState(did=did, host=hostname, sync_state="throttled", updated_at=time.time())
+            await self.store.upsert_account(held)
+            self._remember(held)
+            self._host_counts[hostname] = count + 1
+            if host is not None and host.status == "active":
+                await self.store.set_host_status(hostname, "throttled")
+            return None
+        self._host_counts[hostname] = count + 1
+        return AccountState(did=did, host=hostname)
+
+    async def _repo_event(self, hostname: str, kind: str, did: str, uf: UpstreamFrame) -> PendingEvent | None:
+        ident = await self._resolve_for_host(did, hostname)
+        if ident is None:
+            self._count("reject", "wrong_host")
+            return None
+        stored = await self.account(did)
+        if stored is not None and stored.sync_state == "throttled":
+            self._count("ignore", "account_throttled")
+            return None
+        new_account = stored is None
+        state = await self._admit_account(hostname, did, stored)
+        if state is None:
+            self._count("ignore", "account_throttled")
+            return None
+        if state.sync_state in ("desynchronized", "resyncing") and kind == "#commit":
+            buf = self._buffers.setdefault(did, [])
+            if len(buf) < MAX_BUFFER_PER_ACCOUNT:
+                buf.append((hostname, uf))
+                self._count("buffer", "resync_pending")
+            else:
+                self._count("ignore", "resync_buffer_full")
+            return None
+        if not state.active:
+            self._count("ignore", "account_inactive")
+            return None
+        verdict = judge(kind, uf.frame.body, None if new_account else state, ident.signing_key)
+        if verdict.kind == "reject" and verdict.reason == "bad_signature":
+            fresh = await self.identity.resolve(did, fresh=True)
+            if fresh.signing_key != ident.signing_key and fresh.pds_hostname == hostname:
+                verdict = judge(kind, uf.frame.body, None if new_account else state, fresh.signing_key)
+        return await self._apply(hostname, kind, did, state, verdict, uf)
+
+    async def _apply(self, hostname: str, kind: str, did: str, state: AccountState, verdict: Judgement,
+                     uf: UpstreamFrame) -> PendingEvent | None:
+        self._count(verdict.kind, verdict.reason)
+        if verdict.kind == "accept" and verdict.new_state is not None:
+            new_state = dataclasses.replace(verdict.new_state, host=hostname,
+                                            upstream_status=state.upstream_status,
+                                            local_status=state.local_status, updated_at=time.time())
+            if kind == "#sync" or verdict.reason == "sync_reset":
+                self._buffers.pop(did, None)
+                new_state.sync_state = "synced"
+            self._remember(new_state)
+            body = {k: v for k, v in uf.frame.body.items() if k != "seq"}
+            return PendingEvent(kind=kind, did=did, body=body, rev=new_state.rev, account=new_state)
+        if verdict.kind == "desync":
+            await self.mark_desynchronized(state, hostname)
+        return None
+
+    async def mark_desynchronized(self, state: AccountState, hostname: str | None) -> None:
+        marked = dataclasses.replace(state, sync_state="desynchronized", updated_at=time.time())
+        self._remember(marked)
+        await self.store.upsert_account(marked)
+        if self.resync is not None:
+            await self.resync(marked.did, hostname)
+
+    async def _identity_event(self, hostname: str, did: str, uf: UpstreamFrame) -> PendingEvent | None:
+        await self.identity.purge(did)
+        ident = await self.identity.resolve(did, fresh=True)
+        if ident.pds_hostname != hostname:
+            self._count("reject", "wrong_host")
+            return None
+        state = await self.account(did)
+        if state is not None and not state.active:
+            self._count("ignore", "account_inactive")
+            return None
+        body = {k: v for k, v in uf.frame.body.items() if k not in ("seq", "handle")}
+        handle = uf.frame.body.get("handle")
+        if isinstance(handle, str) and handle:
+            if await self.identity.verify_handle(handle.lower(), did):
+                body["handle"] = handle
+            else:
+                self._count("strip", "handle_not_verified")
+        self._count("accept", "ok")
+        return PendingEvent(kind="#identity", did=did, body=body)
+
+    async def _account_event(self, hostname: str, did: str, uf: UpstreamFrame) -> PendingEvent | None:
+        body = uf.frame.body
+        active = body.get("active")
+        status = body.get("status")
+        if not isinstance(active, bool) or (status is not None and not isinstance(status, str)):
+            self._count("reject", "bad_field_type")
+            return None
+        ident = await self._resolve_for_host(did, hostname)
+        if ident is None:
+            self._count("reject", "wrong_host")
+            return None
+        stored = await self.account(did)
+        state = await self._admit_account(hostname, did, stored)
+        if state is None:  # held: keep the status, emit nothing
+            held = await self.account(did)
+            if held is not None:
+                upstream = "active" if active else (status or "deactivated")
+                held = dataclasses.replace(held, upstream_status=upstream)
+                self._remember(held)
+                await self.store.upsert_account(held)
+            self._count("ignore", "account_throttled")
+            return None
+        upstream = "active" if active else (status or "deactivated")
+        new_state = dataclasses.replace(state, upstream_status=upstream, updated_at=time.time())
+        self._remember(new_state)
+        out = account_event_body(new_state)
+        if isinstance(body.get("time"), str):
+            out["time"] = body["time"]
+        self._count("accept", "ok")
+        return PendingEvent(kind="#account", did=did, body=out, account=new_state)
+
+    # -- resync hand-back -----------------------------------------------------------------
+    async def finish_resync(self, did: str, new_state: AccountState, sync_body: dict[str, Any]) -> None:
+        """Emit the ``#sync`` of a completed resync, then judge the commits buffered meanwhile."""
+        current = await self.account(did)
+        if current is not None:
+            new_state = dataclasses.replace(new_state, upstream_status=current.upstream_status,
+                                            local_status=current.local_status)
+        resyncing = dataclasses.replace(new_state, sync_state="resyncing")
+        self._remember(resyncing)
+        event = PendingEvent(kind="#sync", did=did, body=sync_body, rev=None,
+                             account=dataclasses.replace(new_state, sync_state="synced"))
+        if new_state.active:
+            await (await self.sequencer.enqueue(event))
+        else:
+            await self.store.upsert_account(event.account)  # type: ignore[arg-type]
+        state = dataclasses.replace(new_state, sync_state="synced")
+        while True:
+            buffered = self._buffers.get(did)
+            if not buffered:
+                break
+            origin, uf = buffered.pop(0)
+            self._remember(dataclasses.replace(state, sync_state="resyncing"))
+            if uf.frame.body.get("rev", "") <= (state.rev or ""):
+                self._count("ignore", "covered_by_resync")
+                continue
+            if not state.active:
+                continue
+            try:
+                ident = await self.identity.resolve(did)
+            except IdentityError as exc:
+                self._count("reject", f"identity_{exc.reason}")
+                continue
+            verdict = judge("#commit", uf.frame.body, state, ident.signing_key)
+            event2 = await self._apply(origin, "#commit", did, state, verdict, uf)
+            if verdict.kind == "desync":
+                return  # marked again; a new resync is queued
+            if event2 is not None and event2.account is not None:
+                state = dataclasses.replace(event2.account, sync_state="synced")
+                event2.account = state
+                await self._submit(origin, uf.seq, event2, time.monotonic())
+        self._buffers.pop(did, None)
+        self._remember(state)
+
+    async def set_local_status(self, did: str, local_status: str) -> AccountState:
+        """Operator takedown / reversal: store it and emit ``#account`` with the combined status."""
+        state = await self.account(did)
+        if state is None:
+            state = AccountState(did=did)
+        new_state = dataclasses.replace(state, local_status=local_status, updated_at=time.time())
+        self._remember(new_state)
+        await self.store.upsert_account(new_state)  # event upserts never touch local_status
+        await (await self.sequencer.enqueue(PendingEvent(kind="#account", did=did,
+                                                          body=account_event_body(new_state),
+                                                          account=new_state)))
+        return new_state

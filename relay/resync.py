@@ -1,0 +1,176 @@
+"""Resync: repair desynchronized (or released throttled) accounts from their PDS.
+
+A bounded pool of workers takes DIDs from a queue (each DID at most once in the queue). For
+each: re-resolve the identity (fresh), fetch ``com.atproto.sync.getRepo`` from the account's PDS
+through the SSRF-checked client (timeout, size limit), verify the whole repository with
+``mst.verify.verify_repo_car`` (signature, every block hash, full tree walk), then hand the new
+state and the ``#sync`` body (a CAR holding only the signed commit block) to
+``Ingest.finish_resync``, which sequences it and judges the commits buffered meanwhile.
+
+Failures are counted under ``relay_resyncs_total{result=<reason>}`` and retried with backoff
+(up to ``max_attempts``); the account stays ``desynchronized`` until a resync succeeds (or a valid
+upstream ``#sync`` arrives). ``getRepoStatus`` reports ``desynchronized`` meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from urllib.parse import quote
+
+import httpx
+
+from backfill.store import Store
+from backfill.types import AccountState
+from relay.accounts import now_iso
+from relay.config import RelayConfig
+from relay.hosts import host_base_url
+from relay.identity import IdentityError, IdentityResolver
+from relay.jsonlog import fields
+from relay.metrics import RelayMetrics
+from relay.ssrf import SafeClient, SSRFError
+
+log = logging.getLogger("relay.resync")
+
+MAX_REPO_BYTES = 512 * 1024 * 1024
+
+
+class ResyncFailed(Exception):
+    def __init__(self, reason: str, message: str = "") -> None:
+        super().__init__(message or reason)
+        self.reason = reason
+
+
+class ResyncManager:
+    """Queue + worker pool. ``enqueue(did, host)`` is idempotent while the DID is pending."""
+
+    def __init__(self, *, store: Store, identity: IdentityResolver, safe: SafeClient, metrics: RelayMetrics,
+                 config: RelayConfig, workers: int = 4, max_attempts: int = 5,
+                 retry_base: float = 2.0, max_repo_bytes: int = MAX_REPO_BYTES) -> None:
+        self.store = store
+        self.identity = identity
+        self.safe = safe
+        self.metrics = metrics
+        self.config = config
+        self.workers = max(1, workers)
+        self.max_attempts = max_attempts
+        self.retry_base = retry_base
+        self.max_repo_bytes = max_repo_bytes
+        self.ingest = None  # set by the service: relay.ingest.Ingest
+        self._queue: asyncio.Queue[tuple[str, str | None, int]] = asyncio.Queue()
+        self._pending: set[str] = set()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    async def start(self) -> None:
+        """Start the workers and requeue accounts left desynchronized by a previous run."""
+        self._tasks = [asyncio.create_task(self._worker(), name=f"resync-{i}") for i in range(self.workers)]
+        for sync_state in ("desynchronized", "resyncing"):
+            for state in await self.store.accounts_by_sync_state(sync_state, limit=100_000):
+                await self.enqueue(state.did, state.host)
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):
+                pass
+        self._tasks = []
+
+    async def enqueue(self, did: str, host: str | None, attempt: int = 0) -> None:
+        if did in self._pending and attempt == 0:
+            return
+        self._pending.add(did)
+        self.metrics.resync_queue.set(len(self._pending))
+        await self._queue.put((did, host, attempt))
+
+    async def release_throttled(self, hostname: str) -> int:
+        """Queue every throttled account of ``hostname`` (its limit was raised)."""
+        count = 0
+        for state in await self.store.accounts_by_sync_state("throttled", limit=100_000):
+            if state.host == hostname:
+                if self.ingest is not None:
+                    self.ingest.forget(state.did)
+                await self.store.upsert_account(dataclasses.replace(state, sync_state="desynchronized"))
+                await self.enqueue(state.did, hostname)
+                count += 1
+        host = await self.store.get_host(hostname)
+        if host is not None and host.status == "throttled":
+            await self.store.set_host_status(hostname, "active")
+        return count
+
+    async def _worker(self) -> None:
+        while True:
+            did, host, attempt = await self._queue.get()
+            try:
+                await self.resync_one(did, host)
+                self.metrics.resyncs.labels(result="ok").inc()
+                self._pending.discard(did)
+            except ResyncFailed as exc:
+                self.metrics.resyncs.labels(result=exc.reason).inc()
+                log.info("resync failed", extra=fields(did=did, reason=exc.reason, attempt=attempt,
+                                                       error=str(exc)))
+                if attempt + 1 < self.max_attempts:
+                    asyncio.get_running_loop().call_later(
+                        self.retry_base * (2 ** attempt),
+                        lambda d=did, h=host, a=attempt: asyncio.ensure_future(self.enqueue(d, h, a + 1)))
+                else:
+                    self._pending.discard(did)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                self.metrics.resyncs.labels(result="internal_error").inc()
+                log.exception("resync crashed", extra=fields(did=did))
+                self._pending.discard(did)
+            finally:
+                self.metrics.resync_queue.set(len(self._pending))
+
+    async def resync_one(self, did: str, host: str | None) -> None:
+        """Fetch, verify and install the current repository of ``did``."""
+        from mst.car import write_car
+        from mst.crypto import parse_did_key
+        from mst.verify import verify_repo_car
+
+        try:
+            ident = await self.identity.resolve(did, fresh=True)
+        except IdentityError as exc:
+            raise ResyncFailed(f"identity_{exc.reason}", str(exc)) from None
+        pds = ident.pds or (host_base_url(host, insecure=self.config.allow_insecure_hosts) if host else None)
+        if not pds:
+            raise ResyncFailed("no_pds", "no PDS endpoint for the account")
+        url = f"{pds.rstrip('/')}/xrpc/com.atproto.sync.getRepo?did={quote(did, safe=':')}"
+        try:
+            status, car, _ = await self.safe.get(url, max_bytes=self.max_repo_bytes)
+        except SSRFError as exc:
+            raise ResyncFailed(exc.reason, str(exc)) from None
+        except httpx.HTTPError as exc:
+            raise ResyncFailed("fetch_failed", type(exc).__name__) from None
+        if status != 200:
+            raise ResyncFailed("fetch_failed", f"getRepo answered HTTP {status}")
+        try:
+            verified = await asyncio.to_thread(verify_repo_car, car, did, parse_did_key(ident.signing_key))
+        except Exception as exc:  # every verification failure is typed below mst; keep its reason
+            raise ResyncFailed(getattr(exc, "reason", "verify_failed"), str(exc)) from None
+        commit = verified.commit
+        stored = await self.store.get_account(did)
+        if stored is not None and stored.rev and commit.rev < stored.rev:
+            raise ResyncFailed("repo_older_than_stored", f"PDS rev {commit.rev} < stored {stored.rev}")
+        commit_block = verified.blocks[verified.commit_cid] if hasattr(verified, "blocks") else None
+        if commit_block is None:
+            raise ResyncFailed("verify_failed", "commit block missing")
+        sync_car = write_car([verified.commit_cid], [(verified.commit_cid, bytes(commit_block))])
+        base = stored or AccountState(did=did, host=ident.pds_hostname or host)
+        new_state = dataclasses.replace(base, host=ident.pds_hostname or host or base.host, rev=commit.rev,
+                                        commit_cid=str(verified.commit_cid), data_cid=str(commit.data),
+                                        sync_state="synced", updated_at=time.time())
+        body = {"did": did, "rev": commit.rev, "blocks": sync_car, "time": now_iso()}
+        assert self.ingest is not None, "ResyncManager.ingest must be set"
+        await self.ingest.finish_resync(did, new_state, body)
+        log.info("resynced", extra=fields(did=did, rev=commit.rev, records=len(verified.records)))

@@ -1,0 +1,98 @@
+"""``relay serve | ingest | fanout``: run the relay under uvicorn.
+
+With no configuration: SQLite under ``./data/``, in-process bus, 127.0.0.1:2470, migrations
+applied at start. Every setting is an environment variable with a matching flag (``--help``).
+Once listening, one JSON log line ``{"msg": "listening", "url": …}`` gives the bound address
+(useful with port 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import socket
+import sys
+
+from relay.config import ConfigError, RelayConfig, add_arguments
+from relay.jsonlog import fields, setup_logging
+
+log = logging.getLogger("relay.serve")
+
+
+def build_parser(role: str = "serve") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=f"relay {role}",
+        description="Run the AT Protocol relay. Every option can also be set with the environment "
+                    "variable named in its help.")
+    parser.add_argument("--role", choices=["serve", "ingest", "fanout"], default=role,
+                        help="serve = everything in one process; ingest / fanout = scale-out halves "
+                             "(need PostgreSQL and Redis)")
+    add_arguments(parser)
+    return parser
+
+
+def _bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+async def run(config: RelayConfig, role: str) -> None:
+    import uvicorn
+
+    from relay.service import RelayService
+
+    service = RelayService(config, role=role)
+    sock = _bind_socket(config.host, config.port)
+    await service.start()
+    server = uvicorn.Server(uvicorn.Config(service.build_app(), lifespan="off", ws="websockets-sansio",
+                                           log_config=None, access_log=False, ws_max_size=1 << 20,
+                                           timeout_graceful_shutdown=5))
+    host, port = sock.getsockname()[:2]
+    log.info("listening", extra=fields(url=f"http://{host}:{port}", role=role))
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
+    try:
+        server.config.setup_event_loop = lambda: None  # type: ignore[method-assign]
+        await server.serve(sockets=[sock])
+    finally:
+        await service.stop()
+        sock.close()
+        log.info("stopped")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    ns = parser.parse_args(args)
+    try:
+        config = RelayConfig.from_args(ns)
+    except ConfigError as exc:
+        print(f"relay: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(config.log_level)
+    try:
+        import uvloop
+
+        runner = uvloop.run
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux/macOS
+        runner = asyncio.run
+    try:
+        runner(run(config, ns.role))
+    except KeyboardInterrupt:
+        return 0
+    except Exception as exc:
+        log.error("relay failed to start", extra=fields(error=f"{type(exc).__name__}: {exc}"))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

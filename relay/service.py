@@ -1,0 +1,218 @@
+"""The relay as one object: wiring of store, sequencer, bus, broadcaster, ingest and HTTP.
+
+Roles:
+
+* ``serve``  — everything in one process (the embedded default: SQLite + in-process bus; with
+  ``RELAY_REDIS_URL`` the bus and identity cache go to Redis).
+* ``ingest`` — crawler, validation, sequencer (single writer: the store's writer lease, a
+  Postgres advisory lock, guarantees one active instance) + admin/requestCrawl/XRPC; publishes to
+  Redis Streams.
+* ``fanout`` — stateless: replays from the store and follows Redis Streams; serves
+  subscribeRepos and the read-only XRPC endpoints.
+
+``RelayService(config, role=…)``; ``await start()`` / ``await stop()``; ``build_app()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+from starlette.routing import BaseRoute, Route, WebSocketRoute
+
+from backfill.sequencer import Sequencer
+from backfill.store import Store, open_store
+from backfill.types import AccountState
+from firehose.broadcast import Broadcaster
+from firehose.bus import EventBus, InProcessBus, RedisStreamBus
+from relay.config import RelayConfig
+from relay.consumers import ConsumerRegistry, ConsumerTracking
+from relay.hosts import HostManager
+from relay.identity import IdentityCache, IdentityResolver, MemoryIdentityCache, RedisIdentityCache
+from relay.ingest import Ingest
+from relay.jsonlog import fields
+from relay.metrics import RelayMetrics
+from relay.resync import ResyncManager
+from relay.ssrf import AddressGuard, Resolver, SafeClient
+
+log = logging.getLogger("relay.service")
+
+ROLES = ("serve", "ingest", "fanout")
+VERSION = "0.1.0"
+
+
+class RelayService:
+    """See the module docstring. ``resolver`` replaces public DNS (tests)."""
+
+    def __init__(self, config: RelayConfig, *, role: str = "serve", resolver: Resolver | None = None,
+                 store_schema: str | None = None) -> None:
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r}")
+        self.config = config
+        self.role = role
+        self.version = VERSION
+        self.metrics = RelayMetrics()
+        self.consumers = ConsumerRegistry(self.metrics)
+        self.guard = AddressGuard(allow_insecure=config.allow_insecure_hosts, resolver=resolver)
+        self.safe = SafeClient(self.guard)
+        self.store_schema = store_schema
+        self.store: Store = None  # type: ignore[assignment]
+        self.bus: EventBus = None  # type: ignore[assignment]
+        self.sequencer: Sequencer | None = None
+        self.broadcaster: Broadcaster = None  # type: ignore[assignment]
+        self.identity: IdentityResolver = None  # type: ignore[assignment]
+        self.hosts: HostManager | None = None
+        self.ingest: Ingest | None = None
+        self.resync: ResyncManager | None = None
+        self._redis: Any = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # -- lifecycle ------------------------------------------------------------------------
+    async def start(self) -> None:
+        config = self.config
+        if self.role in ("ingest", "fanout") and not (config.uses_postgres and config.redis_url):
+            raise RuntimeError(f"role {self.role!r} needs RELAY_DATABASE_URL=postgresql://… and RELAY_REDIS_URL")
+        if not config.uses_postgres:
+            import os
+
+            parent = os.path.dirname(os.path.abspath(config.database_url))
+            os.makedirs(parent, exist_ok=True)
+        self.store = await open_store(config.database_url, schema=self.store_schema)
+        applied = await self.store.migrate()
+        if applied:
+            log.info("migrations applied", extra=fields(versions=applied))
+        cache: IdentityCache
+        if config.redis_url:
+            import redis.asyncio as aioredis
+
+            self._redis = aioredis.from_url(config.redis_url)
+            self.bus = RedisStreamBus(config.redis_url)
+            cache = RedisIdentityCache(self._redis)
+        else:
+            self.bus = InProcessBus()
+            cache = MemoryIdentityCache()
+        self.identity = IdentityResolver(plc_url=config.plc_url, safe_client=self.safe, cache=cache,
+                                         metrics=self.metrics, handle_resolver_url=config.handle_resolver_url)
+        self.broadcaster = Broadcaster(self.store, self.bus)
+        if self.role != "fanout":
+            self.sequencer = Sequencer(self.store, self.bus.publish, wait_for_lock=self.role == "ingest")
+            await self.sequencer.start()
+        await self.broadcaster.start()
+        if self.role == "fanout":
+            return
+        assert self.sequencer is not None
+        self.resync = ResyncManager(store=self.store, identity=self.identity, safe=self.safe,
+                                    metrics=self.metrics, config=config, workers=config.resync_workers)
+        self.hosts = HostManager(store=self.store, config=config, metrics=self.metrics, guard=self.guard,
+                                 safe=self.safe)
+        self.ingest = Ingest(store=self.store, sequencer=self.sequencer, identity=self.identity,
+                             hosts=self.hosts, metrics=self.metrics, config=config)
+        self.hosts.start_host = self.ingest.start_host
+        self.hosts.stop_host = self.ingest.stop_host
+        self.hosts.limit_raised = self._limit_raised
+        self.ingest.resync = self.resync.enqueue
+        self.resync.ingest = self.ingest
+        await self.resync.start()
+        await self.ingest.start_all()
+        self._tasks.append(asyncio.create_task(self._housekeeping(), name="housekeeping"))
+        log.info("relay started", extra=fields(role=self.role, **config.describe()))
+
+    async def _limit_raised(self, hostname: str) -> None:
+        assert self.resync is not None
+        await self.resync.release_throttled(hostname)
+
+    async def _housekeeping(self, interval: float = 5.0) -> None:
+        """Host status watch, retention trim, Spark repair outbox drain."""
+        ticks = 0
+        while True:
+            await asyncio.sleep(interval)
+            ticks += 1
+            try:
+                if self.ingest is not None:
+                    await self.ingest.watch_hosts()
+                if ticks % 12 == 0:
+                    await self.store.trim(older_than_seconds=self.config.replay_window)
+                await self._drain_outbox()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("housekeeping failed")
+
+    async def _drain_outbox(self) -> None:
+        if self.sequencer is None or self.ingest is None:
+            return
+        try:
+            from spark.outbox import drain_repair_outbox
+        except ImportError:
+            return
+        ingest, sequencer = self.ingest, self.sequencer
+
+        async def submit(event: Any) -> Any:
+            ingest.forget(event.did)
+            return await sequencer.submit(event)
+
+        with contextlib.suppress(Exception):  # the table exists only once spark's migration ran
+            await drain_repair_outbox(self.config.database_url, submit)
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks = []
+        if self.ingest is not None:
+            await self.ingest.close()
+        if self.resync is not None:
+            await self.resync.close()
+        if self.sequencer is not None:
+            with contextlib.suppress(Exception):
+                await self.sequencer.close()
+        if self.broadcaster is not None:
+            await self.broadcaster.close()
+        if self.bus is not None:
+            with contextlib.suppress(Exception):
+                await self.bus.close()
+        if self.identity is not None:
+            await self.identity.aclose()
+        await self.safe.aclose()
+        if self._redis is not None:
+            with contextlib.suppress(Exception):
+                await self._redis.aclose()
+        if self.store is not None:
+            await self.store.close()
+
+    # -- used by the app ------------------------------------------------------------------
+    def subscribe_routes(self) -> list[BaseRoute]:
+        from firehose.serve_asgi import SUBSCRIBE_REPOS_PATH, subscribe_repos_routes
+
+        routes = subscribe_repos_routes(self.broadcaster)
+        out: list[BaseRoute] = []
+        for route in routes:
+            if isinstance(route, WebSocketRoute):
+                out.append(WebSocketRoute(SUBSCRIBE_REPOS_PATH, ConsumerTracking(route.app, self.consumers)))
+            else:
+                assert isinstance(route, Route)
+                out.append(route)
+        return out
+
+    async def refresh_gauges(self) -> None:
+        with contextlib.suppress(Exception):
+            self.metrics.current_seq.set(await self.store.latest_seq())
+        if self.hosts is not None:
+            with contextlib.suppress(Exception):
+                await self.hosts.refresh_status_gauge()
+        if self.resync is not None:
+            self.metrics.resync_queue.set(self.resync.pending)
+
+    async def set_local_status(self, did: str, local_status: str) -> AccountState:
+        if self.ingest is None:
+            raise RuntimeError("takedowns are handled by the ingest process")
+        return await self.ingest.set_local_status(did, local_status)
+
+    def build_app(self):  # type: ignore[no-untyped-def]
+        from relay.app import build_app
+
+        return build_app(self)

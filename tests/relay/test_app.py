@@ -1,0 +1,175 @@
+"""The relay's HTTP surface over real sockets: XRPC endpoints, errors, requestCrawl, admin API."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+from websockets.asyncio.client import connect
+
+from backfill.types import AccountState
+from relay.ssrf import static_resolver
+from tests.relay.helpers import serve_asgi
+
+DID_A = "did:plc:aaaaaaaaaaaaaaaaaaaaaaaa"
+DID_B = "did:plc:bbbbbbbbbbbbbbbbbbbbbbbb"
+CID = "bafyreie5737gdxlw5i64vzichcalba3z2v5n6icifvx5xytvske7mr3hpm"
+
+
+def _fake_pds() -> Starlette:
+    async def describe(request):  # type: ignore[no-untyped-def]
+        return JSONResponse({"did": "did:web:pds.test", "availableUserDomains": []})
+
+    return Starlette(routes=[Route("/xrpc/com.atproto.server.describeServer", describe)])
+
+
+async def test_xrpc_endpoints(relay_factory, database_url: str) -> None:  # type: ignore[no-untyped-def]
+    async with relay_factory(database_url=database_url, plc_url="http://127.0.0.1:9") as relay:
+        store = relay.service.store
+        await store.upsert_account(AccountState(did=DID_A, host="pds.example.com", rev="3lmxjza3nva27",
+                                                commit_cid=CID, data_cid=CID))
+        await store.upsert_account(AccountState(did=DID_B, host="pds.example.com", rev="3lmxjza3nva28",
+                                                commit_cid=CID, data_cid=CID, local_status="takendown"))
+        async with httpx.AsyncClient(base_url=relay.url + "/xrpc/") as http:
+            r = await http.get("com.atproto.sync.listHosts")
+            assert r.status_code == 200
+            assert r.json() == {"hosts": [{"hostname": "pds.example.com", "seq": 0, "accountCount": 2,
+                                           "status": "active"}]}
+            r = await http.get("com.atproto.sync.getHostStatus", params={"hostname": "nope.example.com"})
+            assert r.status_code == 400 and r.json()["error"] == "HostNotFound"
+            r = await http.get("com.atproto.sync.getRepoStatus", params={"did": DID_A})
+            assert r.json() == {"did": DID_A, "active": True, "rev": "3lmxjza3nva27"}
+            r = await http.get("com.atproto.sync.getRepoStatus", params={"did": DID_B})
+            assert r.json() == {"did": DID_B, "active": False, "status": "takendown"}
+            r = await http.get("com.atproto.sync.getRepoStatus", params={"did": "did:plc:cccccccccccccccccccccccc"})
+            assert r.status_code == 400 and r.json()["error"] == "RepoNotFound"
+            r = await http.get("com.atproto.sync.getRepoStatus", params={"did": "not-a-did"})
+            assert r.status_code == 400 and r.json()["error"] == "InvalidRequest" and r.json()["message"]
+            r = await http.get("com.atproto.sync.getRepoStatus")
+            assert r.status_code == 400 and r.json()["error"] == "InvalidRequest"
+            r = await http.get("com.atproto.sync.listRepos", params={"limit": 1})
+            assert r.json() == {"repos": [{"did": DID_A, "head": CID, "rev": "3lmxjza3nva27", "active": True}],
+                                "cursor": DID_A}
+            r = await http.get("com.atproto.sync.listRepos", params={"cursor": DID_A})
+            assert r.json()["repos"][0]["status"] == "takendown" and "cursor" not in r.json()
+            r = await http.get("com.atproto.sync.listRepos", params={"limit": 5000})
+            assert r.status_code == 400
+            r = await http.get("com.atproto.sync.getLatestCommit", params={"did": DID_A})
+            assert r.json() == {"cid": CID, "rev": "3lmxjza3nva27"}
+            r = await http.get("com.atproto.sync.getLatestCommit", params={"did": DID_B})
+            assert r.status_code == 400 and r.json()["error"] == "RepoTakendown"
+            r = await http.get("com.atproto.sync.getRepo", params={"did": DID_B})
+            assert r.json()["error"] == "RepoTakendown"
+            r = await http.get("com.atproto.sync.getRepo", params={"did": DID_A, "since": "3lmxjza3nva20"})
+            assert r.status_code == 302
+            assert r.headers["location"] == ("https://pds.example.com/xrpc/com.atproto.sync.getRepo?"
+                                             "did=did%3Aplc%3Aaaaaaaaaaaaaaaaaaaaaaaaa&since=3lmxjza3nva20")
+            r = await http.get("com.atproto.sync.getBlob")
+            assert r.status_code == 501 and r.json()["error"] == "MethodNotImplemented"
+            r = await http.get("com.atproto.sync.subscribeRepos")
+            assert r.status_code == 426
+        async with httpx.AsyncClient(base_url=relay.url) as http:
+            health = (await http.get("/_health")).json()
+            assert health["status"] == "ok" and health["seq"] == 0
+            metrics = (await http.get("/metrics")).text
+            assert "relay_current_seq" in metrics and "relay_consumers" in metrics
+
+
+@pytest.mark.parametrize("hostname", ["localhost", "10.0.0.1", "169.254.169.254", "evil.example.com",
+                                      "localhost:2583", "http://pds.example.com"])
+async def test_request_crawl_refuses_non_public(relay_factory, hostname: str) -> None:  # type: ignore[no-untyped-def]
+    resolver = static_resolver({"evil.example.com": ["127.0.0.1"]})
+    async with relay_factory(resolver=resolver) as relay, httpx.AsyncClient(base_url=relay.url) as http:
+        r = await http.post("/xrpc/com.atproto.sync.requestCrawl", json={"hostname": hostname})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"] == "InvalidRequest"
+        assert await relay.service.store.list_hosts() == []
+        text = (await http.get("/metrics")).text
+        assert "relay_crawl_requests_total{result=" in text
+
+
+async def test_request_crawl_insecure_mode_and_bans(relay_factory) -> None:  # type: ignore[no-untyped-def]
+    async with serve_asgi(_fake_pds()) as pds_url, relay_factory(allow_insecure_hosts=True,
+                                                                  admin_token="tok") as relay:
+        hostname = pds_url.removeprefix("http://")
+        async with httpx.AsyncClient(base_url=relay.url) as http:
+            r = await http.post("/xrpc/com.atproto.sync.requestCrawl", json={"hostname": hostname})
+            assert r.status_code == 200, r.text
+            r = await http.get("/xrpc/com.atproto.sync.getHostStatus", params={"hostname": hostname})
+            assert r.json()["hostname"] == hostname and r.json()["status"] in ("active", "offline", "idle")
+            hosts = (await http.get("/xrpc/com.atproto.sync.listHosts")).json()["hosts"]
+            assert [h["hostname"] for h in hosts] == [hostname]
+            auth = {"authorization": "Bearer tok"}
+            r = await http.post(f"/admin/hosts/{hostname}/block", headers=auth)
+            assert r.json()["status"] == "banned"
+            r = await http.post("/xrpc/com.atproto.sync.requestCrawl", json={"hostname": hostname})
+            assert r.status_code == 400 and r.json()["error"] == "HostBanned"
+            r = await http.post("/admin/domain-bans", headers=auth, json={"domain": "example.com"})
+            assert r.status_code == 200
+            assert (await http.get("/admin/domain-bans", headers=auth)).json() == {"domains": ["example.com"]}
+            r = await http.post("/xrpc/com.atproto.sync.requestCrawl", json={"hostname": "pds.sub.example.com"})
+            assert r.json()["error"] == "HostBanned"
+            r = await http.post(f"/admin/hosts/{hostname}/unblock", headers=auth)
+            assert r.json()["status"] == "active"
+            r = await http.post(f"/admin/hosts/{hostname}/limits", headers=auth, json={"account_limit": 7})
+            assert r.json()["accountLimit"] == 7
+            r = await http.post("/admin/crawling", headers=auth, json={"enabled": False})
+            assert r.json() == {"enabled": False}
+            r = await http.post("/xrpc/com.atproto.sync.requestCrawl", json={"hostname": "other.test:1"})
+            assert r.status_code == 400 and "crawling_disabled" in r.json()["message"]
+
+
+async def test_admin_requires_token(relay_factory) -> None:  # type: ignore[no-untyped-def]
+    async with relay_factory() as relay, httpx.AsyncClient(base_url=relay.url) as http:
+        r = await http.get("/admin/hosts", headers={"authorization": "Bearer anything"})
+        assert r.status_code == 404 and r.json()["error"] == "AdminDisabled"
+    async with relay_factory(admin_token="s3cret") as relay, httpx.AsyncClient(base_url=relay.url) as http:
+        for path in ("/admin/hosts", "/admin/consumers", "/admin/domain-bans"):
+            r = await http.get(path)
+            assert r.status_code == 401 and r.json()["error"] == "AuthRequired"
+            r = await http.get(path, headers={"authorization": "Bearer s3cre"})
+            assert r.status_code == 403 and r.json()["error"] == "InvalidToken"
+            r = await http.get(path, headers={"authorization": "Basic s3cret"})
+            assert r.status_code == 401
+            r = await http.get(path, headers={"authorization": "Bearer s3cret"})
+            assert r.status_code == 200
+        r = await http.post(f"/admin/accounts/{DID_A}/takedown")
+        assert r.status_code == 401
+        assert await relay.service.store.get_account(DID_A) is None
+
+
+async def test_takedown_emits_account_events(relay_factory, database_url: str) -> None:  # type: ignore[no-untyped-def]
+    async with relay_factory(database_url=database_url, admin_token="tok") as relay:
+        auth = {"authorization": "Bearer tok"}
+        async with connect(relay.ws_url + "?cursor=0") as ws, httpx.AsyncClient(base_url=relay.url) as http:
+            await asyncio.sleep(0.2)
+            consumers = (await http.get("/admin/consumers", headers=auth)).json()["consumers"]
+            assert len(consumers) == 1 and consumers[0]["cursor"] == "0"
+            r = await http.post(f"/admin/accounts/{DID_A}/takedown", headers=auth)
+            assert r.json()["status"] == "takendown"
+            r = await http.post(f"/admin/accounts/{DID_A}/reverse-takedown", headers=auth)
+            assert r.json()["status"] == "active"
+            frames = [await asyncio.wait_for(ws.recv(), 5) for _ in range(2)]
+        bodies = [_decode(frame) for frame in frames]
+        assert [b[0]["t"] for b in bodies] == ["#account", "#account"]
+        assert bodies[0][1]["active"] is False and bodies[0][1]["status"] == "takendown"
+        assert bodies[1][1]["active"] is True and "status" not in bodies[1][1]
+        assert bodies[1][1]["seq"] == bodies[0][1]["seq"] + 1
+        status = (await _get(relay.url, "com.atproto.sync.getRepoStatus", did=DID_A))
+        assert status["active"] is True
+
+
+def _decode(frame: bytes) -> tuple[dict, dict]:
+    from firehose.frames import decode_frame
+
+    f = decode_frame(frame)
+    return {"op": f.op, "t": f.t}, f.body
+
+
+async def _get(base: str, method: str, **params: str) -> dict:
+    async with httpx.AsyncClient(base_url=base) as http:
+        return (await http.get(f"/xrpc/{method}", params=params)).json()
