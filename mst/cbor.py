@@ -152,3 +152,23 @@ def encode(obj: object) -> bytes:
     if _BIG_INT_HINT.search(out) is not None:
         _check_int_range(obj)
     return out
+
+
+def decode_trusted_ints(data: bytes | bytearray | memoryview) -> object:
+    """:func:`decode` without the int64 range walk, for schemas whose integer fields are
+    range-checked by the caller (MST nodes, commits). Everything else is equally strict."""
+    try:
+        obj, n = _c.decode_dag_cbor(data, _strict_cid, False)
+    except (ValueError, TypeError, RecursionError, OverflowError, cbrrr.CbrrrDecodeError) as exc:
+        raise CBORError(_classify(exc), str(exc)[:200]) from None
+    if n != len(data):
+        raise CBORError("cbor_trailing_bytes", f"{len(data) - n} bytes after the object")
+    return obj
+
+
+def encode_trusted(obj: object) -> bytes:
+    """:func:`encode` for values built by this package (no int64 range walk)."""
+    try:
+        return _c.encode_dag_cbor(obj, CID, False)
+    except (ValueError, TypeError, OverflowError, RecursionError) as exc:
+        raise CBORError("cbor_unencodable", str(exc)[:200]) from None

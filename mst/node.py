@@ -1,0 +1,381 @@
+"""MST nodes and the persistent tree algorithms behind :class:`mst.mst.MST`.
+
+A node at ``layer`` L holds sorted keys of height L and ``len(keys) + 1`` subtree slots
+(``subs[0]`` is the wire ``l``, ``subs[i + 1]`` the wire ``t`` of entry i). A slot is ``None``,
+a loaded :class:`Node` (layer L-1) or a :class:`CID` not loaded yet; slots are loaded lazily
+from the block store and a block that is absent raises :class:`MissingBlockError` — a partial
+tree is therefore simply a tree over an incomplete store, whose untouched subtrees stay opaque.
+
+All algorithms are persistent: they return new nodes and never change the meaning of existing
+ones (loading a slot only memoises). Encodings and CIDs are computed once per node and cached.
+
+Wire format (atproto repository spec): ``{"e": [{"k", "p", "t", "v"}], "l"}`` with mandatory
+prefix compression. Decoding checks everything needed for the encoding to be canonical, so a
+loaded node keeps the CID it was loaded by.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from bisect import bisect_left
+from collections.abc import Iterator, Mapping
+from typing import Union
+
+from mst import cbor
+from mst.cid import CID, DAG_CBOR_PREFIX, cid_for_cbor
+from mst.errors import CBORError, MissingBlockError, MSTError
+
+__all__ = [
+    "BlockMap",
+    "Node",
+    "key_height",
+    "common_prefix_len",
+    "is_valid_mst_key",
+]
+
+BlockMap = Mapping[CID, bytes]
+Sub = Union["Node", CID, None]
+
+MAX_KEY_BYTES = 1024
+_MST_KEY_RE = re.compile(rb"[a-zA-Z0-9_~:.\-]+/[a-zA-Z0-9_~:.\-]+")
+_sha256 = hashlib.sha256
+
+
+def key_height(key: bytes) -> int:
+    """Layer of a key: leading zero bits of SHA-256(key), counted in 2-bit steps."""
+    digest = _sha256(key).digest()
+    n = int.from_bytes(digest[:8], "big")
+    if n:
+        return (64 - n.bit_length()) >> 1
+    zeros = 64
+    for byte in digest[8:]:
+        if byte:
+            zeros += 8 - byte.bit_length()
+            break
+        zeros += 8
+    return zeros >> 1
+
+
+def common_prefix_len(a: bytes, b: bytes) -> int:
+    """Number of leading bytes shared by ``a`` and ``b``."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # invariant: a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) >> 1
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def is_valid_mst_key(key: bytes) -> bool:
+    """``<collection>/<rkey>`` with the repo-path character set, at most 1024 bytes."""
+    return len(key) <= MAX_KEY_BYTES and _MST_KEY_RE.fullmatch(key) is not None
+
+
+class Node:
+    """One MST node (see module docstring). Treat as immutable."""
+
+    __slots__ = ("layer", "keys", "vals", "subs", "_cid", "_enc", "stored")
+
+    def __init__(
+        self,
+        layer: int,
+        keys: list[bytes],
+        vals: list[CID],
+        subs: list[Sub],
+        cid: CID | None = None,
+        enc: bytes | None = None,
+        stored: bool = False,
+    ) -> None:
+        self.layer = layer
+        self.keys = keys
+        self.vals = vals
+        self.subs = subs
+        self._cid = cid
+        self._enc = enc
+        self.stored = stored  # True if the block is known to be in the store
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.keys and self.subs[0] is None
+
+    def encode(self) -> bytes:
+        """Canonical DAG-CBOR bytes of this node (cached)."""
+        enc = self._enc
+        if enc is None:
+            entries = []
+            prev = b""
+            subs = self.subs
+            for i, k in enumerate(self.keys):
+                p = common_prefix_len(prev, k)
+                entries.append({"k": k[p:], "p": p, "t": sub_cid(subs[i + 1]), "v": self.vals[i]})
+                prev = k
+            enc = self._enc = cbor.encode_trusted({"e": entries, "l": sub_cid(subs[0])})
+        return enc
+
+    @property
+    def cid(self) -> CID:
+        """CID of this node's block (cached)."""
+        c = self._cid
+        if c is None:
+            c = self._cid = cid_for_cbor(self.encode())
+        return c
+
+    def __repr__(self) -> str:
+        return f"Node(layer={self.layer}, keys={[k.decode() for k in self.keys]})"
+
+
+def sub_cid(sub: Sub) -> CID | None:
+    if sub is None:
+        return None
+    if type(sub) is Node:
+        return sub.cid
+    return sub  # type: ignore[return-value]
+
+
+def empty_node() -> Node:
+    """The node of an empty tree (layer 0, no entries)."""
+    return Node(0, [], [], [None])
+
+
+def decode_node(data: bytes, cid: CID | None, layer: int | None) -> Node:
+    """Decode and validate a node block. ``layer`` is the expected layer (``None`` for a root,
+    whose layer is derived from its first key). Raises ``MSTError``/``CBORError``."""
+    try:
+        obj = cbor.decode_trusted_ints(data)
+    except CBORError as exc:
+        raise MSTError("mst_node_invalid", f"node is not DAG-CBOR ({exc.reason})") from None
+    if type(obj) is not dict or len(obj) != 2 or "e" not in obj or "l" not in obj:
+        raise MSTError("mst_node_invalid", "node must be {e, l}")
+    entries = obj["e"]
+    left = obj["l"]
+    if type(entries) is not list:
+        raise MSTError("mst_node_invalid", "e must be an array")
+    if left is not None and not _is_node_link(left):
+        raise MSTError("mst_node_invalid", "l must be null or a dag-cbor CID")
+    keys: list[bytes] = []
+    vals: list[CID] = []
+    subs: list[Sub] = [left]
+    prev = b""
+    for e in entries:
+        if type(e) is not dict or len(e) != 4:
+            raise MSTError("mst_node_invalid", "entry must be {k, p, t, v}")
+        try:
+            k, p, t, v = e["k"], e["p"], e["t"], e["v"]
+        except KeyError:
+            raise MSTError("mst_node_invalid", "entry must be {k, p, t, v}") from None
+        if type(k) is not bytes or type(p) is not int or not isinstance(v, CID):
+            raise MSTError("mst_node_invalid", "entry field types")
+        if t is not None and not _is_node_link(t):
+            raise MSTError("mst_node_invalid", "t must be null or a dag-cbor CID")
+        if p < 0 or p > len(prev):
+            raise MSTError("mst_prefix_invalid", "prefix length out of range")
+        key = prev[:p] + k
+        if keys and key <= prev:
+            raise MSTError("mst_key_order", "keys not strictly increasing")
+        if common_prefix_len(prev, key) != p:
+            raise MSTError("mst_prefix_invalid", "prefix compression is not maximal")
+        if not is_valid_mst_key(key):
+            raise MSTError("mst_key_invalid", "invalid MST key")
+        keys.append(key)
+        vals.append(v)
+        subs.append(t)
+        prev = key
+    if keys:
+        h = key_height(keys[0])
+        if layer is not None and h != layer:
+            raise MSTError("mst_key_height", f"key of height {h} in a node at layer {layer}")
+        for key in keys[1:]:
+            if key_height(key) != h:
+                raise MSTError("mst_key_height", "keys of different heights in one node")
+        layer = h
+    else:
+        if layer is None:
+            if left is not None:
+                raise MSTError("mst_non_canonical", "root node with only a subtree pointer")
+            layer = 0
+        elif left is None:
+            raise MSTError("mst_non_canonical", "empty non-root node")
+    if layer == 0 and any(s is not None for s in subs):
+        raise MSTError("mst_key_height", "layer-0 node with subtree pointers")
+    return Node(layer, keys, vals, subs, cid, data, True)
+
+
+def _is_node_link(c: object) -> bool:
+    return isinstance(c, CID) and c.cid_bytes[:4] == DAG_CBOR_PREFIX
+
+
+def load_node(store: BlockMap, cid: CID, layer: int | None) -> Node:
+    """Fetch and decode the node ``cid`` from ``store``; ``MissingBlockError`` if absent."""
+    data = store.get(cid)
+    if data is None:
+        raise MissingBlockError(cid)
+    return decode_node(data, cid, layer)
+
+
+def child(store: BlockMap, node: Node, i: int) -> Node | None:
+    """Subtree slot ``i`` of ``node``, loading (and memoising) it from ``store`` if needed."""
+    s = node.subs[i]
+    if s is None or type(s) is Node:
+        return s  # type: ignore[return-value]
+    n = load_node(store, s, node.layer - 1)  # type: ignore[arg-type]
+    node.subs[i] = n
+    return n
+
+
+# --- lookups ------------------------------------------------------------------------------
+
+
+def node_get(store: BlockMap, node: Node, key: bytes, h: int) -> CID | None:
+    """Value of ``key`` (of height ``h``) under ``node``, or ``None``."""
+    n: Node | None = node
+    while n is not None and n.layer >= h:
+        keys = n.keys
+        i = bisect_left(keys, key)
+        if i < len(keys) and keys[i] == key:
+            return n.vals[i]
+        if n.layer == h:
+            return None
+        n = child(store, n, i)
+    return None
+
+
+def iter_items(store: BlockMap, node: Node | None) -> Iterator[tuple[bytes, CID]]:
+    """All ``(key, value)`` pairs under ``node`` in key order (loads every node)."""
+    if node is None:
+        return
+    keys = node.keys
+    for i in range(len(keys)):
+        yield from iter_items(store, child(store, node, i))
+        yield keys[i], node.vals[i]
+    yield from iter_items(store, child(store, node, len(keys)))
+
+
+# --- persistent updates --------------------------------------------------------------------
+
+
+def _prune(n: Node) -> Node | None:
+    if not n.keys and n.subs[0] is None:
+        return None
+    return n
+
+
+def split(store: BlockMap, node: Node | None, key: bytes) -> tuple[Node | None, Node | None]:
+    """Split ``node`` around ``key`` (absent from it) into the parts below and above ``key``,
+    both at ``node``'s layer; empty parts are ``None``."""
+    if node is None:
+        return None, None
+    keys = node.keys
+    i = bisect_left(keys, key)
+    lo, hi = split(store, child(store, node, i), key)
+    layer = node.layer
+    left = Node(layer, keys[:i], node.vals[:i], node.subs[:i] + [lo])
+    right = Node(layer, keys[i:], node.vals[i:], [hi] + node.subs[i + 1 :])
+    return _prune(left), _prune(right)
+
+
+def merge(store: BlockMap, a: Node | None, b: Node | None) -> Node | None:
+    """Join two adjacent subtrees of the same layer (all keys of ``a`` < all keys of ``b``)."""
+    if a is None:
+        return b
+    if b is None:
+        return a
+    mid = merge(store, child(store, a, len(a.subs) - 1), child(store, b, 0))
+    return Node(a.layer, a.keys + b.keys, a.vals + b.vals, a.subs[:-1] + [mid] + b.subs[1:])
+
+
+def _raise_to(n: Node | None, layer: int) -> Node | None:
+    while n is not None and n.layer < layer:
+        n = Node(n.layer + 1, [], [], [n])
+    return n
+
+
+def node_put(store: BlockMap, node: Node, key: bytes, val: CID, h: int) -> Node:
+    """Insert or replace ``key`` under ``node`` (``node.layer >= h``); returns the new node."""
+    layer = node.layer
+    keys = node.keys
+    i = bisect_left(keys, key)
+    if i < len(keys) and keys[i] == key:
+        if node.vals[i] == val:
+            return node
+        vals = node.vals[:]
+        vals[i] = val
+        return Node(layer, keys, vals, node.subs[:])
+    if h == layer:
+        lo, hi = split(store, child(store, node, i), key)
+        return Node(
+            layer,
+            keys[:i] + [key] + keys[i:],
+            node.vals[:i] + [val] + node.vals[i:],
+            node.subs[:i] + [lo, hi] + node.subs[i + 1 :],
+        )
+    c = child(store, node, i)
+    if c is None:
+        c = Node(layer - 1, [], [], [None])
+    subs = node.subs[:]
+    subs[i] = node_put(store, c, key, val, h)
+    return Node(layer, keys, node.vals, subs)
+
+
+def root_put(store: BlockMap, root: Node, key: bytes, val: CID) -> Node:
+    """Insert/replace at the root, growing the tree if ``key`` is higher than the root layer."""
+    h = key_height(key)
+    if h <= root.layer:
+        return node_put(store, root, key, val, h)
+    lo, hi = split(store, None if root.is_empty else root, key)
+    return Node(h, [key], [val], [_raise_to(lo, h - 1), _raise_to(hi, h - 1)])
+
+
+def node_delete(store: BlockMap, node: Node, key: bytes, h: int) -> Node | None:
+    """Remove ``key`` (known to be present) under ``node``; returns the new node or ``None``."""
+    layer = node.layer
+    keys = node.keys
+    i = bisect_left(keys, key)
+    if h == layer:
+        if i >= len(keys) or keys[i] != key:
+            raise MSTError("mst_key_not_found", "key not in tree")
+        mid = merge(store, child(store, node, i), child(store, node, i + 1))
+        return _prune(
+            Node(
+                layer,
+                keys[:i] + keys[i + 1 :],
+                node.vals[:i] + node.vals[i + 1 :],
+                node.subs[:i] + [mid] + node.subs[i + 2 :],
+            )
+        )
+    c = child(store, node, i)
+    if c is None:
+        raise MSTError("mst_key_not_found", "key not in tree")
+    subs = node.subs[:]
+    subs[i] = node_delete(store, c, key, h)
+    return _prune(Node(layer, keys, node.vals, subs))
+
+
+def root_delete(store: BlockMap, root: Node, key: bytes) -> Node:
+    """Remove ``key`` from the tree rooted at ``root``, trimming pointer-only roots."""
+    h = key_height(key)
+    if h > root.layer:
+        raise MSTError("mst_key_not_found", "key not in tree")
+    n = node_delete(store, root, key, h)
+    while n is not None and not n.keys:
+        n = child(store, n, 0)
+    return n if n is not None else empty_node()
+
+
+def iter_new_nodes(root: Node) -> Iterator[Node]:
+    """Nodes reachable from ``root`` whose blocks are not yet in the store (``stored`` False);
+    stored subtrees are not entered (their descendants are stored too)."""
+    stack = [root]
+    while stack:
+        n = stack.pop()
+        if n.stored:
+            continue
+        yield n
+        for s in n.subs:
+            if type(s) is Node and not s.stored:
+                stack.append(s)
