@@ -19,9 +19,10 @@ from functools import lru_cache
 from typing import Any
 
 import cbrrr
-from cbrrr import _cbrrr
 
 from firehose.reasons import Reason
+from mst.cbor import decode_prefix
+from mst.errors import CBORError
 
 MAX_FRAME_BYTES = 5_000_000
 OP_MESSAGE = 1
@@ -94,9 +95,9 @@ def encode_info_frame(name: str, message: str | None = None) -> bytes:
 
 def _decode_one(view: memoryview, reason: Reason) -> tuple[Any, int]:
     try:
-        return _cbrrr.decode_dag_cbor(view, cbrrr.CID, False)
-    except Exception as exc:  # cbrrr raises CbrrrDecodeError, ValueError, EOFError...
-        raise FrameError(reason, type(exc).__name__) from None
+        return decode_prefix(view)
+    except CBORError as exc:
+        raise FrameError(reason, exc.reason) from None
 
 
 def decode_frame(data: bytes, *, max_bytes: int = MAX_FRAME_BYTES) -> Frame:

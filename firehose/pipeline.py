@@ -1,0 +1,185 @@
+"""Parallel validation over a process pool, preserving per-account order.
+
+``ValidationPipeline.submit(did, frame, state, signing_key)`` returns a future of the
+:class:`~firehose.validate.Verdict`. Events of *different* accounts are validated concurrently
+on ``workers`` processes; events of the *same* account are chained: each waits for its
+predecessor's verdict and is judged against the state that verdict produced (the parent keeps
+the latest per-DID state, so an in-flight event is never judged against a stale stored state).
+Callers that await the futures in submission order therefore see upstream order.
+
+State merge: the caller passes the stored state (authoritative for statuses, which admins and
+the resync worker change); the pipeline overlays its own newer ``rev``/``commit_cid``/
+``data_cid``/``sync_state`` when it holds a more recent revision for that DID (bounded LRU).
+
+Identity refresh: on ``bad_signature`` the optional ``refresh_key(did)`` is awaited once and,
+if it yields a different key, the event is validated again (I-D §4.5: a failing signature may
+be a recent key rotation).
+
+``workers=0`` validates inline on the event loop (tests, tiny deployments).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Executor, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import replace
+
+from backfill.types import AccountState
+from firehose.reasons import Reason
+from firehose.validate import Verdict, validate_frame
+
+RefreshKey = Callable[[str], Awaitable[str | None]]
+
+
+def _validate_job(frame: bytes, state: AccountState | None, signing_key: str | None, now: float) -> Verdict:
+    """Runs in a worker process."""
+    return validate_frame(frame, state, signing_key, now)
+
+
+def _warm() -> int:
+    import firehose.validate  # noqa: F401  (import cost paid at start, not on the first event)
+
+    return 0
+
+
+class ValidationPipeline:
+    """See the module docstring. Use as ``async with ValidationPipeline(2) as p``."""
+
+    def __init__(
+        self,
+        workers: int = 2,
+        *,
+        max_in_flight: int = 2048,
+        refresh_key: RefreshKey | None = None,
+        state_cache: int = 100_000,
+        clock: Callable[[], float] = time.time,
+        executor: Executor | None = None,
+    ) -> None:
+        self.workers = workers
+        self._executor = executor
+        self._own_executor = executor is None and workers > 0
+        self._sem = asyncio.Semaphore(max_in_flight)
+        self._tails: dict[str, asyncio.Future[Verdict]] = {}
+        self._states: OrderedDict[str, AccountState] = OrderedDict()
+        self._state_cache = state_cache
+        self.refresh_key = refresh_key
+        self.clock = clock
+        self.identity_refreshes = 0
+
+    async def start(self) -> None:
+        if self._own_executor and self._executor is None:
+            ctx = multiprocessing.get_context("forkserver")
+            self._executor = ProcessPoolExecutor(max_workers=self.workers, mp_context=ctx)
+            loop = asyncio.get_running_loop()
+            await asyncio.gather(*(loop.run_in_executor(self._executor, _warm) for _ in range(self.workers)))
+
+    async def close(self) -> None:
+        if self._own_executor and self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor = None
+
+    async def __aenter__(self) -> ValidationPipeline:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- per-DID state ------------------------------------------------------------------------
+    def latest_state(self, did: str) -> AccountState | None:
+        """The newest state the pipeline produced for ``did`` (None if not cached)."""
+        return self._states.get(did)
+
+    def forget(self, did: str) -> None:
+        """Drop the cached state (after a resync or an admin change rewrote the stored one)."""
+        self._states.pop(did, None)
+
+    def _merge(self, did: str, stored: AccountState | None) -> AccountState | None:
+        mine = self._states.get(did)
+        if mine is None:
+            return stored
+        if stored is None:
+            return mine
+        if stored.rev is not None and (mine.rev is None or stored.rev >= mine.rev):
+            return stored
+        return replace(
+            stored, rev=mine.rev, commit_cid=mine.commit_cid, data_cid=mine.data_cid, sync_state=mine.sync_state
+        )
+
+    def _remember(self, did: str, state: AccountState) -> None:
+        self._states[did] = state
+        self._states.move_to_end(did)
+        while len(self._states) > self._state_cache:
+            self._states.popitem(last=False)
+
+    # -- submission -----------------------------------------------------------------------------
+    async def submit(
+        self,
+        did: str,
+        frame: bytes,
+        state: AccountState | None,
+        signing_key: str | None,
+        now: float | None = None,
+    ) -> asyncio.Future[Verdict]:
+        """Queue one raw frame for ``did``; waits only when ``max_in_flight`` are queued."""
+        await self._sem.acquire()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Verdict] = loop.create_future()
+        prev = self._tails.get(did)
+        self._tails[did] = fut
+        asyncio.create_task(self._run(did, frame, state, signing_key, now, prev, fut))
+        return fut
+
+    async def validate(
+        self, did: str, frame: bytes, state: AccountState | None, signing_key: str | None, now: float | None = None
+    ) -> Verdict:
+        """Submit and wait for the verdict."""
+        return await (await self.submit(did, frame, state, signing_key, now))
+
+    async def _call(self, frame: bytes, state: AccountState | None, key: str | None, now: float) -> Verdict:
+        if self._executor is None:
+            return _validate_job(frame, state, key, now)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, _validate_job, frame, state, key, now)
+
+    async def _run(
+        self,
+        did: str,
+        frame: bytes,
+        state: AccountState | None,
+        key: str | None,
+        now: float | None,
+        prev: asyncio.Future[Verdict] | None,
+        fut: asyncio.Future[Verdict],
+    ) -> None:
+        try:
+            if prev is not None:
+                await asyncio.wait([prev])
+            effective = self._merge(did, state)
+            t = self.clock() if now is None else now
+            try:
+                verdict = await self._call(frame, effective, key, t)
+                if verdict.reason == Reason.BAD_SIGNATURE and self.refresh_key is not None:
+                    self.identity_refreshes += 1
+                    fresh = await self.refresh_key(did)
+                    if fresh is not None and fresh != key:
+                        verdict = await self._call(frame, effective, fresh, t)
+            except BrokenProcessPool:
+                verdict = Verdict("reject", Reason.VALIDATOR_CRASHED.value, None, "worker process died")
+            if verdict.new_state is not None:
+                self._remember(did, verdict.new_state)
+            fut.set_result(verdict)
+        except BaseException as exc:  # never leave a waiter hanging
+            if not fut.done():
+                fut.set_exception(exc)
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            if self._tails.get(did) is fut:
+                del self._tails[did]
+            self._sem.release()

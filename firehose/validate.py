@@ -1,0 +1,274 @@
+"""The relay's judgement of one message: a pure function of (message, stored account state,
+signing key, now) returning a :class:`Verdict`. No I/O, no clocks, no globals.
+
+``#commit`` (I-D §4.5 steps 1-6 plus the atproto-sync checklist), in this order:
+
+0. account not active → *ignore* ``account_inactive``; account being resynchronised → *desync*
+   ``resync_in_progress`` (the caller buffers); ``rev <= stored rev`` → *ignore*
+   ``duplicate_event`` (same commit CID) or ``rev_not_increasing`` (checked before the costly
+   steps: a re-delivery is common and never redistributed either way);
+1. size limits: ≤200 ops (parse), ``blocks`` ≤ 2,000,000 bytes, every block ≤ 1,000,000 bytes
+   (``record_too_large``);
+2. CAR slice: every block hash (``bad_block_hash``), root == ``commit`` field (``car_root_mismatch``
+   when the header is wrong, ``commit_cid_mismatch`` when the field is), commit block present and
+   well-formed, ``did``/``rev`` equal the signed commit's, rev not more than ``max_clock_skew``
+   in the future, every created/updated record block present;
+3. MST operation inversion against ``prevData`` (the empty tree for a repo's first commit);
+   a result equal to the *stored* data root but not to ``prevData`` is ``prev_data_wrong``;
+4. signature with the current key → ``bad_signature`` (the caller refreshes identity once and
+   retries; see ``firehose.pipeline``);
+5./6. chain: ``since`` ≠ stored rev → *desync* ``since_mismatch``; ``prevData`` ≠ stored data
+   root → *desync* ``prev_data_mismatch``. No stored rev (unknown account) → accepted.
+
+``#sync``: size (``blocks`` ≤ 10,000), CAR/commit/did/rev/future checks, signature; rev ≤ stored
+→ *ignore* ``sync_rollback``; accepted with ``ok`` (matches stored data, or first sight) or
+``sync_reset`` (the account state is reset to the #sync's commit).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from backfill.types import AccountState
+from firehose.frames import Frame, FrameError, decode_frame
+from firehose.messages import (
+    AccountMessage,
+    CommitMessage,
+    IdentityMessage,
+    InfoMessage,
+    Message,
+    MessageError,
+    SyncMessage,
+    parse_frame,
+)
+from firehose.reasons import Reason
+from mst.car import Car, read_car
+from mst.cid import CID
+from mst.commit import Commit, decode_commit
+from mst.crypto import PublicKey, parse_did_key
+from mst.errors import CARError, CommitError, InversionError, KeyFormatError, MissingBlockError, MSTError
+from mst.invert import invert_ops
+from mst.node import empty_node
+from mst.tid import tid_to_micros
+
+MAX_COMMIT_BLOCKS_BYTES = 2_000_000
+MAX_SYNC_BLOCKS_BYTES = 10_000
+MAX_RECORD_BYTES = 1_000_000
+MAX_CLOCK_SKEW_S = 300.0
+EMPTY_TREE_ROOT: CID = empty_node().cid
+
+VerdictKind = Literal["accept", "ignore", "reject", "desync"]
+
+
+@dataclass(slots=True, frozen=True)
+class Verdict:
+    """The outcome for one message. ``new_state`` is the account state to persist (accept, or
+    the desynchronised mark); ``reason`` is a :class:`Reason` value (a metric label)."""
+
+    kind: VerdictKind
+    reason: str
+    new_state: AccountState | None = None
+    detail: str = ""
+
+    @property
+    def accepted(self) -> bool:
+        return self.kind == "accept"
+
+
+class _Stop(Exception):
+    def __init__(self, verdict: Verdict) -> None:
+        self.verdict = verdict
+
+
+def _reject(reason: Reason, detail: str = "") -> _Stop:
+    return _Stop(Verdict("reject", reason.value, None, detail))
+
+
+def _gate(state: AccountState | None, did: str) -> Verdict | None:
+    if state is None:
+        return None
+    if not state.active:
+        return Verdict("ignore", Reason.ACCOUNT_INACTIVE.value, None, state.combined_status)
+    if state.sync_state in ("desynchronized", "resyncing"):
+        return Verdict("desync", Reason.RESYNC_IN_PROGRESS.value, None, state.sync_state)
+    return None
+
+
+def _open_car(blocks: bytes, commit_field: CID | None) -> tuple[Car, CID, Commit]:
+    try:
+        car = read_car(blocks, max_block_bytes=MAX_RECORD_BYTES, max_total_bytes=len(blocks) + 1)
+    except CARError as exc:
+        if exc.reason == "car_hash_mismatch":
+            raise _reject(Reason.BAD_BLOCK_HASH) from None
+        if exc.reason == "car_block_too_large":
+            raise _reject(Reason.RECORD_TOO_LARGE) from None
+        raise _reject(Reason.BAD_CAR, exc.reason) from None
+    root = car.roots[0]
+    if commit_field is not None and root != commit_field:
+        if commit_field in car.blocks:
+            raise _reject(Reason.CAR_ROOT_MISMATCH)
+        raise _reject(Reason.COMMIT_CID_MISMATCH)
+    block = car.blocks.get(root)
+    if block is None:
+        raise _reject(Reason.MISSING_COMMIT_BLOCK)
+    try:
+        commit = decode_commit(block)
+    except CommitError as exc:
+        raise _reject(Reason.BAD_COMMIT, exc.reason) from None
+    return car, root, commit
+
+
+def _check_commit_fields(commit: Commit, did: str, rev: str, now: float, skew: float) -> None:
+    if commit.did != did:
+        raise _reject(Reason.COMMIT_DID_MISMATCH)
+    if commit.rev != rev:
+        raise _reject(Reason.COMMIT_REV_MISMATCH)
+    if tid_to_micros(rev) > (now + skew) * 1_000_000:
+        raise _reject(Reason.REV_IN_FUTURE)
+
+
+def _check_signature(commit: Commit, signing_key: str | PublicKey) -> None:
+    try:
+        key = parse_did_key(signing_key) if isinstance(signing_key, str) else signing_key
+    except KeyFormatError as exc:
+        raise _reject(Reason.BAD_SIGNING_KEY, exc.reason) from None
+    if not key.verify(commit.unsigned_bytes(), commit.sig):
+        raise _reject(Reason.BAD_SIGNATURE)
+
+
+def _base_state(state: AccountState | None, did: str) -> AccountState:
+    return state if state is not None else AccountState(did=did)
+
+
+def validate_commit(
+    msg: CommitMessage,
+    state: AccountState | None,
+    signing_key: str | PublicKey,
+    now: float,
+    *,
+    max_clock_skew: float = MAX_CLOCK_SKEW_S,
+) -> Verdict:
+    """Judge a ``#commit``; see the module docstring for the order of checks."""
+    try:
+        gate = _gate(state, msg.repo)
+        if gate is not None:
+            return gate
+        stored_rev = state.rev if state is not None else None
+        if stored_rev is not None and msg.rev <= stored_rev:
+            same = state is not None and state.commit_cid == str(msg.commit)
+            reason = Reason.DUPLICATE_EVENT if same else Reason.REV_NOT_INCREASING
+            return Verdict("ignore", reason.value)
+        if len(msg.blocks) > MAX_COMMIT_BLOCKS_BYTES:
+            raise _reject(Reason.BLOCKS_TOO_LARGE, str(len(msg.blocks)))
+        car, commit_cid, commit = _open_car(msg.blocks, msg.commit)
+        _check_commit_fields(commit, msg.repo, msg.rev, now, max_clock_skew)
+        for op in msg.ops:
+            if op.cid is not None and op.cid not in car.blocks:
+                raise _reject(Reason.MISSING_RECORD_BLOCK)
+        if msg.prev_data is not None:
+            expected = msg.prev_data
+        elif msg.since is None:
+            expected = EMPTY_TREE_ROOT
+        else:
+            raise _reject(Reason.MISSING_PREV_DATA)
+        try:
+            computed = invert_ops(car.blocks, commit.data, msg.ops)
+        except MissingBlockError:
+            raise _reject(Reason.MISSING_MST_BLOCK) from None
+        except InversionError as exc:
+            raise _reject(Reason.INVERSION_INVALID_OP, exc.reason) from None
+        except MSTError as exc:
+            raise _reject(Reason.BAD_MST, exc.reason) from None
+        if computed != expected:
+            stored_data = state.data_cid if state is not None else None
+            if stored_data is not None and str(computed) == stored_data:
+                raise _reject(Reason.PREV_DATA_WRONG)
+            raise _reject(Reason.INVERSION_MISMATCH)
+        _check_signature(commit, signing_key)
+        base = _base_state(state, msg.repo)
+        if stored_rev is not None:
+            if msg.since != stored_rev:
+                return Verdict("desync", Reason.SINCE_MISMATCH.value, replace(base, sync_state="desynchronized", updated_at=now))
+            if state is not None and state.data_cid is not None and str(expected) != state.data_cid:
+                return Verdict(
+                    "desync", Reason.PREV_DATA_MISMATCH.value, replace(base, sync_state="desynchronized", updated_at=now)
+                )
+        new_state = replace(
+            base, rev=msg.rev, commit_cid=str(commit_cid), data_cid=str(commit.data), sync_state="synced", updated_at=now
+        )
+        return Verdict("accept", Reason.OK.value, new_state)
+    except _Stop as stop:
+        return stop.verdict
+
+
+def validate_sync(
+    msg: SyncMessage,
+    state: AccountState | None,
+    signing_key: str | PublicKey,
+    now: float,
+    *,
+    max_clock_skew: float = MAX_CLOCK_SKEW_S,
+) -> Verdict:
+    """Judge a ``#sync``: signature and fields; rollback ignored; accepted state resets."""
+    try:
+        if state is not None and not state.active:
+            return Verdict("ignore", Reason.ACCOUNT_INACTIVE.value, None, state.combined_status)
+        if len(msg.blocks) > MAX_SYNC_BLOCKS_BYTES:
+            raise _reject(Reason.BLOCKS_TOO_LARGE, str(len(msg.blocks)))
+        car, commit_cid, commit = _open_car(msg.blocks, None)
+        _check_commit_fields(commit, msg.did, msg.rev, now, max_clock_skew)
+        _check_signature(commit, signing_key)
+        if state is not None and state.rev is not None and msg.rev <= state.rev:
+            return Verdict("ignore", Reason.SYNC_ROLLBACK.value)
+        base = _base_state(state, msg.did)
+        same = base.data_cid is None or base.data_cid == str(commit.data)
+        new_state = replace(
+            base, rev=msg.rev, commit_cid=str(commit_cid), data_cid=str(commit.data), sync_state="synced", updated_at=now
+        )
+        return Verdict("accept", (Reason.OK if same else Reason.SYNC_RESET).value, new_state)
+    except _Stop as stop:
+        return stop.verdict
+
+
+def validate_account(msg: AccountMessage, state: AccountState | None, now: float) -> Verdict:
+    """``#account`` is hop-by-hop and unauthenticated: accepted, updating the upstream status."""
+    status = "active" if msg.active else (msg.status or "deactivated")
+    base = _base_state(state, msg.did)
+    return Verdict("accept", Reason.OK.value, replace(base, upstream_status=status, updated_at=now))
+
+
+def validate_message(
+    msg: Message, state: AccountState | None, signing_key: str | PublicKey | None, now: float
+) -> Verdict:
+    """Dispatch on the message type. ``#identity`` is accepted (the caller refreshes identity);
+    ``#info`` is ignored. ``signing_key`` may be None only for messages that need none."""
+    if isinstance(msg, CommitMessage | SyncMessage):
+        if signing_key is None:
+            return Verdict("reject", Reason.BAD_SIGNING_KEY.value, None, "no signing key")
+        if isinstance(msg, CommitMessage):
+            return validate_commit(msg, state, signing_key, now)
+        return validate_sync(msg, state, signing_key, now)
+    if isinstance(msg, AccountMessage):
+        return validate_account(msg, state, now)
+    if isinstance(msg, IdentityMessage):
+        return Verdict("accept", Reason.OK.value, None)
+    assert isinstance(msg, InfoMessage)
+    return Verdict("ignore", Reason.UNKNOWN_TYPE.value, None, "info")
+
+
+def validate_frame(
+    data: bytes | Frame, state: AccountState | None, signing_key: str | PublicKey | None, now: float
+) -> Verdict:
+    """Decode, parse and judge one raw frame. Never raises for bad input: a typed reject."""
+    try:
+        frame = data if isinstance(data, Frame) else decode_frame(data)
+        ignored = frame.ignored_reason
+        if ignored is not None:
+            return Verdict("ignore", ignored)
+        if frame.is_error:
+            return Verdict("reject", Reason.ERROR_FRAME.value, None, str(frame.error)[:64])
+        msg = parse_frame(frame)
+    except (FrameError, MessageError) as exc:
+        return Verdict("reject", exc.reason, None, exc.message[:200])
+    return validate_message(msg, state, signing_key, now)
