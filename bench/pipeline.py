@@ -1,0 +1,223 @@
+"""Benchmarks for the firehose package.
+
+    .venv/bin/python bench/pipeline.py                # validation throughput, 1 and 2 workers
+    .venv/bin/python bench/pipeline.py --broadcast    # fan-out: ASGI endpoint vs plain websockets
+
+Validation: signed commits with real MST diffs (``mst.repo`` producer; accounts with ~60 records,
+1-3 ops per commit, the usual mix of creates/updates/deletes) are generated first (not timed),
+then validated through ``firehose.pipeline.ValidationPipeline`` with per-DID chaining.
+Prints ``RESULT validate_per_s_1worker=…``, ``RESULT validate_per_s_2workers=…`` (and inline).
+
+Broadcast: one in-process broadcaster, ``--consumers`` live WebSocket clients in a separate
+process, ``--frames`` frames of 2 KB; reports frames delivered per server CPU-second and per
+wall second for the Starlette/uvicorn endpoint and for the plain ``websockets`` server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from backfill.types import AccountState  # noqa: E402
+from firehose.frames import encode_frame  # noqa: E402
+from firehose.pipeline import ValidationPipeline  # noqa: E402
+from mst.crypto import PrivateKey  # noqa: E402
+from mst.repo import Repo, Write  # noqa: E402
+
+# ---------------------------------------------------------------------------------------------
+# validation
+
+
+def make_workload(accounts: int, commits: int, seed: int = 1) -> tuple[list[tuple[str, bytes, str]], dict[str, AccountState]]:
+    rng = random.Random(seed)
+    repos = []
+    states: dict[str, AccountState] = {}
+    for i in range(accounts):
+        repo = Repo.create(f"did:plc:bench{i:020d}", PrivateKey.generate_k256())
+        r = repo.apply_writes(
+            [Write("create", "app.bsky.feed.post", f"3k{j:011d}", {"text": f"post {j}", "n": j}) for j in range(60)]
+        )
+        states[repo.did] = AccountState(did=repo.did, rev=r.rev, commit_cid=str(r.commit_cid), data_cid=str(r.data))
+        repos.append(repo)
+    counters = {r.did: 1000 for r in repos}
+    out = []
+    for seq in range(1, commits + 1):
+        repo = rng.choice(repos)
+        writes = []
+        existing = list(repo.records())
+        for _ in range(rng.choice((1, 1, 1, 2, 3))):
+            roll = rng.random()
+            if roll < 0.7 or len(existing) < 5:
+                counters[repo.did] += 1
+                writes.append(Write("create", "app.bsky.feed.like", f"3l{counters[repo.did]:011d}",
+                                    {"subject": "at://did:plc:x/app.bsky.feed.post/3k", "createdAt": "2026-01-01T00:00:00Z"}))
+            else:
+                path = existing.pop(rng.randrange(len(existing)))
+                coll, rkey = path.split("/")
+                if any(w.collection == coll and w.rkey == rkey for w in writes):
+                    continue
+                if roll < 0.85:
+                    writes.append(Write("update", coll, rkey, {"text": f"edit {seq}"}))
+                else:
+                    writes.append(Write("delete", coll, rkey))
+        res = repo.apply_writes(writes)
+        body = {
+            "seq": seq, "rebase": False, "tooBig": False, "repo": repo.did, "commit": res.commit_cid,
+            "rev": res.rev, "since": res.since, "blocks": res.car, "blobs": [], "time": "2026-01-01T00:00:00Z",
+            "ops": [{"action": o.action, "path": o.path, "cid": o.cid, **({"prev": o.prev} if o.prev else {})}
+                    for o in res.ops],
+            "prevData": res.prev_data,
+        }
+        out.append((repo.did, encode_frame("#commit", body), repo.key.did_key()))
+    return out, states
+
+
+async def run_validation(workers: int, work, states, now: float) -> float:
+    async with ValidationPipeline(workers, max_in_flight=4096) as p:
+        t0 = time.perf_counter()
+        futs = [await p.submit(did, raw, states[did], key, now) for did, raw, key in work]
+        verdicts = [await f for f in futs]
+        dt = time.perf_counter() - t0
+    bad = [v for v in verdicts if v.kind != "accept"]
+    if bad:
+        raise SystemExit(f"benchmark workload not accepted: {bad[0]}")
+    return len(work) / dt
+
+
+def bench_validation(args: argparse.Namespace) -> None:
+    t0 = time.perf_counter()
+    work, states = make_workload(args.accounts, args.commits)
+    print(f"# generated {len(work)} commits over {args.accounts} accounts in {time.perf_counter() - t0:.1f}s;"
+          f" mean frame {sum(len(w[1]) for w in work) // len(work)} bytes; cpus={os.cpu_count()}")
+    now = time.time()
+    results = {}
+    for workers in (0, 1, 2):
+        best = max(asyncio.run(run_validation(workers, work, states, now)) for _ in range(args.repeat))
+        results[workers] = best
+    print(f"RESULT validate_per_s_inline={results[0]:.0f}")
+    print(f"RESULT validate_per_s_1worker={results[1]:.0f}")
+    print(f"RESULT validate_per_s_2workers={results[2]:.0f}")
+    print(f"RESULT validate_speedup_2v1={results[2] / results[1]:.2f}")
+
+
+# ---------------------------------------------------------------------------------------------
+# broadcast
+
+
+def _client_proc(url: str, consumers: int, frames: int, ready, done) -> None:
+    from websockets.asyncio.client import connect
+
+    async def one() -> None:
+        async with connect(url, max_size=None, compression=None) as ws:
+            ready.put(1)
+            n = 0
+            async for _ in ws:
+                n += 1
+                if n >= frames:
+                    return
+
+    async def main() -> None:
+        await asyncio.gather(*(one() for _ in range(consumers)))
+
+    try:
+        import uvloop
+
+        uvloop.run(main())
+    except ImportError:
+        asyncio.run(main())
+    done.put(1)
+
+
+async def _bench_transport(transport: str, consumers: int, frames: int, size: int) -> tuple[float, float]:
+    import uvicorn
+    from starlette.applications import Starlette
+
+    from backfill.store import open_store
+    from backfill.types import SequencedEvent
+    from firehose.broadcast import Broadcaster
+    from firehose.bus import InProcessBus
+    from firehose.serve_asgi import SUBSCRIBE_REPOS_PATH, subscribe_repos_routes
+    from firehose.serve_websockets import serve_subscribe_repos
+
+    tmp = tempfile.mkdtemp()
+    store = await open_store(os.path.join(tmp, "b.sqlite"))
+    await store.migrate()
+    bus = InProcessBus()
+    b = Broadcaster(store, bus, live_queue_max=frames + 10, live_queue_bytes=1 << 34, max_consumers=consumers + 1)
+    await b.start()
+    if transport == "asgi":
+        app = Starlette(routes=subscribe_repos_routes(b))
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off",
+                                               ws="websockets-sansio"))
+        task = asyncio.create_task(server.serve())
+        while not server.started:
+            await asyncio.sleep(0.01)
+        port = server.servers[0].sockets[0].getsockname()[1]
+    else:
+        wss = await serve_subscribe_repos(b)
+        port = wss.sockets[0].getsockname()[1]
+    url = f"ws://127.0.0.1:{port}{SUBSCRIBE_REPOS_PATH}"
+    ctx = multiprocessing.get_context("spawn")
+    ready, done = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_client_proc, args=(url, consumers, frames, ready, done))
+    proc.start()
+    loop = asyncio.get_running_loop()
+    for _ in range(consumers):
+        await loop.run_in_executor(None, ready.get)
+    while b.consumer_count < consumers:
+        await asyncio.sleep(0.01)
+    payload = b"p" * size
+    events = [SequencedEvent(i, "did:plc:x", "#commit", 0.0, encode_frame("#commit", {"seq": i, "blocks": payload}))
+              for i in range(1, frames + 1)]
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    for i in range(0, frames, 100):
+        await bus.publish(events[i : i + 100])
+        await asyncio.sleep(0)
+    await loop.run_in_executor(None, done.get)
+    cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
+    proc.join(10)
+    if transport == "asgi":
+        server.should_exit = True
+        await task
+    else:
+        wss.close()
+    await b.close()
+    await store.close()
+    total = consumers * frames
+    return total / cpu, total / wall
+
+
+def bench_broadcast(args: argparse.Namespace) -> None:
+    for transport in ("websockets", "asgi"):
+        per_cpu, per_wall = asyncio.run(_bench_transport(transport, args.consumers, args.frames, args.frame_bytes))
+        print(f"RESULT broadcast_frames_per_server_cpu_s_{transport}={per_cpu:.0f}")
+        print(f"RESULT broadcast_frames_per_wall_s_{transport}={per_wall:.0f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--accounts", type=int, default=200)
+    ap.add_argument("--commits", type=int, default=3000)
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--broadcast", action="store_true")
+    ap.add_argument("--consumers", type=int, default=20)
+    ap.add_argument("--frames", type=int, default=5000)
+    ap.add_argument("--frame-bytes", type=int, default=2000)
+    args = ap.parse_args()
+    if args.broadcast:
+        bench_broadcast(args)
+    else:
+        bench_validation(args)
+
+
+if __name__ == "__main__":
+    main()
