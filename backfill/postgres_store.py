@@ -27,10 +27,19 @@ _HOST_COLS = (
     "rate_limit_per_hour, rate_limit_per_day, last_seen, account_count, created_at"
 )
 
-# Batch upsert of account state from the sequencer. local_status of an existing account is
-# not touched: only the operator (upsert_account) changes it, so a takedown is never undone by
-# a concurrently validated event.
-_SQL_UPSERT_ACCOUNTS = f"""
+# Batch write of account state from the sequencer: UPDATE the existing rows (the common case),
+# then INSERT the ones that were not there. local_status of an existing account is not touched:
+# only the operator (upsert_account) changes it, so a takedown is never undone by a concurrently
+# validated event.
+_SQL_UPDATE_ACCOUNTS = """
+UPDATE accounts a SET host = u.host, upstream_status = u.upstream_status, rev = u.rev,
+    commit_cid = u.commit_cid, data_cid = u.data_cid, sync_state = u.sync_state, updated_at = u.updated_at
+FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[],
+            $8::float8[]) AS u(did, host, upstream_status, rev, commit_cid, data_cid, sync_state, updated_at)
+WHERE a.did = u.did
+RETURNING a.did
+"""
+_SQL_INSERT_ACCOUNTS = f"""
 INSERT INTO accounts ({_ACCOUNT_COLS})
 SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[],
                      $7::text[], $8::text[], $9::float8[])
@@ -271,9 +280,17 @@ class PostgresStore(Store):
         )
         return [_account(r) for r in rows]
 
-    async def accounts_by_sync_state(self, state: str, limit: int = 500) -> list[AccountState]:
+    async def accounts_by_sync_state(
+        self, state: str, limit: int = 500, *, after_did: str | None = None
+    ) -> list[AccountState]:
+        # The extra predicate lets the planner use the partial index for every non-synced state.
+        partial = " AND sync_state <> 'synced'" if state != "synced" else ""
         rows = await self._pool.fetch(
-            f"SELECT {_ACCOUNT_COLS} FROM accounts WHERE sync_state = $1 ORDER BY did LIMIT $2", state, limit
+            f"SELECT {_ACCOUNT_COLS} FROM accounts WHERE sync_state = $1{partial} AND did > $3 "
+            "ORDER BY did LIMIT $2",
+            state,
+            limit,
+            after_did or "",
         )
         return [_account(r) for r in rows]
 
@@ -395,18 +412,33 @@ class _PgLease(WriterLease):
     async def _write_accounts(self, batch: BatchWrite) -> None:
         if not batch.accounts:
             return
-        accts = batch.accounts
-        await self._conn.execute(
-            _SQL_UPSERT_ACCOUNTS,
+        accts = sorted(batch.accounts, key=lambda a: a.did)  # index order: fewer page jumps
+        updated = await self._conn.fetch(
+            _SQL_UPDATE_ACCOUNTS,
             [a.did for a in accts],
             [a.host for a in accts],
             [a.upstream_status for a in accts],
-            [a.local_status for a in accts],
             [a.rev for a in accts],
             [a.commit_cid for a in accts],
             [a.data_cid for a in accts],
             [a.sync_state for a in accts],
             [a.updated_at for a in accts],
+        )
+        if len(updated) == len(accts):
+            return
+        done = {r[0] for r in updated}
+        new = [a for a in accts if a.did not in done]
+        await self._conn.execute(
+            _SQL_INSERT_ACCOUNTS,
+            [a.did for a in new],
+            [a.host for a in new],
+            [a.upstream_status for a in new],
+            [a.local_status for a in new],
+            [a.rev for a in new],
+            [a.commit_cid for a in new],
+            [a.data_cid for a in new],
+            [a.sync_state for a in new],
+            [a.updated_at for a in new],
         )
 
     async def _write_hosts(self, batch: BatchWrite) -> None:

@@ -342,11 +342,14 @@ class SqliteStore(Store):
         )
         return [_account(r) for r in rows]
 
-    async def accounts_by_sync_state(self, state: str, limit: int = 500) -> list[AccountState]:
+    async def accounts_by_sync_state(
+        self, state: str, limit: int = 500, *, after_did: str | None = None
+    ) -> list[AccountState]:
+        partial = " AND sync_state <> 'synced'" if state != "synced" else ""
         rows = await self._read(
             _fetchall,
-            f"SELECT {_ACCOUNT_COLS} FROM accounts WHERE sync_state = ? ORDER BY did LIMIT ?",
-            (state, limit),
+            f"SELECT {_ACCOUNT_COLS} FROM accounts WHERE sync_state = ?{partial} AND did > ? ORDER BY did LIMIT ?",
+            (state, after_did or "", limit),
         )
         return [_account(r) for r in rows]
 

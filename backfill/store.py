@@ -208,8 +208,11 @@ class Store(ABC):
         """Accounts ordered by DID, strictly after ``after_did`` (listRepos paging)."""
 
     @abstractmethod
-    async def accounts_by_sync_state(self, state: str, limit: int = 500) -> list[AccountState]:
-        """Up to ``limit`` accounts in ``sync_state``, ordered by DID."""
+    async def accounts_by_sync_state(
+        self, state: str, limit: int = 500, *, after_did: str | None = None
+    ) -> list[AccountState]:
+        """Up to ``limit`` accounts in ``sync_state``, ordered by DID, strictly after
+        ``after_did`` (indexed for every state except "synced")."""
 
     @abstractmethod
     async def count_accounts(self, host: str | None = None) -> int:

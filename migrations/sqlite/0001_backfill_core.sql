@@ -28,7 +28,7 @@ CREATE TABLE accounts (
     updated_at      REAL NOT NULL DEFAULT 0
 );
 CREATE INDEX accounts_host_idx ON accounts (host, did);
-CREATE INDEX accounts_sync_state_idx ON accounts (sync_state, did);
+CREATE INDEX accounts_sync_state_idx ON accounts (sync_state, did) WHERE sync_state <> 'synced';
 
 CREATE TABLE hosts (
     hostname              TEXT PRIMARY KEY,

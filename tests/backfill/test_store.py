@@ -60,6 +60,9 @@ async def test_accounts_by_sync_state_and_counts(store: Store) -> None:
     desync = await store.accounts_by_sync_state("desynchronized")
     assert [a.did for a in desync] == ["did:plc:1", "did:plc:3"]
     assert [a.did for a in await store.accounts_by_sync_state("desynchronized", limit=1)] == ["did:plc:1"]
+    after = await store.accounts_by_sync_state("desynchronized", after_did="did:plc:1")
+    assert [a.did for a in after] == ["did:plc:3"]
+    assert [a.did for a in await store.accounts_by_sync_state("synced")] == ["did:plc:2"]
     assert await store.count_accounts() == 3
     assert await store.count_accounts("a.example") == 2
     assert await store.count_accounts("nowhere.example") == 0

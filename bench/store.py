@@ -1,0 +1,157 @@
+"""Benchmark of the event store and the sequencer, on PostgreSQL and SQLite.
+
+    .venv/bin/python bench/store.py [--backend pg|sqlite|both] [--events N] [--pg-dsn DSN]
+
+For each backend, on a fresh schema (Postgres) or file (SQLite):
+
+* ``<b>_sequence_events_per_s``: ``#commit`` events with 2-4 KB bodies (incompressible CAR-like
+  bytes, one op, CIDs), 10,000 accounts, submitted through ``Sequencer`` (batching, seq
+  assignment, frame encoding, COPY/insert, account upsert, host cursor, commit) — from first
+  enqueue to the last future resolved;
+* ``<b>_replay_events_per_s``: one reader paging through the whole window with ``read_after``;
+* ``<b>_retention_delete_per_s``: ``trim`` of the whole window (batches of 5,000).
+
+Prints ``RESULT <name>=<value>`` lines. Targets (Postgres, 2 cores): sequence >= 20,000/s,
+replay >= 50,000/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import asyncpg
+import cbrrr
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from backfill.sequencer import Sequencer  # noqa: E402
+from backfill.store import Store, open_store  # noqa: E402
+from backfill.types import AccountState, PendingEvent, SequencedEvent  # noqa: E402
+
+ACCOUNTS = 10_000
+HOSTS = 20
+
+
+def tid(n: int) -> str:
+    alphabet = "234567abcdefghijklmnopqrstuvwxyz"
+    value = (1 << 52) + n
+    return "".join(alphabet[(value >> (5 * i)) & 31] for i in reversed(range(13)))
+
+
+def make_events(count: int, seed: int = 1) -> list[PendingEvent]:
+    rng = random.Random(seed)
+    events = []
+    for n in range(1, count + 1):
+        account = rng.randrange(ACCOUNTS)
+        did = f"did:plc:{account:024d}"
+        rev = tid(n)
+        blocks = rng.randbytes(rng.randrange(2000, 3800))
+        commit = cbrrr.CID.cidv1_dag_cbor_sha256_32_from(blocks[:64])
+        record = cbrrr.CID.cidv1_dag_cbor_sha256_32_from(blocks[64:128])
+        body = {
+            "repo": did,
+            "rev": rev,
+            "since": tid(n - 1),
+            "commit": commit,
+            "blocks": blocks,
+            "ops": [{"action": "create", "path": f"app.bsky.feed.post/{rev}", "cid": record, "prev": None}],
+            "prevData": record,
+            "time": "2026-11-22T00:00:00.000Z",
+            "blobs": [],
+            "rebase": False,
+            "tooBig": False,
+        }
+        host = f"pds{account % HOSTS}.example"  # an account lives on one host
+        state = AccountState(did, host=host, rev=rev, commit_cid=str(commit), data_cid=str(record))
+        events.append(PendingEvent("#commit", did, body, rev=rev, account=state, host=host, upstream_seq=n))
+    return events
+
+
+async def noop_publish(events: list[SequencedEvent]) -> None:
+    return None
+
+
+async def bench_backend(name: str, store: Store, events: list[PendingEvent]) -> dict[str, float]:
+    await store.migrate()
+    results: dict[str, float] = {}
+
+    seq = Sequencer(store, noop_publish, max_batch=2000, max_delay=0.002, max_pending=50_000)
+    await seq.start()
+    t0 = time.perf_counter()
+    futures = [await seq.enqueue(e) for e in events]
+    await asyncio.gather(*futures)
+    elapsed = time.perf_counter() - t0
+    await seq.close()
+    results[f"{name}_sequence_events_per_s"] = len(events) / elapsed
+    print(f"# {name}: sequenced {len(events)} in {elapsed:.2f}s, {seq.stats.batches} batches", flush=True)
+
+    t0 = time.perf_counter()
+    cursor, read = 0, 0
+    while True:
+        page = await store.read_after(cursor, 2000)
+        if not page:
+            break
+        read += len(page)
+        cursor = page[-1].seq
+    elapsed = time.perf_counter() - t0
+    assert read == len(events), (read, len(events))
+    results[f"{name}_replay_events_per_s"] = read / elapsed
+
+    t0 = time.perf_counter()
+    deleted = await store.trim(older_than_seconds=-3600, batch=5000)
+    elapsed = time.perf_counter() - t0
+    assert deleted == len(events), deleted
+    results[f"{name}_retention_delete_per_s"] = deleted / elapsed
+    return results
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backend", choices=["pg", "sqlite", "both"], default="both")
+    parser.add_argument("--events", type=int, default=50_000)
+    parser.add_argument(
+        "--pg-dsn", default=os.environ.get("RELAY_TEST_PG_DSN", "postgresql://postgres@127.0.0.1:5432/test")
+    )
+    args = parser.parse_args()
+    events = make_events(args.events)
+    size = sum(len(e.body["blocks"]) for e in events) / len(events)
+    print(f"# {len(events)} events, mean blocks size {size:.0f} bytes", flush=True)
+
+    results: dict[str, float] = {}
+    if args.backend in ("pg", "both"):
+        schema = f"bench_store_{os.getpid()}"
+        store = await open_store(args.pg_dsn, schema=schema)
+        try:
+            results |= await bench_backend("pg", store, events)
+        finally:
+            await store.close()
+            conn = await asyncpg.connect(args.pg_dsn)
+            await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+            await conn.close()
+        events = make_events(args.events)  # fresh objects (the sequencer stamps account state)
+    if args.backend in ("sqlite", "both"):
+        with tempfile.TemporaryDirectory() as tmp:
+            store = await open_store(str(Path(tmp) / "bench.sqlite"))
+            try:
+                results |= await bench_backend("sqlite", store, events)
+            finally:
+                await store.close()
+    for key, value in results.items():
+        print(f"RESULT {key}={value:.0f}")
+
+
+if __name__ == "__main__":
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    asyncio.run(main())
