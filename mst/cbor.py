@@ -154,11 +154,12 @@ def encode(obj: object) -> bytes:
     return out
 
 
-def decode_trusted_ints(data: bytes | bytearray | memoryview) -> object:
-    """:func:`decode` without the int64 range walk, for schemas whose integer fields are
-    range-checked by the caller (MST nodes, commits). Everything else is equally strict."""
+def decode_schema_checked(data: bytes | bytearray | memoryview) -> object:
+    """:func:`decode` for fixed schemas whose caller checks every integer's range and every
+    CID's form itself (MST nodes, commits): no int64 walk, CIDs are not checked here.
+    The CBOR itself is exactly as strict as :func:`decode`."""
     try:
-        obj, n = _c.decode_dag_cbor(data, _strict_cid, False)
+        obj, n = _c.decode_dag_cbor(data, CID, False)
     except (ValueError, TypeError, RecursionError, OverflowError, cbrrr.CbrrrDecodeError) as exc:
         raise CBORError(_classify(exc), str(exc)[:200]) from None
     if n != len(data):

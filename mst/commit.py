@@ -59,7 +59,7 @@ class Commit:
 
 
 def _is_node_link(v: object) -> bool:
-    return isinstance(v, CID) and v.cid_bytes[:4] == DAG_CBOR_PREFIX
+    return type(v) is CID and len(v.cid_bytes) == 36 and v.cid_bytes[:4] == DAG_CBOR_PREFIX
 
 
 def commit_from_obj(obj: object) -> Commit:
@@ -90,7 +90,7 @@ def commit_from_obj(obj: object) -> Commit:
 def decode_commit(data: bytes) -> Commit:
     """Decode and validate a commit block; raises ``CommitError``."""
     try:
-        obj = cbor.decode_trusted_ints(data)  # version is range-checked below
+        obj = cbor.decode_schema_checked(data)  # version and links are checked below
     except CBORError as exc:
         raise CommitError("commit_invalid_cbor", exc.reason) from None
     return commit_from_obj(obj)

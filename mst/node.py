@@ -23,7 +23,7 @@ from collections.abc import Iterator, Mapping
 from typing import Union
 
 from mst import cbor
-from mst.cid import CID, DAG_CBOR_PREFIX, cid_for_cbor
+from mst.cid import CID, DAG_CBOR_PREFIX, RAW_PREFIX, cid_for_cbor
 from mst.errors import CBORError, MissingBlockError, MSTError
 
 __all__ = [
@@ -40,6 +40,9 @@ Sub = Union["Node", CID, None]
 MAX_KEY_BYTES = 1024
 _MST_KEY_RE = re.compile(rb"[a-zA-Z0-9_~:.\-]+/[a-zA-Z0-9_~:.\-]+")
 _sha256 = hashlib.sha256
+# height of recently seen *valid* keys (validity + height in one lookup); bounded, cleared when full
+_HEIGHTS: dict[bytes, int] = {}
+_HEIGHTS_MAX = 200_000
 
 
 def key_height(key: bytes) -> int:
@@ -60,16 +63,8 @@ def key_height(key: bytes) -> int:
 def common_prefix_len(a: bytes, b: bytes) -> int:
     """Number of leading bytes shared by ``a`` and ``b``."""
     n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # invariant: a[:lo] == b[:lo] and a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) >> 1
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    x = int.from_bytes(a[:n], "big") ^ int.from_bytes(b[:n], "big")
+    return n - ((x.bit_length() + 7) >> 3)
 
 
 def is_valid_mst_key(key: bytes) -> bool:
@@ -147,7 +142,7 @@ def decode_node(data: bytes, cid: CID | None, layer: int | None) -> Node:
     """Decode and validate a node block. ``layer`` is the expected layer (``None`` for a root,
     whose layer is derived from its first key). Raises ``MSTError``/``CBORError``."""
     try:
-        obj = cbor.decode_trusted_ints(data)
+        obj = cbor.decode_schema_checked(data)
     except CBORError as exc:
         raise MSTError("mst_node_invalid", f"node is not DAG-CBOR ({exc.reason})") from None
     if type(obj) is not dict or len(obj) != 2 or "e" not in obj or "l" not in obj:
@@ -162,6 +157,8 @@ def decode_node(data: bytes, cid: CID | None, layer: int | None) -> Node:
     vals: list[CID] = []
     subs: list[Sub] = [left]
     prev = b""
+    heights = _HEIGHTS
+    h0 = -1
     for e in entries:
         if type(e) is not dict or len(e) != 4:
             raise MSTError("mst_node_invalid", "entry must be {k, p, t, v}")
@@ -169,31 +166,41 @@ def decode_node(data: bytes, cid: CID | None, layer: int | None) -> Node:
             k, p, t, v = e["k"], e["p"], e["t"], e["v"]
         except KeyError:
             raise MSTError("mst_node_invalid", "entry must be {k, p, t, v}") from None
-        if type(k) is not bytes or type(p) is not int or not isinstance(v, CID):
+        if type(k) is not bytes or type(p) is not int or type(v) is not CID:
             raise MSTError("mst_node_invalid", "entry field types")
-        if t is not None and not _is_node_link(t):
+        vb = v.cid_bytes
+        if len(vb) != 36 or (vb[:4] != DAG_CBOR_PREFIX and vb[:4] != RAW_PREFIX):
+            raise MSTError("mst_node_invalid", "v must be a blessed CID")
+        if t is not None and (type(t) is not CID or t.cid_bytes[:4] != DAG_CBOR_PREFIX):
             raise MSTError("mst_node_invalid", "t must be null or a dag-cbor CID")
         if p < 0 or p > len(prev):
             raise MSTError("mst_prefix_invalid", "prefix length out of range")
-        key = prev[:p] + k
+        key = prev[:p] + k if p else k
+        # the shared prefix is exactly p unless the next byte also matches
+        if k and p < len(prev) and k[0] == prev[p]:
+            raise MSTError("mst_prefix_invalid", "prefix compression is not maximal")
         if keys and key <= prev:
             raise MSTError("mst_key_order", "keys not strictly increasing")
-        if common_prefix_len(prev, key) != p:
-            raise MSTError("mst_prefix_invalid", "prefix compression is not maximal")
-        if not is_valid_mst_key(key):
-            raise MSTError("mst_key_invalid", "invalid MST key")
+        h = heights.get(key)
+        if h is None:
+            if not is_valid_mst_key(key):
+                raise MSTError("mst_key_invalid", "invalid MST key")
+            h = key_height(key)
+            if len(heights) >= _HEIGHTS_MAX:
+                heights.clear()
+            heights[key] = h
+        if h != h0:
+            if h0 >= 0:
+                raise MSTError("mst_key_height", "keys of different heights in one node")
+            h0 = h
         keys.append(key)
         vals.append(v)
         subs.append(t)
         prev = key
     if keys:
-        h = key_height(keys[0])
-        if layer is not None and h != layer:
-            raise MSTError("mst_key_height", f"key of height {h} in a node at layer {layer}")
-        for key in keys[1:]:
-            if key_height(key) != h:
-                raise MSTError("mst_key_height", "keys of different heights in one node")
-        layer = h
+        if layer is not None and h0 != layer:
+            raise MSTError("mst_key_height", f"key of height {h0} in a node at layer {layer}")
+        layer = h0
     else:
         if layer is None:
             if left is not None:
@@ -207,7 +214,7 @@ def decode_node(data: bytes, cid: CID | None, layer: int | None) -> Node:
 
 
 def _is_node_link(c: object) -> bool:
-    return isinstance(c, CID) and c.cid_bytes[:4] == DAG_CBOR_PREFIX
+    return type(c) is CID and len(c.cid_bytes) == 36 and c.cid_bytes[:4] == DAG_CBOR_PREFIX
 
 
 def load_node(store: BlockMap, cid: CID, layer: int | None) -> Node:

@@ -1,0 +1,197 @@
+"""Benchmarks of the repository core (``mst``): one core, pure Python + C extensions.
+
+Run: ``.venv/bin/python bench/core.py [--records 10000] [--seconds 2]``
+
+Prints ``RESULT <name>=<value>`` lines:
+
+* ``core_decode_per_s``      — decode a #commit frame (header + body, DAG-CBOR) and parse its CAR
+  slice with every block hash verified;
+* ``core_inversions_per_s``  — invert a 1–3 op commit on its (already parsed) CAR slice;
+* ``core_k256_verify_per_s`` / ``core_p256_verify_per_s`` — compact low-S signature checks;
+* ``core_commit_verify_per_s`` — full verification of a 1–3 op #commit frame against a
+  10,000-record repo: frame decode, CAR parse + hashes, commit decode, DID/rev checks, K-256
+  signature, inversion, ``prevData`` comparison (the issue's target: >= 3,000/s);
+* ``core_producer_commits_per_s`` — ``Repo.apply_writes`` of 1–3 writes (simulator speed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from mst import cbor  # noqa: E402
+from mst.car import read_car  # noqa: E402
+from mst.commit import decode_commit, verify_commit_sig  # noqa: E402
+from mst.crypto import PrivateKey, parse_did_key  # noqa: E402
+from mst.invert import invert_ops  # noqa: E402
+from mst.ops import RepoOp  # noqa: E402
+from mst.repo import CommitResult, Repo, Write  # noqa: E402
+from mst.tid import TidClock  # noqa: E402
+
+DID = "did:plc:benchbenchbenchbenchbenc"
+
+
+def rate(fn: Callable[[int], None], items: int, seconds: float) -> float:
+    """Calls/s of ``fn(i)`` for i cycling over ``items`` during ~``seconds``."""
+    n = 0
+    start = time.perf_counter()
+    deadline = start + seconds
+    while True:
+        for i in range(items):
+            fn(i)
+        n += items
+        now = time.perf_counter()
+        if now >= deadline:
+            return n / (now - start)
+
+
+def post(rng: random.Random) -> dict:
+    return {
+        "$type": "app.bsky.feed.post",
+        "text": "benchmark post " + rng.randbytes(24).hex(),
+        "createdAt": "2026-11-22T01:00:00.000Z",
+        "langs": ["en"],
+    }
+
+
+def build_repo(records: int, rng: random.Random) -> Repo:
+    repo = Repo.create(DID, PrivateKey.generate_k256(), TidClock(clock_id=3))
+    made = 0
+    while made < records:
+        batch = min(200, records - made)
+        repo.apply_writes(
+            [Write("create", "app.bsky.feed.post", repo.clock.next(), post(rng)) for _ in range(batch)]
+        )
+        made += batch
+    return repo
+
+
+def random_writes(repo: Repo, paths: list[str], rng: random.Random) -> list[Write]:
+    writes = []
+    used: set[str] = set()
+    for _ in range(rng.randint(1, 3)):
+        roll = rng.random()
+        if roll < 0.6:
+            writes.append(Write("create", "app.bsky.feed.like", repo.clock.next(), post(rng)))
+            continue
+        path = rng.choice(paths)
+        if path in used:
+            continue
+        used.add(path)
+        coll, rkey = path.split("/")
+        if roll < 0.8:
+            writes.append(Write("update", coll, rkey, post(rng)))
+        else:
+            writes.append(Write("delete", coll, rkey))
+            paths.remove(path)
+    return writes
+
+
+def frame_for(res: CommitResult, seq: int) -> bytes:
+    """A ``#commit`` event frame as a PDS would send it (header + body, sync 1.1 fields)."""
+    ops = [
+        {"action": o.action, "path": o.path, "cid": o.cid, **({"prev": o.prev} if o.prev else {})}
+        for o in res.ops
+    ]
+    body = {
+        "seq": seq,
+        "rebase": False,
+        "tooBig": False,
+        "repo": DID,
+        "commit": res.commit_cid,
+        "rev": res.rev,
+        "since": res.since,
+        "blocks": res.car,
+        "ops": ops,
+        "blobs": [],
+        "prevData": res.prev_data,
+        "time": "2026-11-22T01:00:00.000Z",
+    }
+    return cbor.encode({"op": 1, "t": "#commit"}) + cbor.encode(body)
+
+
+def verify_frame(frame: bytes, did_key: str) -> bool:
+    """The whole per-commit check a relay does, from raw frame bytes."""
+    header, n = cbor.decode_prefix(frame)
+    body = cbor.decode(frame[n:])
+    car = read_car(body["blocks"], max_blocks=10_000, max_total_bytes=2_000_000)
+    commit_cid = body["commit"]
+    if car.roots[0] != commit_cid:
+        return False
+    commit = decode_commit(car.blocks[commit_cid])
+    if commit.did != body["repo"] or commit.rev != body["rev"]:
+        return False
+    if not verify_commit_sig(commit, parse_did_key(did_key)):
+        return False
+    ops = [RepoOp(o["action"], o["path"], o["cid"], o.get("prev")) for o in body["ops"]]
+    return invert_ops(car.blocks, commit.data, ops) == body["prevData"]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--records", type=int, default=10_000)
+    ap.add_argument("--commits", type=int, default=300)
+    ap.add_argument("--seconds", type=float, default=2.0)
+    args = ap.parse_args()
+    rng = random.Random(1)
+
+    t0 = time.perf_counter()
+    repo = build_repo(args.records, rng)
+    print(f"# built {len(repo)}-record repo in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    paths = list(repo.records())
+    did_key = repo.key.did_key()
+
+    results: list[CommitResult] = []
+    t0 = time.perf_counter()
+    for _ in range(args.commits):
+        results.append(repo.apply_writes(random_writes(repo, paths, rng)))
+    producer = args.commits / (time.perf_counter() - t0)
+    frames = [frame_for(r, i) for i, r in enumerate(results)]
+    assert all(verify_frame(f, did_key) for f in frames)
+    n = len(frames)
+
+    def decode_one(i: int) -> None:
+        f = frames[i]
+        _, k = cbor.decode_prefix(f)
+        read_car(cbor.decode(f[k:])["blocks"])
+
+    parsed = [(read_car(r.car).blocks, r.data, r.ops) for r in results]
+
+    def invert_one(i: int) -> None:
+        blocks, data, ops = parsed[i]
+        invert_ops(blocks, data, ops)
+
+    k256 = PrivateKey.generate_k256()
+    p256 = PrivateKey.generate_p256()
+    msgs = [rng.randbytes(120) for _ in range(64)]
+    ksigs = [(k256.public_key, m, k256.sign(m)) for m in msgs]
+    psigs = [(p256.public_key, m, p256.sign(m)) for m in msgs]
+
+    figures = {
+        "core_decode_per_s": rate(decode_one, n, args.seconds),
+        "core_inversions_per_s": rate(invert_one, n, args.seconds),
+        "core_k256_verify_per_s": rate(
+            lambda i: ksigs[i][0].verify(ksigs[i][1], ksigs[i][2]), 64, args.seconds
+        ),
+        "core_p256_verify_per_s": rate(
+            lambda i: psigs[i][0].verify(psigs[i][1], psigs[i][2]), 64, args.seconds
+        ),
+        "core_commit_verify_per_s": rate(lambda i: verify_frame(frames[i], did_key), n, args.seconds),
+        "core_producer_commits_per_s": producer,
+    }
+    avg_frame = sum(len(f) for f in frames) / n
+    avg_blocks = sum(len(p[0]) for p in parsed) / n
+    print(f"# {n} commits, avg frame {avg_frame:.0f} B, avg {avg_blocks:.1f} blocks", file=sys.stderr)
+    for name, value in figures.items():
+        print(f"RESULT {name}={value:.0f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
