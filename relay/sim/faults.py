@@ -1,0 +1,65 @@
+"""Fault modes a simulated host can inject, and the verdict a correct relay must reach for each.
+
+``SimHost.set_fault(kind, rate)`` switches a mode on: ``rate`` is the probability per generated
+commit (per emitted frame for the connection faults). Every event a host emits is recorded in
+``SimFleet.ground_truth`` as a :class:`relay.sim.fleet.TruthEvent` whose ``verdict`` says what the
+relay should do with it (``accept``, ``reject``, ``desync`` or ``ignore``) and ``reason`` says why.
+
+Frame-level faults (the frame itself is wrong):
+
+* ``bad_signature`` – commit signed with a key that is not the account's → reject ``bad_signature``.
+* ``broken_chain`` – a commit is withheld, so the next one's ``since``/``prevData`` do not chain
+  to what the relay holds → the next commit is ``desync`` ``prev_data_mismatch``.
+* ``missing_block`` – the MST root node is stripped from the CAR slice → reject ``missing_block``.
+* ``oversized`` – a frame over the 5 MB frame limit → reject ``frame_too_large``.
+* ``duplicate`` – the same frame (same seq) is sent twice → second copy ``ignore`` ``duplicate_seq``.
+* ``replay`` – an old commit is sent again under a new seq → ``ignore`` ``stale_rev``.
+* ``seq_backwards`` – the host is wiped: log cleared, seq restarts at 1, connections dropped;
+  the repositories are intact, later frames are valid (a relay reconnecting with its old cursor
+  gets ``FutureCursor``).
+
+Connection faults (frames stay valid; only delivery misbehaves):
+
+* ``slow`` – each affected frame is delayed by ``SimConfig.slow_delay`` seconds.
+* ``stall`` – the host stops sending for ``SimConfig.stall_seconds`` while keeping the socket.
+* ``disconnect`` – the TCP connection is aborted right after the affected frame.
+
+Account faults (valid events that change what the relay may redistribute):
+
+* ``deactivate`` / ``takedown`` – ``#account active=false`` (status ``deactivated`` /
+  ``takendown``); the account is reactivated by a later ``#account active=true``.
+* ``key_rotation`` – new signing key, the PLC document is updated and ``#identity`` is emitted;
+  later commits are signed with the new key.
+* ``migration`` – the account moves to another host: PLC document updated, the new host emits
+  ``#identity``, ``#account active`` and ``#sync``; the old host's ``#account`` deactivation is
+  ``ignore`` ``wrong_host`` (the DID document no longer names it).
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+FRAME_FAULTS: Final = ("bad_signature", "broken_chain", "missing_block", "oversized", "duplicate", "replay", "seq_backwards")
+CONNECTION_FAULTS: Final = ("slow", "stall", "disconnect")
+ACCOUNT_FAULTS: Final = ("deactivate", "takedown", "key_rotation", "migration")
+FAULT_KINDS: Final = FRAME_FAULTS + CONNECTION_FAULTS + ACCOUNT_FAULTS
+
+#: fault kind -> (verdict, reason) expected for the frame the fault produces.
+EXPECTED: Final[dict[str, tuple[str, str]]] = {
+    "bad_signature": ("reject", "bad_signature"),
+    "broken_chain": ("desync", "prev_data_mismatch"),
+    "missing_block": ("reject", "missing_block"),
+    "oversized": ("reject", "frame_too_large"),
+    "duplicate": ("ignore", "duplicate_seq"),
+    "replay": ("ignore", "stale_rev"),
+}
+
+#: Verdict kinds (the same words as ``firehose.validate.Verdict.kind``).
+VERDICTS: Final = ("accept", "reject", "desync", "ignore")
+
+
+def check_kind(kind: str) -> str:
+    """Return ``kind`` if it is a known fault mode, else raise ``ValueError``."""
+    if kind not in FAULT_KINDS:
+        raise ValueError(f"unknown fault kind {kind!r}; known: {', '.join(FAULT_KINDS)}")
+    return kind

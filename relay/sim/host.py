@@ -1,0 +1,313 @@
+"""One simulated PDS host: its event log, its ``subscribeRepos`` stream and its sync XRPC endpoints.
+
+The log holds fully encoded frames ``(seq, frame, action)``; ``action`` marks a connection fault
+(``slow``/``stall``/``disconnect``) that fires only for subscribers receiving that frame live, so a
+reconnecting client replaying it from its cursor is not disconnected again in a loop.
+
+Cursor rules follow the AT sync Internet-Draft §4.3: no cursor → live only; cursor above the
+current seq → ``FutureCursor`` error frame and close; cursor inside the window → every frame with
+``seq >= cursor``; cursor older than the window (or 0) → ``#info OutdatedCursor`` (not for 0) and
+the whole window.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from bisect import bisect_left
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import cbrrr
+from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.exceptions import ConnectionClosed
+from websockets.http11 import Request, Response
+
+from relay.sim.faults import check_kind
+from relay.sim.http import is_upgrade, json_response, response, split_request, xrpc_error
+
+if TYPE_CHECKING:
+    from relay.sim.fleet import SimAccount
+
+SUBSCRIBE_PATH = "/xrpc/com.atproto.sync.subscribeRepos"
+
+
+def encode_frame(t: str, body: dict[str, Any]) -> bytes:
+    """Message frame: header ``{op: 1, t}`` then body (same bytes as ``firehose.frames``)."""
+    return cbrrr.encode_dag_cbor({"op": 1, "t": t}) + cbrrr.encode_dag_cbor(body)
+
+
+def encode_error_frame(error: str, message: str) -> bytes:
+    """Error frame: header ``{op: -1}`` then ``{error, message}``."""
+    return cbrrr.encode_dag_cbor({"op": -1}) + cbrrr.encode_dag_cbor({"error": error, "message": message})
+
+
+@dataclass(slots=True)
+class LogEntry:
+    seq: int
+    frame: bytes
+    action: str | None = None
+    sent_at: float = 0.0
+
+
+@dataclass
+class StreamLog:
+    """Bounded in-memory backfill window; ``base`` is the absolute index of ``entries[0]``."""
+
+    limit: int = 500_000
+    entries: list[LogEntry] = field(default_factory=list)
+    seqs: list[int] = field(default_factory=list)
+    base: int = 0
+
+    @property
+    def end(self) -> int:
+        return self.base + len(self.entries)
+
+    def append(self, entry: LogEntry) -> None:
+        self.entries.append(entry)
+        self.seqs.append(entry.seq)
+        if len(self.entries) > self.limit + self.limit // 4:
+            cut = len(self.entries) - self.limit
+            del self.entries[:cut], self.seqs[:cut]
+            self.base += cut
+
+    def index_from(self, cursor: int) -> int:
+        """Absolute index of the first entry with ``seq >= cursor``."""
+        return self.base + bisect_left(self.seqs, cursor)
+
+    def get(self, index: int) -> LogEntry:
+        return self.entries[index - self.base]
+
+    def clear(self) -> None:
+        self.base = self.end
+        self.entries.clear()
+        self.seqs.clear()
+
+
+class SimHost:
+    """A PDS-like server on 127.0.0.1: ``subscribeRepos`` plus the sync endpoints a relay uses."""
+
+    def __init__(self, index: int, *, log_limit: int = 500_000, slow_delay: float = 0.05,
+                 stall_seconds: float = 2.0) -> None:
+        self.index = index
+        self.url = ""
+        self.hostname = ""
+        self.accounts: dict[str, SimAccount] = {}
+        self.log = StreamLog(limit=log_limit)
+        self.seq = 0
+        self.published_seq = 0
+        self.faults: dict[str, float] = {}
+        self.slow_delay = slow_delay
+        self.stall_seconds = stall_seconds
+        self.frames_sent = 0
+        self.connections_total = 0
+        self._subscribers: set[ServerConnection] = set()
+        self._server: Server | None = None
+        self._waiter: asyncio.Future[None] | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        self._server = await serve(
+            self._subscribe, host, port, process_request=self._http, compression=None,
+            max_size=2**16, ping_interval=None, write_limit=2**20,
+        )
+        sock_port = self._server.sockets[0].getsockname()[1]
+        self.hostname = f"{host}:{sock_port}"
+        self.url = f"http://{self.hostname}"
+
+    async def stop(self) -> None:
+        for ws in list(self._subscribers):
+            ws.transport.abort()
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+        self._wake()
+
+    # -- faults ------------------------------------------------------------------------------
+    def set_fault(self, kind: str, rate: float) -> None:
+        """Switch a fault mode on (``rate`` > 0, a probability) or off (``rate`` = 0)."""
+        check_kind(kind)
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError("rate must be within [0, 1]")
+        if rate == 0:
+            self.faults.pop(kind, None)
+        else:
+            self.faults[kind] = rate
+
+    @property
+    def subscriber_count(self) -> int:
+        return len(self._subscribers)
+
+    def wipe(self) -> None:
+        """Simulate a wiped host now: seq restarts at 1, log emptied, every subscriber dropped."""
+        self.seq = 0
+        self.drop_log()
+
+    def drop_log(self) -> None:
+        """Empty the published log and drop every subscriber (second half of a wipe)."""
+        self.log.clear()
+        self.published_seq = 0
+        for ws in list(self._subscribers):
+            ws.transport.abort()
+
+    # -- emitting ----------------------------------------------------------------------------
+    def next_seq(self) -> int:
+        self.seq += 1
+        return self.seq
+
+    def make_entry(self, t: str, body: dict[str, Any], action: str | None = None) -> LogEntry:
+        """Assign the next seq and encode the frame (not yet visible to subscribers)."""
+        seq = self.next_seq()
+        body["seq"] = seq
+        return LogEntry(seq, encode_frame(t, body), action)
+
+    def publish(self, entries: list[LogEntry]) -> None:
+        """Make entries visible to subscribers, stamping their send time."""
+        now = time.time()
+        for e in entries:
+            e.sent_at = now
+            self.log.append(e)
+        if entries:
+            self.published_seq = entries[-1].seq
+        self._wake()
+
+    def _wake(self) -> None:
+        w = self._waiter
+        self._waiter = None
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def _wait(self) -> asyncio.Future[None]:
+        if self._waiter is None:
+            self._waiter = asyncio.get_running_loop().create_future()
+        return self._waiter
+
+    # -- subscribeRepos ----------------------------------------------------------------------
+    async def _subscribe(self, ws: ServerConnection) -> None:
+        _, params = split_request(ws.request)  # type: ignore[arg-type]
+        self.connections_total += 1
+        log = self.log
+        try:
+            cursor = int(params["cursor"]) if "cursor" in params else None
+        except ValueError:
+            await ws.send(encode_error_frame("InvalidRequest", "cursor must be an integer"))
+            await ws.close()
+            return
+        if cursor is not None and cursor > self.published_seq:
+            await ws.send(encode_error_frame("FutureCursor", "Cursor in the future."))
+            await ws.close(1000)
+            return
+        if cursor is None:
+            idx = log.end
+        else:
+            first = log.seqs[0] if log.seqs else self.published_seq + 1
+            if cursor != 0 and cursor < first:
+                await ws.send(encode_frame("#info", {"name": "OutdatedCursor", "message": "cursor older than backfill window"}))
+            idx = log.index_from(cursor)
+        live_from = log.end
+        self._subscribers.add(ws)
+        try:
+            while True:
+                if self._server is None:
+                    return
+                if log is not self.log:
+                    return
+                if idx < log.base:
+                    idx = log.base
+                while idx < log.end:
+                    entry = log.get(idx)
+                    action = entry.action if idx >= live_from else None
+                    if action == "slow":
+                        await asyncio.sleep(self.slow_delay)
+                    elif action == "stall":
+                        await asyncio.sleep(self.stall_seconds)
+                    await ws.send(entry.frame)
+                    self.frames_sent += 1
+                    idx += 1
+                    if action == "disconnect":
+                        ws.transport.abort()
+                        return
+                    if idx < log.base:
+                        idx = log.base
+                await self._wait()
+        except ConnectionClosed:
+            return
+        finally:
+            self._subscribers.discard(ws)
+
+    # -- XRPC --------------------------------------------------------------------------------
+    async def _http(self, connection: ServerConnection, request: Request) -> Response | None:
+        path, params = split_request(request)
+        if path == SUBSCRIBE_PATH and is_upgrade(request):
+            return None
+        try:
+            return self._route(path, params)
+        except Exception as exc:  # never let a handler bug kill the host
+            return xrpc_error(500, "InternalServerError", type(exc).__name__)
+
+    def _account(self, params: dict[str, str]) -> tuple[SimAccount | None, Response | None]:
+        did = params.get("did")
+        if not did:
+            return None, xrpc_error(400, "InvalidRequest", "did is required")
+        acct = self.accounts.get(did)
+        if acct is None:
+            return None, xrpc_error(400, "RepoNotFound", f"Could not find repo for DID: {did}")
+        return acct, None
+
+    def _route(self, path: str, params: dict[str, str]) -> Response:
+        if path == "/xrpc/_health":
+            return json_response({"version": "relay-sim"})
+        if path == "/xrpc/com.atproto.server.describeServer":
+            return json_response({
+                "did": f"did:web:{self.hostname.split(':')[0]}",
+                "availableUserDomains": [".sim.test"],
+                "inviteCodeRequired": False,
+            })
+        if path == "/xrpc/com.atproto.sync.listRepos":
+            limit = max(1, min(1000, int(params.get("limit", "500"))))
+            after = params.get("cursor", "")
+            dids = sorted(d for d in self.accounts if d > after)[:limit]
+            repos = []
+            for did in dids:
+                a = self.accounts[did]
+                item: dict[str, Any] = {"did": did, "head": a.repo.head.encode(), "rev": a.repo.rev, "active": a.status == "active"}
+                if a.status != "active":
+                    item["status"] = a.status
+                repos.append(item)
+            out: dict[str, Any] = {"repos": repos}
+            if len(dids) == limit:
+                out["cursor"] = dids[-1]
+            return json_response(out)
+        if path == "/xrpc/com.atproto.sync.getRepoStatus":
+            acct, err = self._account(params)
+            if err is not None:
+                return err
+            assert acct is not None
+            status: dict[str, Any] = {"did": acct.did, "active": acct.status == "active", "rev": acct.repo.rev}
+            if acct.status != "active":
+                status["status"] = acct.status
+            return json_response(status)
+        if path == "/xrpc/com.atproto.sync.getLatestCommit":
+            acct, err = self._account(params)
+            if err is not None:
+                return err
+            assert acct is not None
+            if acct.status != "active":
+                return xrpc_error(400, _status_error(acct.status), f"Repo is {acct.status}")
+            return json_response({"cid": acct.repo.head.encode(), "rev": acct.repo.rev})
+        if path == "/xrpc/com.atproto.sync.getRepo":
+            acct, err = self._account(params)
+            if err is not None:
+                return err
+            assert acct is not None
+            if acct.status != "active":
+                return xrpc_error(400, _status_error(acct.status), f"Repo is {acct.status}")
+            return response(200, acct.repo.export_car(), "application/vnd.ipld.car")
+        return xrpc_error(404, "MethodNotImplemented", f"no such method {path}")
+
+
+def _status_error(status: str) -> str:
+    return {"takendown": "RepoTakendown", "suspended": "RepoSuspended", "deactivated": "RepoDeactivated"}.get(
+        status, "RepoDeactivated"
+    )
