@@ -42,3 +42,10 @@ class SeqExhaustedError(BackfillError):
     """The next seq would reach 2**53 (the largest value every consumer can represent)."""
 
     reason = "seq_exhausted"
+
+
+class BatchAbortedError(BackfillError):
+    """This event's batch was numbered after a batch whose commit failed, so it was not written
+    either; nothing of it is stored and the caller may resubmit."""
+
+    reason = "batch_aborted"

@@ -236,6 +236,12 @@ class PostgresStore(Store):
         row = await self._pool.fetchrow(f"SELECT {_ACCOUNT_COLS} FROM accounts WHERE did = $1", did)
         return None if row is None else _account(row)
 
+    async def account_heads(self, dids: Iterable[str]) -> dict[str, tuple[str | None, str | None]]:
+        rows = await self._pool.fetch(
+            "SELECT did, host, rev FROM accounts WHERE did = ANY($1::text[])", list(dids)
+        )
+        return {r[0]: (r[1], r[2]) for r in rows}
+
     async def get_accounts(self, dids: Iterable[str]) -> dict[str, AccountState]:
         rows = await self._pool.fetch(
             f"SELECT {_ACCOUNT_COLS} FROM accounts WHERE did = ANY($1::text[])", list(dids)
@@ -371,12 +377,6 @@ class _PgLease(WriterLease):
 
     def __init__(self, conn: asyncpg.Connection) -> None:
         self._conn = conn
-
-    async def account_heads(self, dids: Iterable[str]) -> dict[str, tuple[str | None, str | None]]:
-        rows = await self._conn.fetch(
-            "SELECT did, host, rev FROM accounts WHERE did = ANY($1::text[])", list(dids)
-        )
-        return {r[0]: (r[1], r[2]) for r in rows}
 
     async def high_water(self) -> int:
         return await self._conn.fetchval("SELECT value FROM relay_meta WHERE key = 'seq_high_water'")

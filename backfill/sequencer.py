@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from backfill.errors import (
+    BatchAbortedError,
     SeqExhaustedError,
     SequencerClosedError,
     SequencerConflictError,
@@ -101,7 +102,10 @@ class Sequencer:
         self._lease: WriterLease | None = None
         self._task: asyncio.Task[None] | None = None
         self._start_lock = asyncio.Lock()
-        self._high_water = 0
+        self._high_water = 0  # last committed seq
+        self._next_high_water = 0  # last seq numbered (committed or in flight)
+        self._overlay: dict[str, tuple[str | None, str | None]] = {}  # did -> (host, rev) in flight
+        self._epoch = 0  # bumped when a commit fails: batches numbered before are void
         self._last_time = 0.0
         self._closed = False
         self._failure: BaseException | None = None
@@ -115,7 +119,7 @@ class Sequencer:
             if self._closed:
                 raise SequencerClosedError("sequencer is closed")
             self._lease = await self.store.acquire_writer(wait=self.wait_for_lock, timeout=self.lock_timeout)
-            self._high_water = await self._lease.high_water()
+            self._high_water = self._next_high_water = await self._lease.high_water()
             self._task = asyncio.create_task(self._run(), name="sequencer")
 
     async def close(self) -> None:
@@ -176,57 +180,72 @@ class Sequencer:
             await self.start()
 
     # -- the writer --------------------------------------------------------------------------
-    async def _run(self) -> None:
-        stop = False
-        while not stop:
-            items = [await self._queue.get()]
-            if items[0] is _STOP:
-                break
-            if self._queue.qsize() < self.max_batch - 1 and self.max_delay > 0:
-                await asyncio.sleep(self.max_delay)
-            while len(items) < self.max_batch:
-                try:
-                    item = self._queue.get_nowait()
-                except asyncio.QueueEmpty:
-                    break
-                if item is _STOP:
-                    stop = True
-                    break
-                items.append(item)
-            try:
-                await self._write(items)
-            except (SequencerLockedError, SequencerConflictError) as exc:
-                self._failure = exc
-                log.error("sequencer stopped: %s", exc)
-                self._fail_pending(exc)
-                return
+    # Two stages overlap: while batch k is being committed (waiting on the database), batch k+1
+    # is collected, checked for re-deliveries, numbered and encoded. Numbering is provisional
+    # (``_next_high_water``) until commit; if a commit fails, every batch numbered after it is
+    # failed too (its seqs assumed the failed batch) and numbering restarts from the stored mark.
 
-    def _fail_pending(self, exc: BaseException) -> None:
-        while True:
+    async def _run(self) -> None:
+        ready: asyncio.Queue[_Prepared | None] = asyncio.Queue(maxsize=1)
+        committer = asyncio.create_task(self._commit_loop(ready), name="sequencer-commit")
+        try:
+            stop = False
+            while not stop and self._failure is None:
+                items, stop = await self._collect()
+                if not items:
+                    continue
+                if self._failure is not None:
+                    self._fail_items(items, SequencerClosedError(f"sequencer stopped: {self._failure}"))
+                    break
+                prepared = await self._prepare(items)
+                if prepared is not None:
+                    await ready.put(prepared)
+        finally:
+            await ready.put(None)
+            await committer
+            if self._failure is not None:
+                self._fail_pending(self._failure)
+
+    async def _collect(self) -> tuple[list[tuple[Any, asyncio.Future[Any]]], bool]:
+        """Up to ``max_batch`` queued items (waiting ``max_delay`` for a fuller batch)."""
+        first = await self._queue.get()
+        if first is _STOP:
+            return [], True
+        items = [first]
+        if self._queue.qsize() < self.max_batch - 1 and self.max_delay > 0:
+            await asyncio.sleep(self.max_delay)
+        while len(items) < self.max_batch:
             try:
                 item = self._queue.get_nowait()
             except asyncio.QueueEmpty:
-                return
-            if item is not _STOP and not item[1].done():
-                item[1].set_exception(SequencerClosedError(f"sequencer stopped: {exc}"))
+                break
+            if item is _STOP:
+                return items, True
+            items.append(item)
+        return items, False
 
-    async def _write(self, items: list[tuple[Any, asyncio.Future[Any]]]) -> None:
-        assert self._lease is not None
-        lease = self._lease
-        event_dids = {
+    async def _prepare(self, items: list[tuple[Any, asyncio.Future[Any]]]) -> _Prepared | None:
+        """Dedupe, number and encode one batch (no writes)."""
+        dids = {
             item.did for item, _ in items if isinstance(item, PendingEvent) and (item.rev or item.account)
         }
-        account_dids = {
-            item.account.did for item, _ in items if isinstance(item, PendingEvent) and item.account
-        }
-        try:
-            heads = await lease.account_heads(event_dids | account_dids) if event_dids or account_dids else {}
-        except Exception as exc:  # database unreachable: nothing written, callers retry
-            self._batch_failed(items, exc)
-            return
+        dids |= {item.account.did for item, _ in items if isinstance(item, PendingEvent) and item.account}
+        while True:
+            epoch = self._epoch
+            # Taken before the read: whatever commits meanwhile is in the database or in here.
+            overlay = {did: self._overlay[did] for did in dids if did in self._overlay}
+            try:
+                heads = await self.store.account_heads(dids) if dids else {}
+            except Exception as exc:  # database unreachable: nothing written, callers retry
+                self._batch_failed(items, exc)
+                return None
+            if epoch == self._epoch:
+                break
+        heads.update(overlay)
 
         now = max(self.clock(), self._last_time)
-        seq = self._high_water
+        base = self._next_high_water
+        seq = base
         last_rev: dict[str, str | None] = {did: head[1] for did, head in heads.items()}
         rows: list[tuple[int, str, str, float, bytes]] = []
         sequenced: list[SequencedEvent] = []
@@ -234,6 +253,7 @@ class Sequencer:
         errors: list[tuple[asyncio.Future[Any], BaseException]] = []
         accounts: dict[str, AccountState] = {}
         cursors: dict[str, int] = {}
+        encode = self.frame_encoder
 
         for item, fut in items:
             if isinstance(item, _CursorOnly):
@@ -253,7 +273,7 @@ class Sequencer:
                 errors.append((fut, SeqExhaustedError("seq would reach 2**53")))
                 continue
             try:
-                frame = self.frame_encoder(event.kind, {**event.body, "seq": seq + 1})
+                frame = encode(event.kind, {**event.body, "seq": seq + 1})
             except Exception as exc:  # a body the encoder refuses fails only its own submit
                 self.stats.encode_errors += 1
                 errors.append((fut, exc))
@@ -262,68 +282,122 @@ class Sequencer:
             if event.rev is not None:
                 last_rev[event.did] = event.rev
             rows.append((seq, event.did, event.kind, now, frame))
-            sequenced.append(SequencedEvent(seq, event.did, event.kind, now, frame))
-            results.append((fut, sequenced[-1]))
+            done = SequencedEvent(seq, event.did, event.kind, now, frame)
+            sequenced.append(done)
+            results.append((fut, done))
             if event.account is not None:
                 if not event.account.updated_at:
                     event.account.updated_at = now
                 accounts[event.account.did] = event.account
 
         host_updates: dict[str, list[Any]] = {h: [c, now, 0] for h, c in cursors.items()}
+        entries: dict[str, tuple[str | None, str | None]] = {}
         for did, state in accounts.items():
             head = heads.get(did)
             for host, delta in host_count_deltas(
                 head is not None, head[0] if head else None, state.host
             ).items():
                 host_updates.setdefault(host, [None, None, 0])[2] += delta
-
+            entries[did] = (state.host, state.rev if state.rev is not None else last_rev.get(did))
+        for did, rev in last_rev.items():
+            if did not in entries and rev is not None and (did not in heads or heads[did][1] != rev):
+                entries[did] = (heads[did][0] if did in heads else None, rev)
+        # Later batches must see this one's accounts before it is committed.
+        self._overlay.update(entries)
+        self._next_high_water = seq
+        self._last_time = now
         batch = BatchWrite(
-            expected_high_water=self._high_water,
+            expected_high_water=base,
             new_high_water=seq,
             events=rows,
             accounts=list(accounts.values()),
             host_updates={h: (u[0], u[1], u[2]) for h, u in host_updates.items()},
         )
-        try:
-            if rows or batch.accounts or batch.host_updates:
-                await lease.commit_batch(batch)
-        except SequencerConflictError:
-            self._batch_failed(items, None)
-            raise
-        except Exception as exc:
-            self._batch_failed(items, exc)
-            await self._recover()
-            return
+        return _Prepared(
+            epoch=self._epoch,
+            batch=batch,
+            items=items,
+            sequenced=sequenced,
+            results=results,
+            errors=errors,
+            entries=entries,
+        )
 
-        self._high_water = seq
-        self._last_time = now
-        self.stats.batches += 1
-        self.stats.events += len(sequenced)
-        if sequenced:
+    async def _commit_loop(self, ready: asyncio.Queue[_Prepared | None]) -> None:
+        while True:
+            prepared = await ready.get()
+            if prepared is None:
+                return
+            if self._failure is not None:
+                self._fail_items(prepared.items, SequencerClosedError(f"sequencer stopped: {self._failure}"))
+                continue
+            if prepared.epoch != self._epoch or prepared.batch.expected_high_water != self._high_water:
+                self._batch_failed(prepared.items, BatchAbortedError("an earlier batch failed; resubmit"))
+                continue
             try:
-                await self.publish(sequenced)
+                await self._commit(prepared)
+            except (SequencerLockedError, SequencerConflictError) as exc:
+                self._failure = exc
+                log.error("sequencer stopped: %s", exc)
+                self._fail_items(prepared.items, exc)
+            except Exception as exc:
+                self._batch_failed(prepared.items, exc)
+                self._epoch += 1
+                self._overlay.clear()
+                try:
+                    await self._recover()
+                except (SequencerLockedError, SequencerConflictError) as fatal:
+                    self._failure = fatal
+                    log.error("sequencer stopped: %s", fatal)
+                self._next_high_water = self._high_water
+
+    async def _commit(self, prepared: _Prepared) -> None:
+        assert self._lease is not None
+        batch = prepared.batch
+        if batch.events or batch.accounts or batch.host_updates:
+            await self._lease.commit_batch(batch)
+        self._high_water = batch.new_high_water
+        for did, entry in prepared.entries.items():
+            if self._overlay.get(did) == entry:
+                del self._overlay[did]  # the database has it now
+        self.stats.batches += 1
+        self.stats.events += len(prepared.sequenced)
+        if prepared.sequenced:
+            try:
+                await self.publish(prepared.sequenced)
             except Exception:  # durable already: consumers will catch up by replay
                 self.stats.publish_errors += 1
-                log.exception("publishing %d sequenced events failed", len(sequenced))
-        for fut, result in results:
+                log.exception("publishing %d sequenced events failed", len(prepared.sequenced))
+        for fut, result in prepared.results:
             if not fut.done():
                 fut.set_result(result)
-        for fut, exc in errors:
+        for fut, exc in prepared.errors:
             if not fut.done():
                 fut.set_exception(exc)
 
-    def _batch_failed(self, items: list[tuple[Any, asyncio.Future[Any]]], exc: BaseException | None) -> None:
-        self.stats.failed_batches += 1
-        if exc is not None:
-            log.warning("sequencer batch of %d failed: %s", len(items), exc)
-        error = exc or SequencerConflictError("batch not written: seq high-water mark moved")
+    def _fail_pending(self, exc: BaseException) -> None:
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except asyncio.QueueEmpty:
+                return
+            if item is not _STOP and not item[1].done():
+                item[1].set_exception(SequencerClosedError(f"sequencer stopped: {exc}"))
+
+    @staticmethod
+    def _fail_items(items: list[tuple[Any, asyncio.Future[Any]]], exc: BaseException) -> None:
         for _, fut in items:
             if not fut.done():
-                fut.set_exception(error)
+                fut.set_exception(exc)
+
+    def _batch_failed(self, items: list[tuple[Any, asyncio.Future[Any]]], exc: BaseException) -> None:
+        self.stats.failed_batches += 1
+        log.warning("sequencer batch of %d not written: %s", len(items), exc)
+        self._fail_items(items, exc)
 
     async def _recover(self) -> None:
         """After a failed write: the commit may or may not have happened (connection lost), and
-        the lease may be gone. Re-take the lease and reload the high-water mark."""
+        the lease may be gone. Reload the high-water mark, re-taking the lease if needed."""
         assert self._lease is not None
         try:
             self._high_water = await self._lease.high_water()
@@ -339,3 +413,16 @@ class Sequencer:
             raise
         except Exception as exc:
             raise SequencerConflictError(f"writer lease lost and not recoverable: {exc}") from exc
+
+
+@dataclass(slots=True)
+class _Prepared:
+    """One numbered, encoded batch waiting for its commit."""
+
+    epoch: int
+    batch: BatchWrite
+    items: list[tuple[Any, asyncio.Future[Any]]]
+    sequenced: list[SequencedEvent]
+    results: list[tuple[asyncio.Future[Any], SequencedEvent | None]]
+    errors: list[tuple[asyncio.Future[Any], BaseException]]
+    entries: dict[str, tuple[str | None, str | None]]

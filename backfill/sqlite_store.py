@@ -288,6 +288,22 @@ class SqliteStore(Store):
         rows = await self._read(_fetchall, f"SELECT {_ACCOUNT_COLS} FROM accounts WHERE did = ?", (did,))
         return _account(rows[0]) if rows else None
 
+    async def account_heads(self, dids: Iterable[str]) -> dict[str, tuple[str | None, str | None]]:
+        wanted = list(dids)
+
+        def _heads(conn: sqlite3.Connection) -> dict[str, tuple[str | None, str | None]]:
+            out: dict[str, tuple[str | None, str | None]] = {}
+            for i in range(0, len(wanted), 500):
+                chunk = wanted[i : i + 500]
+                marks = ",".join("?" * len(chunk))
+                for did, host, rev in conn.execute(
+                    f"SELECT did, host, rev FROM accounts WHERE did IN ({marks})", chunk
+                ):
+                    out[did] = (host, rev)
+            return out
+
+        return await self._read(_heads) if wanted else {}
+
     async def get_accounts(self, dids: Iterable[str]) -> dict[str, AccountState]:
         wanted = list(dict.fromkeys(dids))
 
@@ -480,22 +496,6 @@ class _SqliteLease(WriterLease):
     def __init__(self, store: SqliteStore, fd: int) -> None:
         self._store = store
         self._fd: int | None = fd
-
-    async def account_heads(self, dids: Iterable[str]) -> dict[str, tuple[str | None, str | None]]:
-        wanted = list(dids)
-
-        def _heads(conn: sqlite3.Connection) -> dict[str, tuple[str | None, str | None]]:
-            out: dict[str, tuple[str | None, str | None]] = {}
-            for i in range(0, len(wanted), 500):
-                chunk = wanted[i : i + 500]
-                marks = ",".join("?" * len(chunk))
-                for did, host, rev in conn.execute(
-                    f"SELECT did, host, rev FROM accounts WHERE did IN ({marks})", chunk
-                ):
-                    out[did] = (host, rev)
-            return out
-
-        return await self._store._write(_heads) if wanted else {}
 
     async def high_water(self) -> int:
         return await self._store._write(

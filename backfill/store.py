@@ -58,10 +58,6 @@ class WriterLease(ABC):
     """
 
     @abstractmethod
-    async def account_heads(self, dids: Iterable[str]) -> dict[str, tuple[str | None, str | None]]:
-        """``did -> (host, rev)`` for the stored accounts among ``dids``."""
-
-    @abstractmethod
     async def commit_batch(self, batch: BatchWrite) -> None:
         """Persist ``batch`` atomically (see ``BatchWrite``)."""
 
@@ -194,6 +190,11 @@ class Store(ABC):
     # -- accounts ----------------------------------------------------------------------------
     @abstractmethod
     async def get_account(self, did: str) -> AccountState | None: ...
+
+    @abstractmethod
+    async def account_heads(self, dids: Iterable[str]) -> dict[str, tuple[str | None, str | None]]:
+        """``did -> (host, rev)`` for the stored accounts among ``dids`` (the sequencer's
+        re-delivery check; lighter than ``get_accounts``)."""
 
     @abstractmethod
     async def get_accounts(self, dids: Iterable[str]) -> dict[str, AccountState]:

@@ -222,3 +222,43 @@ async def test_batches_are_bounded(store: Store) -> None:
     assert [r.seq for r in results if r] == list(range(1, 101))
     assert max(len(b) for b in published.batches) <= 16
     assert len(published.batches) < 100  # actually batched
+
+
+BOOM_SQL = {
+    "postgres": [
+        "CREATE FUNCTION boom() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+        "IF NEW.did = 'did:plc:boom' THEN RAISE EXCEPTION 'boom'; END IF; RETURN NEW; END $$",
+        "CREATE TRIGGER boom BEFORE INSERT ON events FOR EACH ROW EXECUTE FUNCTION boom()",
+    ],
+    "sqlite": [
+        "CREATE TRIGGER boom BEFORE INSERT ON events WHEN new.did = 'did:plc:boom' "
+        "BEGIN SELECT RAISE(ABORT, 'boom'); END",
+    ],
+}
+
+
+async def test_failed_commit_writes_nothing_and_numbering_resumes(target: StoreTarget, store: Store) -> None:
+    for statement in BOOM_SQL[target.backend]:
+        await target.sql(statement)
+    published = Collector()
+    async with Sequencer(store, published, max_batch=10, max_delay=0.01) as seq:
+        first = await asyncio.gather(*(seq.submit(commit_event(n)) for n in range(1, 11)))
+        # A batch the database refuses: every event in it fails, and so may a batch numbered
+        # behind it; none of them is stored or published.
+        doomed = [seq.submit(commit_event(n)) for n in range(11, 16)]
+        doomed.append(seq.submit(commit_event(16, did="did:plc:boom")))
+        doomed += [seq.submit(commit_event(n)) for n in range(17, 30)]
+        outcome = await asyncio.gather(*doomed, return_exceptions=True)
+        failed = [r for r in outcome if isinstance(r, BaseException)]
+        assert len(failed) >= 6
+        assert all(not isinstance(r, BaseException) or r.__class__.__name__ != "SequencerClosedError" for r in outcome)
+        # The writer carries on, numbering from the stored mark: no gap, no reuse.
+        later = [await seq.submit(commit_event(n)) for n in range(40, 45)]
+    assert [e.seq for e in first] == list(range(1, 11))
+    stored = await store.read_after(0, 100)
+    seqs = [e.seq for e in stored]
+    assert seqs == list(range(1, len(stored) + 1))
+    assert [e.seq for e in later if e] == seqs[-5:]
+    assert [e.seq for e in published.events] == seqs
+    assert "did:plc:boom" not in {e.did for e in stored}
+    assert seq.stats.failed_batches >= 1
