@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from spark.config import JobConfig
 from spark.dagjson import record_json
 from spark.db import connect_db
-from spark.http import HostFetcher
+from spark.fetch import HostFetcher
 from spark.identity import IdentityClient
 from spark.partitioning import batched, by_host_shard, for_each_host, read_accounts_rdd
 from spark.relaydb import AccountFilter, ResultRow, finish_run, relay_seq, start_run, write_results

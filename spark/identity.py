@@ -2,7 +2,7 @@
 
 Contract: ``IdentityClient(cfg).resolve(did) -> ResolvedIdentity`` or ``IdentityError(reason)``
 with reasons ``unsupported_did_method``, ``did_not_found``, ``bad_did_document``,
-``no_signing_key`` and the fetch reasons of ``spark.http``. did:plc goes to
+``no_signing_key`` and the fetch reasons of ``spark.fetch``. did:plc goes to
 ``cfg.plc_url``; did:web to ``https://<host>/.well-known/did.json`` (SSRF-checked like any host).
 Results are cached for the lifetime of the client (one Spark task).
 """
@@ -15,7 +15,7 @@ from typing import Any
 from urllib.parse import unquote
 
 from spark.config import FetchConfig
-from spark.http import FetchError, HostFetcher
+from spark.fetch import FetchError, HostFetcher
 
 
 class IdentityError(Exception):

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from spark.config import JobConfig
 from spark.db import connect_db
-from spark.http import HostFetcher, base_url_for
+from spark.fetch import HostFetcher, base_url_for
 from spark.identity import IdentityClient
 from spark.relaydb import AccountFilter, did_boundaries, read_accounts
 from spark.repo_check import StoredAccount

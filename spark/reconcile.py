@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from spark.config import JobConfig
 from spark.db import JobDB, connect_db
-from spark.http import FetchError, HostFetcher, base_url_for
+from spark.fetch import FetchError, HostFetcher, base_url_for
 from spark.relaydb import (
     ResultRow,
     accounts_by_did,

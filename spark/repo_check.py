@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from spark.http import FetchError, HostFetcher
+from spark.fetch import FetchError, HostFetcher
 from spark.identity import IdentityClient, IdentityError
 
 
@@ -59,11 +59,10 @@ class Judgement:
 
 def fetch_verified(fetcher: HostFetcher, identities: IdentityClient, did: str) -> FetchedRepo:
     """Download and fully verify ``did``'s repository (see the module docstring)."""
-    from mst.verify import verify_repo_car
-
     from mst.cid import cid_str
     from mst.crypto import parse_did_key
     from mst.errors import RepoError
+    from mst.verify import verify_repo_car
 
     try:
         ident = identities.resolve(did)

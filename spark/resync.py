@@ -3,7 +3,7 @@
 ``run_resync(spark, cfg, flt) -> dict`` (summary: counts per outcome, selected, run id).
 
 Per repository (in executors, grouped by host, with the host's rate/concurrency share, SSRF
-check, timeouts and retries — see ``spark.partitioning`` and ``spark.http``): ``getRepo``, resolve
+check, timeouts and retries — see ``spark.partitioning`` and ``spark.fetch``): ``getRepo``, resolve
 the signing key, verify signature + every block hash + the full MST (``mst.verify``), compare with
 the stored state (``spark.repo_check.judge``). Every ``cfg.write_batch`` repositories one
 transaction writes the results rows (did, host, outcome ok/repaired/failed, reason, records,
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from spark.config import JobConfig
 from spark.db import connect_db
-from spark.http import HostFetcher
+from spark.fetch import HostFetcher
 from spark.identity import IdentityClient
 from spark.partitioning import batched, by_host_shard, for_each_host, read_accounts_rdd
 from spark.relaydb import (

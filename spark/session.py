@@ -30,8 +30,9 @@ FAST_JVM_OPTS = "-XX:TieredStopAtLevel=1"
 
 
 def is_local_master(master: str | None) -> bool:
-    """True for ``local``, ``local[N]`` and ``local[*]`` masters."""
-    return master is None or master.startswith("local")
+    """True for ``local``, ``local[N]`` and ``local[*]`` masters (None: spark-submit decides,
+    so no loopback or JVM settings are imposed)."""
+    return master is not None and master.startswith("local")
 
 
 def prepare_environment(master: str | None) -> None:

@@ -12,7 +12,7 @@ from mst.cid import cid_for_cbor, cid_str
 from spark.config import FetchConfig
 from spark.dagjson import record_json
 from spark.db import split_schema, to_dollar
-from spark.http import FetchError, HostFetcher, TokenBucket
+from spark.fetch import FetchError, HostFetcher, TokenBucket
 from spark.identity import IdentityClient, IdentityError
 from spark.repo_check import FetchedRepo, StoredAccount, judge
 from spark.ssrf import SsrfError, check_url
