@@ -122,7 +122,15 @@ def read_car(
     count = 0
     sha = _sha256
     while pos < end:
-        slen, pos = _varint(data, pos, end)
+        b0 = data[pos]
+        if b0 < 0x80:
+            slen = b0
+            pos += 1
+        elif pos + 1 < end and 0 < data[pos + 1] < 0x80:  # two-byte varint (blocks < 16 KiB)
+            slen = (b0 & 0x7F) | (data[pos + 1] << 7)
+            pos += 2
+        else:
+            slen, pos = _varint(data, pos, end)
         sec_end = pos + slen
         if sec_end > end:
             raise CARError("car_truncated", "block section past end of data")

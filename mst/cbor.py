@@ -101,17 +101,19 @@ def _classify(exc: BaseException) -> str:
 
 
 def _check_int_range(obj: Any) -> None:
+    """Walk containers; every int must fit int64 (cost ~ number of values, not bytes)."""
     stack = [obj]
+    pop = stack.pop
+    push = stack.extend
     while stack:
-        o = stack.pop()
+        o = pop()
         t = type(o)
-        if t is int:
-            if o > _INT64_MAX or o < _INT64_MIN:
-                raise CBORError("cbor_integer_out_of_range", "integer does not fit in int64")
-        elif t is dict:
-            stack.extend(o.values())
+        if t is dict:
+            push(o.values())
         elif t is list:
-            stack.extend(o)
+            push(o)
+        elif t is int and (o > _INT64_MAX or o < _INT64_MIN):
+            raise CBORError("cbor_integer_out_of_range", "integer does not fit in int64")
 
 
 def decode_prefix(data: bytes | bytearray | memoryview) -> tuple[object, int]:
@@ -126,8 +128,10 @@ def decode_prefix(data: bytes | bytearray | memoryview) -> tuple[object, int]:
         raise
     except (ValueError, TypeError, RecursionError, OverflowError, cbrrr.CbrrrDecodeError) as exc:
         raise CBORError(_classify(exc), str(exc)[:200]) from None
-    if _BIG_INT_HINT.search(data, 0, n) is not None:
+    if type(obj) is not int:
         _check_int_range(obj)
+    elif obj > _INT64_MAX or obj < _INT64_MIN:
+        raise CBORError("cbor_integer_out_of_range", "integer does not fit in int64")
     return obj, n
 
 

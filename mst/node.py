@@ -75,7 +75,7 @@ def is_valid_mst_key(key: bytes) -> bool:
 class Node:
     """One MST node (see module docstring). Treat as immutable."""
 
-    __slots__ = ("layer", "keys", "vals", "subs", "_cid", "_enc", "stored")
+    __slots__ = ("layer", "keys", "vals", "subs", "_cid", "_enc", "stored", "patch")
 
     def __init__(
         self,
@@ -94,6 +94,9 @@ class Node:
         self._cid = cid
         self._enc = enc
         self.stored = stored  # True if the block is known to be in the store
+        # (base encoding, slot, old link): this node equals the base node except for one subtree
+        # link, so its encoding is the base encoding with that link's 36 bytes swapped
+        self.patch: tuple[bytes, int, CID] | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -103,14 +106,13 @@ class Node:
         """Canonical DAG-CBOR bytes of this node (cached)."""
         enc = self._enc
         if enc is None:
-            entries = []
-            prev = b""
-            subs = self.subs
-            for i, k in enumerate(self.keys):
-                p = common_prefix_len(prev, k)
-                entries.append({"k": k[p:], "p": p, "t": sub_cid(subs[i + 1]), "v": self.vals[i]})
-                prev = k
-            enc = self._enc = cbor.encode_trusted({"e": entries, "l": sub_cid(subs[0])})
+            patch = self.patch
+            if patch is not None:
+                enc = _patched(patch, sub_cid(self.subs[patch[1]]))
+                self.patch = None
+            if enc is None:
+                enc = encode_node(self.keys, self.vals, [sub_cid(s) for s in self.subs])
+            self._enc = enc
         return enc
 
     @property
@@ -123,6 +125,90 @@ class Node:
 
     def __repr__(self) -> str:
         return f"Node(layer={self.layer}, keys={[k.decode() for k in self.keys]})"
+
+
+_LINK = b"\xd8\x2a\x58\x25\x00"  # tag 42, bytes(37), multibase identity prefix
+
+
+def _patched(patch: tuple[bytes, int, CID], new: CID | None) -> bytes | None:
+    base, slot, old = patch
+    if new is None or len(new.cid_bytes) != 36 or len(old.cid_bytes) != 36:
+        return None
+    tag = b"\x61l" if slot == 0 else b"\x61t"
+    pattern = tag + _LINK + old.cid_bytes
+    at = base.find(pattern)
+    if at < 0:
+        return None
+    return base[:at] + tag + _LINK + new.cid_bytes + base[at + len(pattern) :]
+
+
+def _with_sub(node: Node, i: int, new: Node | None) -> Node:
+    """``node`` with subtree slot ``i`` replaced (cheap re-encoding when possible)."""
+    subs = node.subs[:]
+    old = subs[i]
+    subs[i] = new
+    n = Node(node.layer, node.keys, node.vals, subs)
+    if old is not None and node._enc is not None:
+        old_cid = old._cid if type(old) is Node else old
+        if old_cid is not None:
+            n.patch = (node._enc, i, old_cid)  # type: ignore[assignment]
+    return n
+
+
+_SMALL = [bytes((i,)) for i in range(256)]
+
+
+def _head(major: int, n: int) -> bytes:
+    if n < 24:
+        return _SMALL[major | n]
+    if n < 0x100:
+        return bytes((major | 24, n))
+    if n < 0x10000:
+        return bytes((major | 25,)) + n.to_bytes(2, "big")
+    return bytes((major | 26,)) + n.to_bytes(4, "big")
+
+
+def encode_node(keys: list[bytes], vals: list[CID], links: list[CID | None]) -> bytes:
+    """Wire encoding of a node (``links[0]`` is ``l``, ``links[i + 1]`` entry i's ``t``).
+
+    Writes canonical DAG-CBOR directly (``{"e": [{"k","p","t","v"}…], "l"}``, keys already in
+    canonical order) for 36-byte CIDs; anything else goes through the generic encoder. Both paths
+    produce identical bytes (tested)."""
+    for c in links:
+        if c is not None and len(c.cid_bytes) != 36:
+            return _encode_node_generic(keys, vals, links)
+    parts = [b"\xa2\x61e", _head(0x80, len(keys))]
+    append = parts.append
+    prev = b""
+    link = _LINK
+    for i, k in enumerate(keys):
+        p = common_prefix_len(prev, k) if i else 0
+        suffix = k[p:]
+        append(b"\xa4\x61k")
+        append(_head(0x40, len(suffix)))
+        append(suffix)
+        append(b"\x61p")
+        append(_head(0x00, p))
+        t = links[i + 1]
+        append(b"\x61t\xf6" if t is None else b"\x61t" + link + t.cid_bytes)
+        vb = vals[i].cid_bytes
+        if len(vb) != 36:
+            return _encode_node_generic(keys, vals, links)
+        append(b"\x61v" + link + vb)
+        prev = k
+    left = links[0]
+    append(b"\x61l\xf6" if left is None else b"\x61l" + link + left.cid_bytes)
+    return b"".join(parts)
+
+
+def _encode_node_generic(keys: list[bytes], vals: list[CID], links: list[CID | None]) -> bytes:
+    entries = []
+    prev = b""
+    for i, k in enumerate(keys):
+        p = common_prefix_len(prev, k)
+        entries.append({"k": k[p:], "p": p, "t": links[i + 1], "v": vals[i]})
+        prev = k
+    return cbor.encode_trusted({"e": entries, "l": links[0]})
 
 
 def sub_cid(sub: Sub) -> CID | None:
@@ -179,7 +265,7 @@ def decode_node(data: bytes, cid: CID | None, layer: int | None) -> Node:
         # the shared prefix is exactly p unless the next byte also matches
         if k and p < len(prev) and k[0] == prev[p]:
             raise MSTError("mst_prefix_invalid", "prefix compression is not maximal")
-        if keys and key <= prev:
+        if key <= prev:  # also rejects an empty first key
             raise MSTError("mst_key_order", "keys not strictly increasing")
         h = heights.get(key)
         if h is None:
@@ -324,9 +410,7 @@ def node_put(store: BlockMap, node: Node, key: bytes, val: CID, h: int) -> Node:
     c = child(store, node, i)
     if c is None:
         c = Node(layer - 1, [], [], [None])
-    subs = node.subs[:]
-    subs[i] = node_put(store, c, key, val, h)
-    return Node(layer, keys, node.vals, subs)
+    return _with_sub(node, i, node_put(store, c, key, val, h))
 
 
 def root_put(store: BlockMap, root: Node, key: bytes, val: CID) -> Node:
@@ -358,9 +442,7 @@ def node_delete(store: BlockMap, node: Node, key: bytes, h: int) -> Node | None:
     c = child(store, node, i)
     if c is None:
         raise MSTError("mst_key_not_found", "key not in tree")
-    subs = node.subs[:]
-    subs[i] = node_delete(store, c, key, h)
-    return _prune(Node(layer, keys, node.vals, subs))
+    return _prune(_with_sub(node, i, node_delete(store, c, key, h)))
 
 
 def root_delete(store: BlockMap, root: Node, key: bytes) -> Node:
