@@ -20,11 +20,11 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 _PLACEHOLDER = re.compile(r"\?")
 
 
-def is_postgres(url: str) -> bool:
-    return url.startswith(("postgresql://", "postgres://"))
+def is_postgres(url: str | None) -> bool:
+    return bool(url) and str(url).startswith(("postgresql://", "postgres://"))
 
 
-def sqlite_path(url: str) -> str:
+def sqlite_path(url: str | None) -> str:
     """The SQLite file for a non-Postgres URL, exactly as the relay's store reads it."""
     from backfill.store import sqlite_path_from_url
 
@@ -150,8 +150,9 @@ class SqliteDB(JobDB):
         self.conn.close()
 
 
-def connect_db(url: str) -> JobDB:
-    """Open the relay database named by ``url`` (see the module docstring)."""
-    if is_postgres(url):
+def connect_db(url: str | None) -> JobDB:
+    """Open the relay database named by ``url`` (see the module docstring; None or empty → the
+    relay's embedded default file)."""
+    if url and is_postgres(url):
         return PostgresDB(url)
     return SqliteDB(sqlite_path(url))

@@ -64,8 +64,9 @@ def _seq_of(result: Any) -> int | None:
     return int(seq) if isinstance(seq, int) else None
 
 
-async def drain_repair_outbox(db_url: str, submit: Submit, limit: int = 500) -> int:
-    """Submit up to ``limit`` pending repairs in outbox order; returns how many were consumed."""
+async def drain_repair_outbox(db_url: str | None, submit: Submit, limit: int = 500) -> int:
+    """Submit up to ``limit`` pending repairs in outbox order; returns how many were consumed
+    (``db_url`` None → the embedded default database, as for ``backfill.store.open_store``)."""
     from spark.db import connect_db
 
     db = await asyncio.to_thread(connect_db, db_url)
