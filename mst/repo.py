@@ -109,8 +109,11 @@ class Repo:
 
     # --- writes ----------------------------------------------------------------------------
 
-    def apply_writes(self, writes: list[Write]) -> CommitResult:
+    def apply_writes(self, writes: list[Write], *, sign_with: PrivateKey | None = None) -> CommitResult:
         """Apply ``writes`` atomically as one signed commit.
+
+        ``sign_with`` signs this one commit with another key (fault injection: a commit that
+        must fail signature verification); the repo's state still advances.
 
         Raises ``RepoError`` with reason ``write_invalid_path``, ``write_record_exists``
         (create of an existing path), ``write_record_missing`` (update/delete of an absent
@@ -153,7 +156,7 @@ class Repo:
 
         prev_commit = self.commit
         rev = self.clock.next() if prev_commit is None else self.clock.next_after(prev_commit.rev)
-        commit, commit_block, commit_cid = sign_commit(self.did, root.cid, rev, None, self.key)
+        commit, commit_block, commit_cid = sign_commit(self.did, root.cid, rev, None, sign_with or self.key)
 
         blocks: dict[CID, bytes] = {commit_cid: commit_block}
         for n in iter_new_nodes(root):
