@@ -46,7 +46,7 @@ def make_workload(accounts: int, commits: int, seed: int = 1) -> tuple[list[tupl
         r = repo.apply_writes(
             [Write("create", "app.bsky.feed.post", f"3k{j:011d}", {"text": f"post {j}", "n": j}) for j in range(60)]
         )
-        states[repo.did] = AccountState(did=repo.did, rev=r.rev, commit_cid=str(r.commit_cid), data_cid=str(r.data))
+        states[repo.did] = AccountState(did=repo.did, rev=r.rev, commit_cid=r.commit_cid.encode(), data_cid=r.data.encode())
         repos.append(repo)
     counters = {r.did: 1000 for r in repos}
     out = []
@@ -157,7 +157,7 @@ async def _bench_transport(transport: str, consumers: int, frames: int, size: in
     if transport == "asgi":
         app = Starlette(routes=subscribe_repos_routes(b))
         server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off",
-                                               ws="websockets-sansio"))
+                                               ws="websockets-sansio", ws_per_message_deflate=False))
         task = asyncio.create_task(server.serve())
         while not server.started:
             await asyncio.sleep(0.01)

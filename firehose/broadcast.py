@@ -88,21 +88,30 @@ class ConsumerSession:
         self.close_frame: bytes | None = None
         self.last_seq: int | None = None
         self.sent = 0
+        #: Optional synchronous writer (see :class:`DirectWriter`); once the live queue is drained
+        #: the fan-out calls it directly, skipping the per-frame task switch.
+        self.direct_writer: DirectWriter | None = None
+        self._direct = False
 
     # -- called by the broadcaster's fan-out (synchronously, never awaits)
     def _offer(self, ev: SequencedEvent) -> None:
         if self.too_slow.is_set():
             return
         b = self._b
+        if self._direct:
+            if self.last_seq is not None and ev.seq <= self.last_seq:
+                return
+            assert self.direct_writer is not None
+            if not self.direct_writer.write(ev.frame):
+                self._overflowed_live()
+                return
+            self.last_seq = ev.seq
+            self.sent += 1
+            return
         size = len(ev.frame)
         if len(self._queue) >= b.live_queue_max or self._queued_bytes + size > b.live_queue_bytes:
             if self._live:
-                self.close_frame = encode_error_frame(CONSUMER_TOO_SLOW, "live queue overflowed")
-                b.stats.too_slow += 1
-                self._queue.clear()
-                self._queued_bytes = 0
-                self.too_slow.set()
-                self._wake.set()
+                self._overflowed_live()
                 return
             # catching up: forget the buffer, the store has these events
             if not self._replay_overflow:
@@ -113,6 +122,15 @@ class ConsumerSession:
             return
         self._queue.append(ev)
         self._queued_bytes += size
+        self._wake.set()
+
+    def _overflowed_live(self) -> None:
+        self.close_frame = encode_error_frame(CONSUMER_TOO_SLOW, "live queue overflowed")
+        self._b.stats.too_slow += 1
+        self._queue.clear()
+        self._queued_bytes = 0
+        self._direct = False
+        self.too_slow.set()
         self._wake.set()
 
     async def frames(self) -> AsyncIterator[bytes]:
@@ -131,6 +149,8 @@ class ConsumerSession:
                 while not self._queue:
                     if self.too_slow.is_set() or b._closed:
                         break
+                    if self.direct_writer is not None:
+                        self._direct = True  # queue drained: the fan-out writes from now on
                     self._wake.clear()
                     await self._wake.wait()
                 if self.too_slow.is_set() or (b._closed and not self._queue):
@@ -184,6 +204,14 @@ class ConsumerSession:
                 self._queued_bytes -= len(self._queue.popleft().frame)
             self._live = True
             return
+
+
+class DirectWriter(Protocol):
+    """A transport that can take a frame synchronously (e.g. a ``websockets`` connection:
+    the frame goes straight into its write buffer). ``write`` returns False when the transport's
+    buffer is over the consumer's limit: the consumer is then too slow."""
+
+    def write(self, frame: bytes) -> bool: ...
 
 
 class Broadcaster:

@@ -36,9 +36,17 @@ from firehose.validate import Verdict, validate_frame
 RefreshKey = Callable[[str], Awaitable[str | None]]
 
 
+Job = tuple[bytes, AccountState | None, str | None, float]
+
+
 def _validate_job(frame: bytes, state: AccountState | None, signing_key: str | None, now: float) -> Verdict:
     """Runs in a worker process."""
     return validate_frame(frame, state, signing_key, now)
+
+
+def _validate_batch(jobs: list[Job]) -> list[Verdict]:
+    """Runs in a worker process: one round trip for several independent events."""
+    return [validate_frame(*job) for job in jobs]
 
 
 def _warm() -> int:
@@ -55,6 +63,7 @@ class ValidationPipeline:
         workers: int = 2,
         *,
         max_in_flight: int = 2048,
+        max_batch: int = 32,
         refresh_key: RefreshKey | None = None,
         state_cache: int = 100_000,
         clock: Callable[[], float] = time.time,
@@ -70,6 +79,9 @@ class ValidationPipeline:
         self.refresh_key = refresh_key
         self.clock = clock
         self.identity_refreshes = 0
+        self.max_batch = max_batch
+        self._ready: list[tuple[Job, asyncio.Future[Verdict]]] = []
+        self._busy = 0  # batches in the executor
 
     async def start(self) -> None:
         if self._own_executor and self._executor is None:
@@ -142,10 +154,39 @@ class ValidationPipeline:
         return await (await self.submit(did, frame, state, signing_key, now))
 
     async def _call(self, frame: bytes, state: AccountState | None, key: str | None, now: float) -> Verdict:
+        """Validate one event, batched with whatever else is ready (one IPC round trip each)."""
+        job: Job = (frame, state, key, now)
         if self._executor is None:
-            return _validate_job(frame, state, key, now)
+            return _validate_job(*job)
+        fut: asyncio.Future[Verdict] = asyncio.get_running_loop().create_future()
+        self._ready.append((job, fut))
+        self._dispatch()
+        return await fut
+
+    def _dispatch(self) -> None:
+        # keep two batches per worker queued so a worker never waits on the parent
+        while self._ready and self._busy < 2 * max(1, self.workers):
+            size = max(1, min(self.max_batch, -(-len(self._ready) // max(1, self.workers))))
+            batch, self._ready = self._ready[:size], self._ready[size:]
+            self._busy += 1
+            asyncio.get_running_loop().create_task(self._run_batch(batch))
+
+    async def _run_batch(self, batch: list[tuple[Job, asyncio.Future[Verdict]]]) -> None:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, _validate_job, frame, state, key, now)
+        try:
+            verdicts = await loop.run_in_executor(self._executor, _validate_batch, [j for j, _ in batch])
+            for (_, fut), v in zip(batch, verdicts, strict=True):
+                if not fut.done():
+                    fut.set_result(v)
+        except BaseException as exc:
+            for _, fut in batch:
+                if not fut.done():
+                    fut.set_exception(exc)
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            self._busy -= 1
+            self._dispatch()
 
     async def _run(
         self,

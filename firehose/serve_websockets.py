@@ -12,14 +12,30 @@ from __future__ import annotations
 import http
 from urllib.parse import parse_qs, urlsplit
 
-from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.asyncio.server import Server, ServerConnection, broadcast, serve
 from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
+from websockets.protocol import State
 
 from firehose.broadcast import Broadcaster, pump
 from firehose.frames import MAX_FRAME_BYTES
 from firehose.serve_asgi import SUBSCRIBE_REPOS_PATH, CursorError, error_json, parse_cursor
+
+
+class _DirectWriter:
+    def __init__(self, connection: ServerConnection, limit: int) -> None:
+        self.connection = connection
+        self.limit = limit
+
+    def write(self, frame: bytes) -> bool:
+        conn = self.connection
+        if conn.protocol.state is not State.OPEN:
+            return True  # closing: the handler's pump sees the close
+        if conn.transport.get_write_buffer_size() > self.limit:
+            return False
+        broadcast((conn,), frame)
+        return True
 
 
 def _json_response(status: http.HTTPStatus, error: str, message: str, **headers: str) -> Response:
@@ -41,8 +57,14 @@ async def serve_subscribe_repos(
     path: str = SUBSCRIBE_REPOS_PATH,
     ping_interval: float | None = 20.0,
     ping_timeout: float | None = 20.0,
+    direct: bool = True,
 ) -> Server:
-    """Start the server (``async with`` it or call ``.close()``); ``port=0`` picks a free port."""
+    """Start the server (``async with`` it or call ``.close()``); ``port=0`` picks a free port.
+
+    With ``direct`` (default) a caught-up consumer is written to synchronously by the fan-out
+    (``websockets.broadcast`` on its connection; the consumer is too slow when the connection's
+    write buffer exceeds ``broadcaster.live_queue_bytes``). Replay always goes through ``pump``.
+    """
 
     def process_request(connection: ServerConnection, request: Request) -> Response | None:
         if getattr(request, "method", "GET") != "GET" or "websocket" not in request.headers.get("Upgrade", "").lower():
@@ -64,6 +86,8 @@ async def serve_subscribe_repos(
     async def handler(connection: ServerConnection) -> None:
         assert connection.request is not None
         session = broadcaster.session(_cursor_of(connection.request.path))
+        if direct:
+            session.direct_writer = _DirectWriter(connection, broadcaster.live_queue_bytes)
         try:
             await pump(session, connection.send, connection.wait_closed())
         except ConnectionClosed:

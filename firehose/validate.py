@@ -30,6 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
+import libipld
+
 from backfill.types import AccountState
 from firehose.frames import Frame, FrameError, decode_frame
 from firehose.messages import (
@@ -57,6 +59,15 @@ MAX_SYNC_BLOCKS_BYTES = 10_000
 MAX_RECORD_BYTES = 1_000_000
 MAX_CLOCK_SKEW_S = 300.0
 EMPTY_TREE_ROOT: CID = empty_node().cid
+
+
+
+def cid_text(cid: CID) -> str:
+    """Canonical base32 string of a CID (what ``AccountState`` stores). Note ``str(CID)`` is
+    ``"CID(b…)"`` with cbrrr, so never use ``str`` for this; libipld's encoder is ~30x faster than
+    ``CID.encode()`` and gives the same text."""
+    return libipld.encode_cid(cid.cid_bytes)
+
 
 VerdictKind = Literal["accept", "ignore", "reject", "desync"]
 
@@ -156,7 +167,7 @@ def validate_commit(
             return gate
         stored_rev = state.rev if state is not None else None
         if stored_rev is not None and msg.rev <= stored_rev:
-            same = state is not None and state.commit_cid == str(msg.commit)
+            same = state is not None and state.commit_cid == cid_text(msg.commit)
             reason = Reason.DUPLICATE_EVENT if same else Reason.REV_NOT_INCREASING
             return Verdict("ignore", reason.value)
         if len(msg.blocks) > MAX_COMMIT_BLOCKS_BYTES:
@@ -182,7 +193,7 @@ def validate_commit(
             raise _reject(Reason.BAD_MST, exc.reason) from None
         if computed != expected:
             stored_data = state.data_cid if state is not None else None
-            if stored_data is not None and str(computed) == stored_data:
+            if stored_data is not None and cid_text(computed) == stored_data:
                 raise _reject(Reason.PREV_DATA_WRONG)
             raise _reject(Reason.INVERSION_MISMATCH)
         _check_signature(commit, signing_key)
@@ -190,12 +201,12 @@ def validate_commit(
         if stored_rev is not None:
             if msg.since != stored_rev:
                 return Verdict("desync", Reason.SINCE_MISMATCH.value, replace(base, sync_state="desynchronized", updated_at=now))
-            if state is not None and state.data_cid is not None and str(expected) != state.data_cid:
+            if state is not None and state.data_cid is not None and cid_text(expected) != state.data_cid:
                 return Verdict(
                     "desync", Reason.PREV_DATA_MISMATCH.value, replace(base, sync_state="desynchronized", updated_at=now)
                 )
         new_state = replace(
-            base, rev=msg.rev, commit_cid=str(commit_cid), data_cid=str(commit.data), sync_state="synced", updated_at=now
+            base, rev=msg.rev, commit_cid=cid_text(commit_cid), data_cid=cid_text(commit.data), sync_state="synced", updated_at=now
         )
         return Verdict("accept", Reason.OK.value, new_state)
     except _Stop as stop:
@@ -222,9 +233,9 @@ def validate_sync(
         if state is not None and state.rev is not None and msg.rev <= state.rev:
             return Verdict("ignore", Reason.SYNC_ROLLBACK.value)
         base = _base_state(state, msg.did)
-        same = base.data_cid is None or base.data_cid == str(commit.data)
+        same = base.data_cid is None or base.data_cid == cid_text(commit.data)
         new_state = replace(
-            base, rev=msg.rev, commit_cid=str(commit_cid), data_cid=str(commit.data), sync_state="synced", updated_at=now
+            base, rev=msg.rev, commit_cid=cid_text(commit_cid), data_cid=cid_text(commit.data), sync_state="synced", updated_at=now
         )
         return Verdict("accept", (Reason.OK if same else Reason.SYNC_RESET).value, new_state)
     except _Stop as stop:

@@ -22,7 +22,7 @@ def new_repo(did: str = "did:plc:validateaccount000000001", clock: TidClock | No
 
 
 def state_of(repo: Repo, r: CommitResult) -> AccountState:
-    return AccountState(did=repo.did, rev=r.rev, commit_cid=str(r.commit_cid), data_cid=str(r.data))
+    return AccountState(did=repo.did, rev=r.rev, commit_cid=r.commit_cid.encode(), data_cid=r.data.encode())
 
 
 def posts(n: int, start: int = 0, text: str = "hello") -> list[Write]:

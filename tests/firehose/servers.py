@@ -17,7 +17,8 @@ from firehose.serve_websockets import serve_subscribe_repos
 @contextlib.asynccontextmanager
 async def serve_asgi(broadcaster: Broadcaster) -> AsyncIterator[str]:
     app = Starlette(routes=subscribe_repos_routes(broadcaster))
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off", ws="websockets")
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off", ws="websockets-sansio",
+                           ws_per_message_deflate=False)
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
     try:

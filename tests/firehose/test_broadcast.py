@@ -121,19 +121,21 @@ async def test_slow_catching_up_consumer_is_never_dropped(ingest: Ingest) -> Non
         await b.close()
 
 
-async def test_stalled_live_consumer_gets_too_slow_and_is_closed(ingest: Ingest) -> None:
-    b = Broadcaster(ingest.store, ingest.bus, live_queue_max=30, live_queue_bytes=1 << 30)
+@pytest.mark.parametrize("transport", ["websockets", "asgi"])
+async def test_stalled_live_consumer_gets_too_slow_and_is_closed(ingest: Ingest, transport: str) -> None:
+    # websockets: direct writes, limit = 1 MB of write buffer; asgi: queue of 30 frames
+    b = Broadcaster(ingest.store, ingest.bus, live_queue_max=30, live_queue_bytes=1 << 20)
     await b.start()
     try:
-        async with serve(b, "websockets") as hp:
+        async with serve(b, transport) as hp:
             host, port = hp.split(":")
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             sock.connect((host, int(port)))
-            healthy = asyncio.create_task(collect(ws_url(hp), until_seq=150))
+            healthy = asyncio.create_task(collect(ws_url(hp), until_seq=400))
             async with connect(ws_url(hp), sock=sock, max_queue=1, max_size=None) as stalled:
                 await wait_until(lambda: b.consumer_count == 2)
-                await ingest.add(150, batch=10, payload=b"z" * 32768)  # ~5 MB: fills every buffer
+                await ingest.add(400, batch=10, payload=b"z" * 32768)  # ~13 MB: fills every buffer
                 await wait_until(lambda: b.stats.too_slow == 1, timeout=15)
                 await wait_until(lambda: b.consumer_count == 1, timeout=15)
                 # the stalled consumer's connection is closed by the server
@@ -141,7 +143,7 @@ async def test_stalled_live_consumer_gets_too_slow_and_is_closed(ingest: Ingest)
                     async with asyncio.timeout(15):
                         while True:
                             await stalled.recv()
-            assert await healthy == list(range(1, 151))
+            assert await healthy == list(range(1, 401))
     finally:
         await b.close()
 

@@ -39,7 +39,7 @@ async def test_per_did_order_and_state_chaining(workers: int) -> None:
     for repo in repos:
         assert p.latest_state(repo.did).rev == repo.rev
     for (_, res, _), v in zip(items, verdicts, strict=True):
-        assert v.new_state.rev == res.rev and v.new_state.data_cid == str(res.data)
+        assert v.new_state.rev == res.rev and v.new_state.data_cid == res.data.encode()
 
 
 async def test_out_of_order_submission_is_detected_not_hidden() -> None:

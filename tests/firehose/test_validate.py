@@ -91,7 +91,7 @@ def test_valid_commit_is_accepted_with_new_state(chain) -> None:
     v = judge(commit_body(repo, r), before, repo.key.did_key())
     assert (v.kind, v.reason) == ("accept", "ok")
     assert v.new_state == dataclasses.replace(
-        before, rev=r.rev, commit_cid=str(r.commit_cid), data_cid=str(r.data), updated_at=NOW
+        before, rev=r.rev, commit_cid=r.commit_cid.encode(), data_cid=r.data.encode(), updated_at=NOW
     )
 
 
@@ -193,7 +193,7 @@ def test_since_not_chaining_marks_desynchronized(chain) -> None:
     v = judge(commit_body(repo, after), before, key)  # we missed commit r
     assert (v.kind, v.reason) == ("desync", Reason.SINCE_MISMATCH)
     assert v.new_state is not None and v.new_state.sync_state == "desynchronized" and v.new_state.rev == before.rev
-    wrong_data = dataclasses.replace(before, data_cid=str(EMPTY_TREE_ROOT))
+    wrong_data = dataclasses.replace(before, data_cid=EMPTY_TREE_ROOT.encode())
     v = judge(commit_body(repo, r), wrong_data, key)
     assert (v.kind, v.reason) == ("desync", Reason.PREV_DATA_MISMATCH)
     resyncing = dataclasses.replace(before, sync_state="resyncing")
@@ -213,7 +213,7 @@ def test_sync_messages(chain) -> None:
     key = repo.key.did_key()
     v = validate_frame(frame(sync_body(repo, after), "#sync"), before, key, NOW)
     assert (v.kind, v.reason) == ("accept", Reason.SYNC_RESET)  # jumps over r: state reset
-    assert v.new_state.rev == after.rev and v.new_state.data_cid == str(after.data)
+    assert v.new_state.rev == after.rev and v.new_state.data_cid == after.data.encode()
     v = validate_frame(frame(sync_body(repo, r), "#sync"), state_of(repo, r), key, NOW)
     assert (v.kind, v.reason) == ("ignore", Reason.SYNC_ROLLBACK)
     v = validate_frame(frame(sync_body(repo, after), "#sync"), None, PrivateKey.generate_p256().did_key(), NOW)
@@ -264,3 +264,9 @@ def test_fuzz_mutated_commit_frames_only_typed_verdicts(fuzz_seed, data: st.Data
 def test_fuzz_random_bytes_only_typed_rejections(data: bytes) -> None:
     v = validate_frame(data, None, "did:key:zQ3shULQPBZrbHpyf48oS68ZudUDQNdtWrhV8dafhaTFFUeGP", NOW)
     assert v.kind in ("reject", "ignore") and v.reason in ALL_REASONS
+
+
+def test_state_cids_are_canonical_base32(chain) -> None:
+    repo, before, r, _ = chain
+    v = judge(commit_body(repo, r), before, repo.key.did_key())
+    assert v.new_state.data_cid.startswith("bafyrei") and v.new_state.commit_cid == r.commit_cid.encode()
