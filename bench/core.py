@@ -1,6 +1,8 @@
 """Benchmarks of the repository core (``mst``): one core, pure Python + C extensions.
 
-Run: ``.venv/bin/python bench/core.py [--records 10000] [--seconds 2]``
+Run: ``.venv/bin/python bench/core.py [--records 10000] [--seconds 3]``
+
+Rates are per CPU-second of this single-threaded process (best of 3 windows).
 
 Prints ``RESULT <name>=<value>`` lines:
 
@@ -37,18 +39,24 @@ from mst.tid import TidClock  # noqa: E402
 DID = "did:plc:benchbenchbenchbenchbenc"
 
 
-def rate(fn: Callable[[int], None], items: int, seconds: float) -> float:
-    """Calls/s of ``fn(i)`` for i cycling over ``items`` during ~``seconds``."""
-    n = 0
-    start = time.perf_counter()
-    deadline = start + seconds
-    while True:
-        for i in range(items):
-            fn(i)
-        n += items
-        now = time.perf_counter()
-        if now >= deadline:
-            return n / (now - start)
+def rate(fn: Callable[[int], None], items: int, seconds: float, rounds: int = 3) -> float:
+    """Calls per CPU-second of ``fn(i)``, i cycling over ``items``: the best of ``rounds``
+    windows of ~``seconds / rounds`` of this process's CPU time (the machine is shared, so
+    CPU time, not wall time, is the per-core figure; best-of damps interference)."""
+    best = 0.0
+    for _ in range(rounds):
+        n = 0
+        start = time.process_time()
+        deadline = start + seconds / rounds
+        while True:
+            for i in range(items):
+                fn(i)
+            n += items
+            now = time.process_time()
+            if now >= deadline:
+                break
+        best = max(best, n / (now - start))
+    return best
 
 
 def post(rng: random.Random) -> dict:
@@ -137,7 +145,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--records", type=int, default=10_000)
     ap.add_argument("--commits", type=int, default=300)
-    ap.add_argument("--seconds", type=float, default=2.0)
+    ap.add_argument("--seconds", type=float, default=3.0)
     args = ap.parse_args()
     rng = random.Random(1)
 
@@ -148,10 +156,10 @@ def main() -> int:
     did_key = repo.key.did_key()
 
     results: list[CommitResult] = []
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     for _ in range(args.commits):
         results.append(repo.apply_writes(random_writes(repo, paths, rng)))
-    producer = args.commits / (time.perf_counter() - t0)
+    producer = args.commits / (time.process_time() - t0)
     frames = [frame_for(r, i) for i, r in enumerate(results)]
     assert all(verify_frame(f, did_key) for f in frames)
     n = len(frames)
