@@ -30,7 +30,7 @@ CREATE TABLE accounts (
     data_cid        text,
     sync_state      text NOT NULL DEFAULT 'synced',
     updated_at      double precision NOT NULL DEFAULT 0
-) WITH (fillfactor = 85);
+) WITH (fillfactor = 70);  -- room for HOT updates: every event rewrites its account row
 CREATE INDEX accounts_host_idx ON accounts (host, did);
 -- Only accounts that need attention are indexed by state (most are 'synced'), which keeps the
 -- per-event state update HOT-eligible and cheap.
