@@ -99,14 +99,7 @@ class ConsumerSession:
             return
         b = self._b
         if self._direct:
-            if self.last_seq is not None and ev.seq <= self.last_seq:
-                return
-            assert self.direct_writer is not None
-            if not self.direct_writer.write(ev.frame):
-                self._overflowed_live()
-                return
-            self.last_seq = ev.seq
-            self.sent += 1
+            self._offer_direct([ev])
             return
         size = len(ev.frame)
         if len(self._queue) >= b.live_queue_max or self._queued_bytes + size > b.live_queue_bytes:
@@ -123,6 +116,19 @@ class ConsumerSession:
         self._queue.append(ev)
         self._queued_bytes += size
         self._wake.set()
+
+    def _offer_direct(self, batch: list[SequencedEvent]) -> None:
+        last = self.last_seq
+        if last is not None and batch[0].seq <= last:
+            batch = [e for e in batch if e.seq > last]
+            if not batch:
+                return
+        assert self.direct_writer is not None
+        if not self.direct_writer.write([e.frame for e in batch]):
+            self._overflowed_live()
+            return
+        self.last_seq = batch[-1].seq
+        self.sent += len(batch)
 
     def _overflowed_live(self) -> None:
         self.close_frame = encode_error_frame(CONSUMER_TOO_SLOW, "live queue overflowed")
@@ -208,10 +214,10 @@ class ConsumerSession:
 
 class DirectWriter(Protocol):
     """A transport that can take a frame synchronously (e.g. a ``websockets`` connection:
-    the frame goes straight into its write buffer). ``write`` returns False when the transport's
+    the frames go straight into its write buffer). ``write`` returns False when the transport's
     buffer is over the consumer's limit: the consumer is then too slow."""
 
-    def write(self, frame: bytes) -> bool: ...
+    def write(self, frames: list[bytes]) -> bool: ...
 
 
 class Broadcaster:
@@ -311,9 +317,14 @@ class Broadcaster:
         if not batch:
             return
         self._last_seq = batch[-1].seq
-        sessions = list(self._sessions)
+        queued = []
+        for s in self._sessions:
+            if s._direct:
+                s._offer_direct(batch)  # one write per consumer per batch
+            else:
+                queued.append(s)
         for ev in batch:
-            for s in sessions:
+            for s in queued:
                 s._offer(ev)
         for hook in self._batch_hooks:
             hook(batch)
