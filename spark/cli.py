@@ -250,7 +250,7 @@ def _print_summary(summary: dict[str, Any]) -> None:
             print(f"  {host}: " + ", ".join(f"{k}={v}" for k, v in sorted(counts.items())))
     else:
         print(f"  cursor (relay seq at start): {summary.get('cursor')}")
-        print(f"  records: {summary.get('records')} in {summary.get('repositories_with_records')} repositories")
+        print(f"  records: {summary.get('records')} in {summary.get('repositories_exported')} repositories")
         for coll, n in sorted(summary.get("records_per_collection", {}).items()):
             print(f"    {coll}: {n}")
         if summary.get("failed"):

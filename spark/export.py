@@ -104,19 +104,21 @@ def run_export(
     accounts, selected = read_accounts_rdd(sc, cfg, flt, parts)
     sc.setJobDescription(f"export {cfg.run_id}: {selected} repositories")
     rows = by_host_shard(accounts, cfg, parts).mapPartitions(lambda it: export_partition(cfg, wanted, it))
-    frame = spark.createDataFrame(rows, export_schema()).persist(StorageLevel.DISK_ONLY)
+    frame = spark.createDataFrame(rows, export_schema()).persist(StorageLevel.MEMORY_AND_DISK)
     try:
-        records = frame.filter(F.col("collection") != FAILED_MARK)
         dataset = out_dir.rstrip("/") + "/records"
-        records.write.mode("overwrite").partitionBy("collection").parquet(dataset)
-        per_collection = {r["collection"]: int(r["count"]) for r in records.groupBy("collection").count().collect()}
-        failed = {
-            r["did"]: r["record"]
-            for r in frame.filter(F.col("collection") == FAILED_MARK).select("did", "record").collect()
-        }
-        repos = records.select("did").distinct().count()
+        frame.filter(F.col("collection") != FAILED_MARK).write.mode("overwrite").partitionBy(
+            "collection").parquet(dataset)
+        counts = {r["collection"]: int(r["count"]) for r in frame.groupBy("collection").count().collect()}
+        failed: dict[str, str] = {}
+        if counts.pop(FAILED_MARK, 0):
+            failed = {
+                r["did"]: r["record"]
+                for r in frame.filter(F.col("collection") == FAILED_MARK).select("did", "record").collect()
+            }
     finally:
         frame.unpersist()
+    per_collection = counts
     manifest = {
         "format": "atproto-relay-export/1",
         "run_id": cfg.run_id,
@@ -128,7 +130,7 @@ def run_export(
         "partitioned_by": ["collection"],
         "columns": list(RECORD_FIELDS),
         "repositories_selected": selected,
-        "repositories_with_records": repos,
+        "repositories_exported": selected - len(failed),
         "records": sum(per_collection.values()),
         "records_per_collection": dict(sorted(per_collection.items())),
         "failed": dict(sorted(failed.items())),
