@@ -9,6 +9,7 @@ float32 and decodes CIDs to plain bytes, so it is not used. On top of cbrrr this
 * trailing-bytes rejection for :func:`decode` (:func:`decode_prefix` returns the offset instead),
 * CID links must be the blessed form (CIDv1, dag-cbor/raw, sha-256/32) — see ``mst.cid``,
 * integers must fit a signed 64-bit integer (the atproto data model's ``integer``),
+* containers may nest at most ``MAX_DEPTH`` (256) deep, so consumers can recurse safely,
 * every failure becomes :class:`mst.errors.CBORError` with a fixed ``reason``.
 
 Decoded values are plain Python: dict/list/str/int/bytes/bool/None/float/``CID``.
@@ -16,7 +17,6 @@ Decoded values are plain Python: dict/list/str/int/bytes/bool/None/float/``CID``
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import cbrrr
@@ -53,8 +53,7 @@ _DAG_PFX = b"\x01\x71\x12\x20"
 _RAW_PFX = b"\x01\x55\x12\x20"
 _INT64_MIN = -(1 << 63)
 _INT64_MAX = (1 << 63) - 1
-# A uint64/negint64 header whose top payload bit is set: the only way to exceed int64.
-_BIG_INT_HINT = re.compile(rb"[\x1b\x3b][\x80-\xff]")
+MAX_DEPTH = 256  # containers nested deeper than this are rejected (cbor_too_deep)
 
 
 class _BadCID(ValueError):
@@ -100,20 +99,22 @@ def _classify(exc: BaseException) -> str:
     return "cbor_malformed"
 
 
-def _check_int_range(obj: Any) -> None:
-    """Walk containers; every int must fit int64 (cost ~ number of values, not bytes)."""
-    stack = [obj]
+def _check_values(obj: Any) -> None:
+    """Walk containers iteratively: nesting depth <= MAX_DEPTH and every int fits int64
+    (cost ~ number of values, not bytes)."""
+    stack = [(obj, 1)]
     pop = stack.pop
-    push = stack.extend
+    push = stack.append
     while stack:
-        o = pop()
-        t = type(o)
-        if t is dict:
-            push(o.values())
-        elif t is list:
-            push(o)
-        elif t is int and (o > _INT64_MAX or o < _INT64_MIN):
-            raise CBORError("cbor_integer_out_of_range", "integer does not fit in int64")
+        o, depth = pop()
+        if depth > MAX_DEPTH:
+            raise CBORError("cbor_too_deep", f"nesting deeper than {MAX_DEPTH}")
+        for c in o.values() if type(o) is dict else o:
+            t = type(c)
+            if t is dict or t is list:
+                push((c, depth + 1))
+            elif t is int and (c > _INT64_MAX or c < _INT64_MIN):
+                raise CBORError("cbor_integer_out_of_range", "integer does not fit in int64")
 
 
 def decode_prefix(data: bytes | bytearray | memoryview) -> tuple[object, int]:
@@ -128,9 +129,10 @@ def decode_prefix(data: bytes | bytearray | memoryview) -> tuple[object, int]:
         raise
     except (ValueError, TypeError, RecursionError, OverflowError, cbrrr.CbrrrDecodeError) as exc:
         raise CBORError(_classify(exc), str(exc)[:200]) from None
-    if type(obj) is not int:
-        _check_int_range(obj)
-    elif obj > _INT64_MAX or obj < _INT64_MIN:
+    t = type(obj)
+    if t is dict or t is list:
+        _check_values(obj)
+    elif t is int and (obj > _INT64_MAX or obj < _INT64_MIN):
         raise CBORError("cbor_integer_out_of_range", "integer does not fit in int64")
     return obj, n
 
@@ -153,8 +155,11 @@ def encode(obj: object) -> bytes:
         out = _c.encode_dag_cbor(obj, CID, False)
     except (ValueError, TypeError, OverflowError, RecursionError) as exc:
         raise CBORError("cbor_unencodable", str(exc)[:200]) from None
-    if _BIG_INT_HINT.search(out) is not None:
-        _check_int_range(obj)
+    t = type(obj)
+    if t is dict or t is list:
+        _check_values(obj)
+    elif t is int and (obj > _INT64_MAX or obj < _INT64_MIN):
+        raise CBORError("cbor_integer_out_of_range", "integer does not fit in int64")
     return out
 
 

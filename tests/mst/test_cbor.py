@@ -121,3 +121,17 @@ def test_unencodable_values(value: object) -> None:
 def test_accepts_memoryview() -> None:
     data = cbor.encode({"a": [1, 2]})
     assert cbor.decode(memoryview(data)) == {"a": [1, 2]}
+
+
+def test_nesting_depth_limit() -> None:
+    ok = b"\x81" * cbor.MAX_DEPTH + b"\x00"
+    assert cbor.decode(ok) is not None
+    for deep in (b"\x81" * (cbor.MAX_DEPTH + 1) + b"\x00", b"\xa1\x61a" * 1_000_000 + b"\x00"):
+        with pytest.raises(CBORError) as info:
+            cbor.decode(deep)
+        assert info.value.reason == "cbor_too_deep"
+    nested: list = []
+    for _ in range(cbor.MAX_DEPTH + 5):
+        nested = [nested]
+    with pytest.raises(CBORError):
+        cbor.encode(nested)
