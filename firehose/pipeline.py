@@ -82,6 +82,7 @@ class ValidationPipeline:
         self.max_batch = max_batch
         self._ready: list[tuple[Job, asyncio.Future[Verdict]]] = []
         self._busy = 0  # batches in the executor
+        self.pool_restarts = 0
 
     async def start(self) -> None:
         if self._own_executor and self._executor is None:
@@ -171,10 +172,30 @@ class ValidationPipeline:
             self._busy += 1
             asyncio.get_running_loop().create_task(self._run_batch(batch))
 
+    def _replace_broken_pool(self, broken: Executor | None) -> None:
+        if self._own_executor and self._executor is broken and broken is not None:
+            broken.shutdown(wait=False, cancel_futures=True)
+            self.pool_restarts += 1
+            ctx = multiprocessing.get_context("forkserver")
+            self._executor = ProcessPoolExecutor(max_workers=self.workers, mp_context=ctx)
+
     async def _run_batch(self, batch: list[tuple[Job, asyncio.Future[Verdict]]]) -> None:
         loop = asyncio.get_running_loop()
+        executor = self._executor
         try:
-            verdicts = await loop.run_in_executor(self._executor, _validate_batch, [j for j, _ in batch])
+            try:
+                verdicts = await loop.run_in_executor(executor, _validate_batch, [j for j, _ in batch])
+            except BrokenProcessPool:
+                # A worker died (a poison frame or an outside kill): restart the pool, then give
+                # each event of the batch its own attempt so only the culprit is rejected.
+                self._replace_broken_pool(executor)
+                verdicts = []
+                for job, _ in batch:
+                    try:
+                        verdicts.extend(await loop.run_in_executor(self._executor, _validate_batch, [job]))
+                    except BrokenProcessPool:
+                        self._replace_broken_pool(self._executor)
+                        verdicts.append(Verdict("reject", Reason.VALIDATOR_CRASHED.value, None, "worker process died"))
             for (_, fut), v in zip(batch, verdicts, strict=True):
                 if not fut.done():
                     fut.set_result(v)
@@ -203,15 +224,12 @@ class ValidationPipeline:
                 await asyncio.wait([prev])
             effective = self._merge(did, state)
             t = self.clock() if now is None else now
-            try:
-                verdict = await self._call(frame, effective, key, t)
-                if verdict.reason == Reason.BAD_SIGNATURE and self.refresh_key is not None:
-                    self.identity_refreshes += 1
-                    fresh = await self.refresh_key(did)
-                    if fresh is not None and fresh != key:
-                        verdict = await self._call(frame, effective, fresh, t)
-            except BrokenProcessPool:
-                verdict = Verdict("reject", Reason.VALIDATOR_CRASHED.value, None, "worker process died")
+            verdict = await self._call(frame, effective, key, t)
+            if verdict.reason == Reason.BAD_SIGNATURE and self.refresh_key is not None:
+                self.identity_refreshes += 1
+                fresh = await self.refresh_key(did)
+                if fresh is not None and fresh != key:
+                    verdict = await self._call(frame, effective, fresh, t)
             if verdict.new_state is not None:
                 self._remember(did, verdict.new_state)
             fut.set_result(verdict)

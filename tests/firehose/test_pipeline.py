@@ -87,3 +87,20 @@ async def test_garbage_never_breaks_the_pipeline() -> None:
         futs = [await p.submit("did:plc:x", bytes([i]) * 50, None, None) for i in range(20)]
         verdicts = await asyncio.gather(*futs)
     assert all(v.kind == "reject" for v in verdicts)
+
+
+async def test_killed_worker_is_replaced_and_no_event_is_lost() -> None:
+    import os
+    import signal
+
+    repos, genesis, items = interleaved_commits(4, 6)
+    async with ValidationPipeline(2) as p:
+        futs = [await p.submit(repo.did, raw, genesis[repo.did], repo.key.did_key()) for repo, _, raw in items[:12]]
+        for pid in list(p._executor._processes):  # an outside kill (OOM killer, operator)
+            os.kill(pid, signal.SIGKILL)
+        first = await asyncio.gather(*futs)
+        rest = [await p.submit(repo.did, raw, genesis[repo.did], repo.key.did_key()) for repo, _, raw in items[12:]]
+        second = await asyncio.gather(*rest)
+    assert all(v.kind == "accept" or v.reason == Reason.VALIDATOR_CRASHED for v in first)
+    assert all(v.kind in ("accept", "desync") for v in second)
+    assert p.pool_restarts >= 1
