@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import cbor2
 import dag_cbor
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -117,6 +118,29 @@ def test_cbor_round_trip_matches_reference(value: object) -> None:
     assert cbor.decode(encoded) == value
     # the pure-Python reference decodes it and re-encodes the very same bytes
     assert dag_cbor.encode(dag_cbor.decode(encoded)) == encoded
+
+
+plain = st.recursive(  # values cbor2 can encode canonically without tags
+    st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(-(1 << 63), (1 << 63) - 1),
+        st.text(max_size=12),
+        st.binary(max_size=12),
+    ),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=5), st.dictionaries(st.text(max_size=8), inner, max_size=5)
+    ),
+    max_leaves=25,
+)
+
+
+@SETTINGS
+@given(plain)
+def test_encoding_matches_cbor2_canonical(value: object) -> None:
+    # RFC 7049 canonical ordering (length first) is the DAG-CBOR map order
+    assert cbor.encode(value) == cbor2.dumps(value, canonical=True)
+    assert cbor.decode(cbor2.dumps(value, canonical=True)) == value
 
 
 @SETTINGS
