@@ -106,6 +106,8 @@ class Sequencer:
         self._next_high_water = 0  # last seq numbered (committed or in flight)
         self._overlay: dict[str, tuple[str | None, str | None]] = {}  # did -> (host, rev) in flight
         self._epoch = 0  # bumped when a commit fails: batches numbered before are void
+        self._numbering = asyncio.Event()  # cleared while recovering from a failed commit
+        self._numbering.set()
         self._last_time = 0.0
         self._closed = False
         self._failure: BaseException | None = None
@@ -231,6 +233,7 @@ class Sequencer:
         }
         dids |= {item.account.did for item, _ in items if isinstance(item, PendingEvent) and item.account}
         while True:
+            await self._numbering.wait()  # not while a failed commit is being recovered
             epoch = self._epoch
             # Taken before the read: whatever commits meanwhile is in the database or in here.
             overlay = {did: self._overlay[did] for did in dids if did in self._overlay}
@@ -239,7 +242,7 @@ class Sequencer:
             except Exception as exc:  # database unreachable: nothing written, callers retry
                 self._batch_failed(items, exc)
                 return None
-            if epoch == self._epoch:
+            if epoch == self._epoch and self._numbering.is_set():
                 break
         heads.update(overlay)
 
@@ -341,7 +344,9 @@ class Sequencer:
                 log.error("sequencer stopped: %s", exc)
                 self._fail_items(prepared.items, exc)
             except Exception as exc:
-                self._batch_failed(prepared.items, exc)
+                # Void every batch numbered after this one, re-sync with the database, and only
+                # then let the submitters know (so what they send next is numbered afresh).
+                self._numbering.clear()
                 self._epoch += 1
                 self._overlay.clear()
                 try:
@@ -350,6 +355,8 @@ class Sequencer:
                     self._failure = fatal
                     log.error("sequencer stopped: %s", fatal)
                 self._next_high_water = self._high_water
+                self._numbering.set()
+                self._batch_failed(prepared.items, exc)
 
     async def _commit(self, prepared: _Prepared) -> None:
         assert self._lease is not None

@@ -118,7 +118,9 @@ async def bench_backend(name: str, store: Store, events: list[PendingEvent], bat
 
 
 async def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--backend", choices=["pg", "sqlite", "both"], default="both")
     parser.add_argument("--events", type=int, default=60_000)
     parser.add_argument("--batch", type=int, default=2000, help="sequencer max_batch")

@@ -61,11 +61,7 @@ class StoreTarget:
                 conn.close()
 
 
-@pytest.fixture(params=BACKENDS)
-async def target(request: pytest.FixtureRequest, tmp_path: Path, pg_dsn: str) -> AsyncIterator[StoreTarget]:
-    if request.param == "sqlite":
-        yield StoreTarget("sqlite", str(tmp_path / "relay.sqlite"), None)
-        return
+async def _pg_target(pg_dsn: str) -> AsyncIterator[StoreTarget]:
     schema = f"t_backfill_{uuid.uuid4().hex[:12]}"
     yield StoreTarget("postgres", pg_dsn, schema)
     conn = await asyncpg.connect(pg_dsn)
@@ -73,6 +69,23 @@ async def target(request: pytest.FixtureRequest, tmp_path: Path, pg_dsn: str) ->
         await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
     finally:
         await conn.close()
+
+
+@pytest.fixture(params=BACKENDS)
+async def target(request: pytest.FixtureRequest, tmp_path: Path, pg_dsn: str) -> AsyncIterator[StoreTarget]:
+    """A fresh database on each backend (SQLite file / Postgres schema)."""
+    if request.param == "sqlite":
+        yield StoreTarget("sqlite", str(tmp_path / "relay.sqlite"), None)
+        return
+    async for t in _pg_target(pg_dsn):
+        yield t
+
+
+@pytest.fixture
+async def pg_target(pg_dsn: str) -> AsyncIterator[StoreTarget]:
+    """A fresh Postgres schema, for the Postgres-only tests."""
+    async for t in _pg_target(pg_dsn):
+        yield t
 
 
 @pytest.fixture

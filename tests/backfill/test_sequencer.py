@@ -251,7 +251,10 @@ async def test_failed_commit_writes_nothing_and_numbering_resumes(target: StoreT
         outcome = await asyncio.gather(*doomed, return_exceptions=True)
         failed = [r for r in outcome if isinstance(r, BaseException)]
         assert len(failed) >= 6
-        assert all(not isinstance(r, BaseException) or r.__class__.__name__ != "SequencerClosedError" for r in outcome)
+        assert all(
+            not isinstance(r, BaseException) or r.__class__.__name__ != "SequencerClosedError"
+            for r in outcome
+        )
         # The writer carries on, numbering from the stored mark: no gap, no reuse.
         later = [await seq.submit(commit_event(n)) for n in range(40, 45)]
     assert [e.seq for e in first] == list(range(1, 11))
@@ -262,3 +265,35 @@ async def test_failed_commit_writes_nothing_and_numbering_resumes(target: StoreT
     assert [e.seq for e in published.events] == seqs
     assert "did:plc:boom" not in {e.did for e in stored}
     assert seq.stats.failed_batches >= 1
+
+
+async def test_lost_postgres_connection_is_recovered(pg_target: StoreTarget) -> None:
+    """The writer's connection (which holds the advisory lock) is killed by the server: the batch
+    in flight fails, the sequencer re-takes the lock and carries on from the stored mark."""
+    import asyncpg
+
+    target = pg_target
+    store = await target.open()
+    await store.migrate()
+    async with Sequencer(store, Collector()) as seq:
+        assert (await seq.submit(commit_event(1))) is not None
+        pid = seq._lease._conn.get_server_pid()  # type: ignore[union-attr]
+        admin = await asyncpg.connect(target.url)
+        try:
+            assert await admin.fetchval("SELECT pg_terminate_backend($1)", pid)
+        finally:
+            await admin.close()
+        outcome = await asyncio.gather(seq.submit(commit_event(2)), return_exceptions=True)
+        assert isinstance(outcome[0], (BaseException, SequencedEvent))
+        later = await seq.submit(commit_event(3))
+        assert later is not None
+        # The lock moved to the new connection: a second sequencer is still refused.
+        other = await target.open()
+        try:
+            with pytest.raises(SequencerLockedError):
+                await Sequencer(other, Collector()).start()
+        finally:
+            await other.close()
+    stored = [e.seq for e in await store.read_after(0)]
+    assert stored == list(range(1, len(stored) + 1)) and stored[-1] == later.seq
+    await store.close()
