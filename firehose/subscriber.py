@@ -46,6 +46,7 @@ class SubscriberConfig:
     ping_interval: float = 20.0
     ping_timeout: float = 20.0
     open_timeout: float = 10.0
+    close_timeout: float = 5.0
     backoff_base: float = 1.0
     backoff_max: float = 60.0
     #: (events, window seconds) buckets; all must have a token.
@@ -172,6 +173,7 @@ class HostSubscriber:
             ping_interval=self.config.ping_interval,
             ping_timeout=self.config.ping_timeout,
             open_timeout=self.config.open_timeout,
+            close_timeout=self.config.close_timeout,
             max_size=MAX_FRAME_BYTES,
             compression=None,
         ) as ws:

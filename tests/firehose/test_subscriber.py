@@ -199,3 +199,38 @@ async def test_backoff_is_capped_exponential_with_jitter() -> None:
 async def test_unreachable_host_backs_off_and_counts() -> None:
     sub = HostSubscriber("http://127.0.0.1:9", lambda f: _append([], f), config=fast_config(open_timeout=1))
     await run_until(sub, lambda: sub.counters["connection_failed"] >= 3)
+
+
+async def test_ping_keepalive_detects_a_dead_upstream() -> None:
+    """An upstream that completes the handshake and then goes silent (answers no pings) is
+    detected by the keepalive and reconnected, instead of hanging forever."""
+    import base64
+    import hashlib
+
+    connections = 0
+    writers = []
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        writers.append(writer)
+        head = await reader.readuntil(b"\r\n\r\n")
+        key = next(line.split(b":", 1)[1].strip() for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"sec-websocket-key"))
+        accept = base64.b64encode(hashlib.sha1(key + b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11").digest())
+        writer.write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                     b"Sec-WebSocket-Accept: " + accept + b"\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(30)  # never reads again: pings go unanswered
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        cfg = fast_config(ping_interval=0.1, ping_timeout=0.2, close_timeout=0.2)
+        sub = HostSubscriber(f"http://127.0.0.1:{port}", lambda f: _append([], f), config=cfg)
+        await run_until(sub, lambda: connections >= 2)
+        assert sub.counters["connection_failed"] >= 1
+    finally:
+        for w in writers:
+            w.close()
+        server.close()
