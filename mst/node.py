@@ -179,22 +179,37 @@ def encode_node(keys: list[bytes], vals: list[CID], links: list[CID | None]) -> 
             return _encode_node_generic(keys, vals, links)
     parts = [b"\xa2\x61e", _head(0x80, len(keys))]
     append = parts.append
-    prev = b""
+    small = _SMALL
     link = _LINK
+    from_bytes = int.from_bytes
+    prev = b""
     for i, k in enumerate(keys):
-        p = common_prefix_len(prev, k) if i else 0
-        suffix = k[p:]
-        append(b"\xa4\x61k")
-        append(_head(0x40, len(suffix)))
-        append(suffix)
-        append(b"\x61p")
-        append(_head(0x00, p))
+        if i:  # common prefix length with the previous key (inlined common_prefix_len)
+            n = len(prev) if len(prev) < len(k) else len(k)
+            x = from_bytes(prev[:n], "big") ^ from_bytes(k[:n], "big")
+            p = n - ((x.bit_length() + 7) >> 3)
+            suffix = k[p:]
+        else:
+            p = 0
+            suffix = k
+        ln = len(suffix)
         t = links[i + 1]
-        append(b"\x61t\xf6" if t is None else b"\x61t" + link + t.cid_bytes)
         vb = vals[i].cid_bytes
         if len(vb) != 36:
             return _encode_node_generic(keys, vals, links)
-        append(b"\x61v" + link + vb)
+        append(
+            b"".join(
+                (
+                    b"\xa4\x61k",
+                    small[0x40 | ln] if ln < 24 else _head(0x40, ln),
+                    suffix,
+                    b"\x61p",
+                    small[p] if p < 24 else _head(0x00, p),
+                    b"\x61t\xf6" if t is None else b"\x61t" + link + t.cid_bytes,
+                    b"\x61v" + link + vb,
+                )
+            )
+        )
         prev = k
     left = links[0]
     append(b"\x61l\xf6" if left is None else b"\x61l" + link + left.cid_bytes)
