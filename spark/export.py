@@ -26,7 +26,7 @@ from spark.dagjson import record_json
 from spark.db import connect_db
 from spark.fetch import HostFetcher
 from spark.identity import IdentityClient
-from spark.partitioning import batched, by_host_shard, for_each_host, read_accounts_rdd
+from spark.partitioning import batched, by_host_shard, for_each_host, read_accounts_rdd, work_partitions
 from spark.relaydb import AccountFilter, ResultRow, finish_run, relay_seq, start_run, write_results
 from spark.repo_check import CheckError, StoredAccount, fetch_verified
 
@@ -103,7 +103,7 @@ def run_export(
         start_run(db, cfg.run_id, JOB, {"out": out_dir, "collections": sorted(wanted or [])})
     accounts, selected = read_accounts_rdd(sc, cfg, flt, parts)
     sc.setJobDescription(f"export {cfg.run_id}: {selected} repositories")
-    rows = by_host_shard(accounts, cfg, parts).mapPartitions(lambda it: export_partition(cfg, wanted, it))
+    rows = by_host_shard(accounts, cfg, work_partitions(parts, selected)).mapPartitions(lambda it: export_partition(cfg, wanted, it))
     frame = spark.createDataFrame(rows, export_schema()).persist(StorageLevel.MEMORY_AND_DISK)
     try:
         dataset = out_dir.rstrip("/") + "/records"

@@ -30,6 +30,14 @@ if TYPE_CHECKING:  # pragma: no cover
 
 T = TypeVar("T")
 
+#: accounts a task holds at most (a task groups its accounts by host in memory)
+MAX_ACCOUNTS_PER_TASK = 50_000
+
+
+def work_partitions(parts: int, selected: int) -> int:
+    """Tasks for the fetch stage: at least ``parts``, and enough to bound each task's memory."""
+    return max(1, parts, -(-selected // MAX_ACCOUNTS_PER_TASK))
+
 
 def _read_range(db_url: str, flt: AccountFilter, bound: tuple[str | None, str | None]) -> list[StoredAccount]:
     with connect_db(db_url) as db:

@@ -9,7 +9,9 @@ accounts (outcome per account, written to ``spark_job_results``):
   queued in ``spark_repair_outbox`` (the relay emits it);
 * ``head_diverged`` → the account is marked ``desynchronized`` for the resync job and the
   relay's own resync workers (an account the relay is ahead on is ``relay_ahead``, untouched);
-* ``added`` → an account the relay did not know is inserted (desynchronized: no state yet);
+* ``added`` → an account the relay did not know, whose DID document names this host as its PDS,
+  is inserted (desynchronized: no state yet); otherwise ``not_added`` (``pds_mismatch`` or the
+  DID resolution failure);
 * ``host_mismatch`` → listed here but the relay has it on another host (reported only);
 * ``missing_on_host`` → the relay has it on this host but the host does not list it (reported);
 * ``invalid_entry`` → a malformed entry (reason ``bad_did``/``bad_head``/``bad_rev``; ignored);
@@ -27,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from spark.config import JobConfig
 from spark.db import JobDB, connect_db
 from spark.fetch import FetchError, HostFetcher, base_url_for
+from spark.identity import IdentityClient, IdentityError
 from spark.relaydb import (
     ResultRow,
     accounts_by_did,
@@ -38,7 +41,7 @@ from spark.relaydb import (
     start_run,
     write_results,
 )
-from spark.repo_check import StoredAccount
+from spark.repo_check import StoredAccount, same_host
 
 if TYPE_CHECKING:  # pragma: no cover
     from pyspark.sql import SparkSession
@@ -93,6 +96,22 @@ def compare_entry(host: str, entry: dict[str, Any], stored: StoredAccount | None
     return ResultRow(did, host, "ok", None, rev=rev)
 
 
+def confirm_added(rows: list[ResultRow], identities: IdentityClient, host_url: str) -> list[ResultRow]:
+    """An unknown account is only added when its DID document names this host as its PDS;
+    otherwise it becomes ``not_added`` (reason ``pds_mismatch`` or the resolution failure)."""
+    out = []
+    for row in rows:
+        if row.outcome == "added":
+            try:
+                pds = identities.resolve(row.did).pds
+                if not same_host(pds, host_url):
+                    row = ResultRow(row.did, row.host, "not_added", "pds_mismatch", rev=row.rev)
+            except IdentityError as exc:
+                row = ResultRow(row.did, row.host, "not_added", exc.reason, rev=row.rev)
+        out.append(row)
+    return out
+
+
 def _apply_page(db: JobDB, cfg: JobConfig, host: str, rows: list[ResultRow],
                 stored: dict[str, StoredAccount]) -> None:
     added = [(r.did, host, r.reason or "active") for r in rows if r.outcome == "added"]
@@ -105,38 +124,51 @@ def _apply_page(db: JobDB, cfg: JobConfig, host: str, rows: list[ResultRow],
         write_results(db, cfg.run_id, JOB, rows)
 
 
+def list_repos(fetcher: HostFetcher) -> Iterator[list[dict[str, Any]]]:
+    """Pages of a host's ``listRepos`` (entries with a string ``did``, each DID once). Raises
+    ``FetchError`` or ``ValueError``/``AttributeError`` for a malformed response."""
+    seen: set[str] = set()
+    cursor: str | None = None
+    for _ in range(MAX_PAGES):
+        params = {"limit": str(PAGE_LIMIT)}
+        if cursor:
+            params["cursor"] = cursor
+        page = fetcher.get("/xrpc/com.atproto.sync.listRepos", params, max_bytes=32 * 1024 * 1024).json()
+        entries = [e for e in page.get("repos") or [] if isinstance(e, dict) and isinstance(e.get("did"), str)]
+        entries = [e for e in entries if e["did"] not in seen]
+        seen.update(e["did"] for e in entries)
+        yield entries
+        next_cursor = page.get("cursor")
+        if not entries or not isinstance(next_cursor, str) or not next_cursor or next_cursor == cursor:
+            return
+        cursor = next_cursor
+
+
 def reconcile_host(cfg: JobConfig, host: str) -> Iterator[tuple[str, str, int]]:
     """Executor side: page one host and reconcile it; yields (host, outcome, count)."""
     counts: dict[str, int] = defaultdict(int)
     seen: set[str] = set()
-    with connect_db(cfg.db_url) as db, HostFetcher(base_url_for(host, cfg.fetch.scheme), cfg.fetch) as fetcher:
-        cursor: str | None = None
+    base = base_url_for(host, cfg.fetch.scheme)
+    with connect_db(cfg.db_url) as db, HostFetcher(base, cfg.fetch) as fetcher:
+        identities = IdentityClient(cfg.fetch)
         try:
-            for _ in range(MAX_PAGES):
-                params = {"limit": str(PAGE_LIMIT)}
-                if cursor:
-                    params["cursor"] = cursor
-                page = fetcher.get("/xrpc/com.atproto.sync.listRepos", params, max_bytes=32 * 1024 * 1024).json()
-                entries = [e for e in page.get("repos") or [] if isinstance(e, dict) and isinstance(e.get("did"), str)]
-                entries = [e for e in entries if e["did"] not in seen]
+            for entries in list_repos(fetcher):
                 seen.update(e["did"] for e in entries)
                 stored = accounts_by_did(db, [e["did"] for e in entries])
                 rows = [compare_entry(host, e, stored.get(e["did"])) for e in entries]
+                rows = confirm_added(rows, identities, base)
                 _apply_page(db, cfg, host, rows, stored)
                 for row in rows:
                     counts[row.outcome] += 1
-                next_cursor = page.get("cursor")
-                if not entries or not isinstance(next_cursor, str) or not next_cursor or next_cursor == cursor:
-                    break
-                cursor = next_cursor
         except (FetchError, ValueError, AttributeError) as exc:
             counts[f"host_failed:{getattr(exc, 'reason', 'bad_listing')}"] += 1
         else:
             missing = sorted(dids_on_host(db, host) - seen)
-            rows = [ResultRow(did, host, "missing_on_host", None) for did in missing]
             with db.transaction():
-                write_results(db, cfg.run_id, JOB, rows)
+                write_results(db, cfg.run_id, JOB, [ResultRow(did, host, "missing_on_host") for did in missing])
             counts["missing_on_host"] += len(missing)
+        finally:
+            identities.close()
     for outcome, n in counts.items():
         if n:
             yield host, outcome, n

@@ -5,7 +5,8 @@ Pure judgement (``judge``) is separated from I/O (``fetch_verified``) so it is t
 * ``fetch_verified(fetcher, identities, did) -> FetchedRepo``: ``getRepo`` from the account's
   host, resolve the DID's signing key, then ``mst.verify.verify_repo_car`` (commit signature,
   every block hash, the full MST walk). Raises ``CheckError(reason)``; reasons are the fetch and
-  identity reasons plus the repository core's (``RepoError.reason``) and ``did_mismatch``.
+  identity reasons plus the repository core's (``RepoError.reason``), ``did_mismatch`` and
+  ``pds_mismatch`` (the DID document names another host: nothing is fetched).
 * ``judge(stored, fetched) -> Judgement``: ``ok`` when the stored commit/data/rev equal the
   fetched ones (or the relay is already ahead: ``relay_ahead``); otherwise ``repaired`` with
   reason ``state_missing``, ``state_diverged`` or ``desync_cleared``.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from spark.fetch import FetchError, HostFetcher
 from spark.identity import IdentityClient, IdentityError
@@ -68,6 +70,9 @@ def fetch_verified(fetcher: HostFetcher, identities: IdentityClient, did: str) -
         ident = identities.resolve(did)
     except IdentityError as exc:
         raise CheckError(exc.reason, did) from exc
+    if not same_host(ident.pds, fetcher.base_url):
+        # a former host may still serve an old, validly signed copy: only the DID's PDS counts
+        raise CheckError("pds_mismatch", did)
     try:
         result = fetcher.get("/xrpc/com.atproto.sync.getRepo", {"did": did})
     except FetchError as exc:
@@ -94,6 +99,13 @@ def fetch_verified(fetcher: HostFetcher, identities: IdentityClient, did: str) -
         blocks=verified.blocks,
         size=len(car),
     )
+
+
+def same_host(pds: str | None, base_url: str) -> bool:
+    """True when the DID document's PDS endpoint names the host being asked (host[:port])."""
+    if not pds:
+        return False
+    return urlsplit(pds).netloc.lower() == urlsplit(base_url).netloc.lower()
 
 
 def judge(stored: StoredAccount, fetched: FetchedRepo) -> Judgement:

@@ -25,7 +25,7 @@ from spark.config import JobConfig
 from spark.db import connect_db
 from spark.fetch import HostFetcher
 from spark.identity import IdentityClient
-from spark.partitioning import batched, by_host_shard, for_each_host, read_accounts_rdd
+from spark.partitioning import batched, by_host_shard, for_each_host, read_accounts_rdd, work_partitions
 from spark.relaydb import (
     AccountFilter,
     ResultRow,
@@ -90,7 +90,7 @@ def run_resync(spark: SparkSession, cfg: JobConfig, flt: AccountFilter) -> dict[
     accounts, selected = read_accounts_rdd(sc, cfg, flt, parts)
     sc.setJobDescription(f"resync {cfg.run_id}: {selected} repositories")
     outcomes = (
-        by_host_shard(accounts, cfg, parts)
+        by_host_shard(accounts, cfg, work_partitions(parts, selected))
         .mapPartitions(lambda it: resync_partition(cfg, it))
         .map(lambda pair: (f"{pair[0]}:{pair[1]}" if pair[1] else pair[0], 1))
         .reduceByKey(lambda a, b: a + b)

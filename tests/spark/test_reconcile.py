@@ -20,8 +20,11 @@ def _snapshot(url: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
 def test_reconcile_finds_status_head_and_unknown_divergences(spark_session: Any, fleet: FleetThread,
                                                              relay_db: str) -> None:
     accounts = fleet.fleet.accounts
-    unknown, taken, moved_on, ghost_src = accounts[0], accounts[1], accounts[2], accounts[3]
-    seed_relay(relay_db, fleet, skip={unknown.did})
+    unknown, taken, moved_on, ghost_src, foreign = accounts[0], accounts[1], accounts[2], accounts[3], accounts[4]
+    seed_relay(relay_db, fleet, skip={unknown.did, foreign.did})
+    # a host lists an account whose DID document names another PDS: it must not be adopted
+    other = next(h for h in fleet.fleet.hosts if h is not foreign.host)
+    fleet.call(lambda: fleet.fleet.plc.docs[foreign.did]["service"][0].__setitem__("serviceEndpoint", other.url))
     # the host takes an account down and another account commits, both unseen by the relay
     fleet.call(fleet.fleet.set_status, taken, "takendown")
     fleet.call(lambda: moved_on.repo.apply_writes([]))
@@ -41,7 +44,8 @@ def test_reconcile_finds_status_head_and_unknown_divergences(spark_session: Any,
     for counts in summary["hosts"].values():
         for outcome, n in counts.items():
             totals[outcome] = totals.get(outcome, 0) + n
-    assert totals == {"ok": 17, "added": 1, "status_diverged": 1, "head_diverged": 1, "missing_on_host": 1}
+    assert totals == {"ok": 16, "added": 1, "not_added": 1, "status_diverged": 1, "head_diverged": 1,
+                      "missing_on_host": 1}
     assert summary["hosts"][ghost_src.host.hostname]["missing_on_host"] == 1
 
     with connect_db(relay_db) as db:
@@ -58,6 +62,7 @@ def test_reconcile_finds_status_head_and_unknown_divergences(spark_session: Any,
                        "consumed_at": None}]
     assert results[ghost] == "missing_on_host"
     assert results[unknown.did] == "added"
+    assert results[foreign.did] == "not_added" and foreign.did not in rows
 
     # a second pass changes nothing
     before = _snapshot(relay_db)
@@ -68,7 +73,7 @@ def test_reconcile_finds_status_head_and_unknown_divergences(spark_session: Any,
         for outcome, n in counts.items():
             totals2[outcome] = totals2.get(outcome, 0) + n
     # the added account has no state yet and the moved-on one is still behind: both stay flagged
-    assert totals2 == {"ok": 18, "head_diverged": 2, "missing_on_host": 1}
+    assert totals2 == {"ok": 17, "head_diverged": 2, "not_added": 1, "missing_on_host": 1}
 
 
 def test_compare_entry_rejects_malformed_listing_entries() -> None:

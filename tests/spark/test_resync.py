@@ -68,9 +68,12 @@ def test_resync_verifies_detects_tampering_and_repairs_divergence(
     spark_session: Any, fleet: FleetThread, relay_db: str
 ) -> None:
     accounts = fleet.fleet.accounts
-    tampered, diverged, flagged = accounts[0], accounts[1], accounts[2]
+    tampered, diverged, flagged, moved = accounts[0], accounts[1], accounts[2], accounts[3]
     seed_relay(relay_db, fleet)
     fleet.call(_tamper, fleet, tampered)
+    # the DID document now names another PDS: the relay's host must not be trusted for this repo
+    other = next(h for h in fleet.fleet.hosts if h is not moved.host)
+    fleet.call(lambda: fleet.fleet.plc.docs[moved.did]["service"][0].__setitem__("serviceEndpoint", other.url))
     # the host moved on without the relay seeing it: the stored state is stale
     fleet.call(lambda: diverged.repo.apply_writes([]))
     # the relay's own validation flagged an account whose state is in fact right
@@ -80,10 +83,11 @@ def test_resync_verifies_detects_tampering_and_repairs_divergence(
     cfg = job_config(relay_db, fleet)
     summary = run_resync(spark_session, cfg, AccountFilter())
 
-    assert summary["totals"] == {"ok": 17, "repaired": 2, "failed": 1}
+    assert summary["totals"] == {"ok": 16, "repaired": 2, "failed": 2}
     results = _results(relay_db, cfg.run_id)
     assert len(results) == 20
     assert results[tampered.did] == ("failed", "car_hash_mismatch")
+    assert results[moved.did] == ("failed", "pds_mismatch")
     assert results[diverged.did] == ("repaired", "state_diverged")
     assert results[flagged.did] == ("repaired", "desync_cleared")
     with connect_db(relay_db) as db:
@@ -127,7 +131,7 @@ def test_resync_verifies_detects_tampering_and_repairs_divergence(
     before_accounts, before_outbox = _accounts(relay_db), _outbox(relay_db)
     cfg2 = job_config(relay_db, fleet)
     again = run_resync(spark_session, cfg2, AccountFilter())
-    assert again["totals"] == {"ok": 19, "failed": 1}
+    assert again["totals"] == {"ok": 18, "failed": 2}
     assert _accounts(relay_db) == before_accounts
     assert _outbox(relay_db) == before_outbox
 
