@@ -272,7 +272,9 @@ def decode_node(data: bytes, cid: CID | None, layer: int | None) -> Node:
         vb = v.cid_bytes
         if len(vb) != 36 or (vb[:4] != DAG_CBOR_PREFIX and vb[:4] != RAW_PREFIX):
             raise MSTError("mst_node_invalid", "v must be a blessed CID")
-        if t is not None and (type(t) is not CID or t.cid_bytes[:4] != DAG_CBOR_PREFIX):
+        if t is not None and (
+            type(t) is not CID or len(t.cid_bytes) != 36 or t.cid_bytes[:4] != DAG_CBOR_PREFIX
+        ):
             raise MSTError("mst_node_invalid", "t must be null or a dag-cbor CID")
         if p < 0 or p > len(prev):
             raise MSTError("mst_prefix_invalid", "prefix length out of range")

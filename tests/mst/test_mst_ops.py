@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mst import cbor
-from mst.cid import cid_for_cbor, cid_for_raw
+from mst.cid import CID, cid_for_cbor, cid_for_raw
 from mst.errors import InversionError, MissingBlockError, MSTError
 from mst.invert import invert_ops
 from mst.mst import MST, build, covering_blocks, mst_diff
@@ -149,6 +149,9 @@ def test_decode_node_rejects_non_canonical() -> None:
             _node_bytes([{"k": k0, "p": 0, "v": LEAF}]),
             _node_bytes([{"k": "str", "p": 0, "t": None, "v": LEAF}]),
             _node_bytes([], left=cid_for_raw(b"x")),
+            _node_bytes([{"k": k0, "p": 0, "t": CID(sub.cid_bytes + b"\x00"), "v": LEAF}]),
+            _node_bytes([{"k": k0, "p": 0, "t": cid_for_raw(b"x"), "v": LEAF}]),
+            _node_bytes([{"k": k0, "p": 0, "t": None, "v": CID(b"\x01\x70\x12\x20" + bytes(32))}]),
             b"\xff",
         ],
         "mst_prefix_invalid": [
