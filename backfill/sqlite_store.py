@@ -15,12 +15,12 @@ import os
 import sqlite3
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
 from backfill.errors import MigrationError, SequencerConflictError, SequencerLockedError
 from backfill.migrations import discover, split_sqlite_statements
+from backfill.sqlite_conn import SqliteConn, Tx, fetchall, fetchval
 from backfill.store import BatchWrite, Store, WriterLease, host_count_deltas, retention_prefix
 from backfill.types import AccountState, HostState, SequencedEvent
 
@@ -56,78 +56,14 @@ def _host(row: tuple[Any, ...]) -> HostState:
     return HostState(*values)
 
 
-class _Conn:
-    """One sqlite3 connection pinned to one thread."""
-
-    def __init__(self, path: str) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlite")
-        self._path = path
-        self.conn: sqlite3.Connection | None = None
-
-    async def open(self) -> None:
-        await self.run(self._open)
-
-    def _open(self) -> None:
-        conn = sqlite3.connect(self._path, isolation_level=None, check_same_thread=False, timeout=30)
-        conn.execute("PRAGMA busy_timeout = 30000")
-        conn.execute("PRAGMA journal_mode = WAL")
-        conn.execute("PRAGMA synchronous = NORMAL")  # durable against process crashes in WAL mode
-        conn.execute("PRAGMA temp_store = MEMORY")
-        conn.execute("PRAGMA cache_size = -32000")
-        self.conn = conn
-
-    async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, fn, *args)
-
-    async def call(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run ``fn(conn, *args)`` on the connection's thread."""
-        return await self.run(lambda: fn(self.conn, *args))
-
-    async def close(self) -> None:
-        def _close() -> None:
-            if self.conn is not None:
-                self.conn.close()
-                self.conn = None
-
-        try:
-            await self.run(_close)
-        finally:
-            self._pool.shutdown(wait=False)
-
-
-class _Tx:
-    """``with _Tx(conn, immediate=True):`` BEGIN … COMMIT/ROLLBACK on an autocommit connection."""
-
-    def __init__(self, conn: sqlite3.Connection, immediate: bool = True) -> None:
-        self.conn = conn
-        self.immediate = immediate
-
-    def __enter__(self) -> sqlite3.Connection:
-        self.conn.execute("BEGIN IMMEDIATE" if self.immediate else "BEGIN")
-        return self.conn
-
-    def __exit__(self, exc_type: object, *_: object) -> None:
-        self.conn.execute("COMMIT" if exc_type is None else "ROLLBACK")
-
-
-def _fetchall(conn: sqlite3.Connection, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    return conn.execute(sql, params).fetchall()
-
-
-def _fetchval(conn: sqlite3.Connection, sql: str, params: tuple[Any, ...] = ()) -> Any:
-    row = conn.execute(sql, params).fetchone()
-    return None if row is None else row[0]
-
-
 class SqliteStore(Store):
     backend = "sqlite"
 
-    def __init__(self, path: str, writer: _Conn, readers: list[_Conn]) -> None:
+    def __init__(self, path: str, writer: SqliteConn, readers: list[SqliteConn]) -> None:
         self.path = path
         self._writer = writer
         self._readers = readers
-        self._idle: asyncio.Queue[_Conn] = asyncio.Queue()
+        self._idle: asyncio.Queue[SqliteConn] = asyncio.Queue()
         for reader in readers:
             self._idle.put_nowait(reader)
         self._closed = False
@@ -136,9 +72,9 @@ class SqliteStore(Store):
     async def open(cls, path: str, *, readers: int = 2) -> SqliteStore:
         parent = Path(path).resolve().parent
         parent.mkdir(parents=True, exist_ok=True)
-        writer = _Conn(path)
+        writer = SqliteConn(path)
         await writer.open()
-        conns = [_Conn(path) for _ in range(readers)]
+        conns = [SqliteConn(path) for _ in range(readers)]
         for conn in conns:
             await conn.open()
         return cls(path, writer, conns)
@@ -166,8 +102,8 @@ class SqliteStore(Store):
             for migration in migrations:
                 # BEGIN IMMEDIATE takes the database write lock: a concurrent runner waits here,
                 # then sees the version recorded and skips it.
-                with _Tx(conn):
-                    if _fetchval(
+                with Tx(conn):
+                    if fetchval(
                         conn, "SELECT 1 FROM schema_migrations WHERE version = ?", (migration.version,)
                     ):
                         continue
@@ -188,7 +124,7 @@ class SqliteStore(Store):
         return await self._write(_migrate)
 
     async def applied_migrations(self) -> list[int]:
-        rows = await self._read(_fetchall, "SELECT version FROM schema_migrations ORDER BY version")
+        rows = await self._read(fetchall, "SELECT version FROM schema_migrations ORDER BY version")
         return [r[0] for r in rows]
 
     async def close(self) -> None:
@@ -223,23 +159,23 @@ class SqliteStore(Store):
     # -- events ------------------------------------------------------------------------------
     async def read_after(self, cursor: int, limit: int = 1000) -> list[SequencedEvent]:
         rows = await self._read(
-            _fetchall,
+            fetchall,
             "SELECT seq, did, kind, time, frame FROM events WHERE seq > ? ORDER BY seq LIMIT ?",
             (cursor, limit),
         )
         return [SequencedEvent(r[0], r[1], r[2], r[3], r[4]) for r in rows]
 
     async def oldest_seq(self) -> int | None:
-        return await self._read(_fetchval, "SELECT seq FROM events ORDER BY seq LIMIT 1")
+        return await self._read(fetchval, "SELECT seq FROM events ORDER BY seq LIMIT 1")
 
     async def latest_seq(self) -> int:
-        return await self._read(_fetchval, "SELECT value FROM relay_meta WHERE key = 'seq_high_water'")
+        return await self._read(fetchval, "SELECT value FROM relay_meta WHERE key = 'seq_high_water'")
 
     async def count_events(self) -> int:
-        return await self._read(_fetchval, "SELECT count(*) FROM events")
+        return await self._read(fetchval, "SELECT count(*) FROM events")
 
     async def events_bytes(self) -> int:
-        return await self._read(_fetchval, "SELECT value FROM relay_meta WHERE key = 'events_bytes'")
+        return await self._read(fetchval, "SELECT value FROM relay_meta WHERE key = 'events_bytes'")
 
     async def trim(
         self,
@@ -254,8 +190,8 @@ class SqliteStore(Store):
         cutoff = None if older_than_seconds is None else (now or time.time()) - older_than_seconds
 
         def _trim_batch(conn: sqlite3.Connection) -> int:
-            with _Tx(conn):
-                rows = _fetchall(
+            with Tx(conn):
+                rows = fetchall(
                     conn, "SELECT seq, time, length(frame) FROM events ORDER BY seq LIMIT ?", (batch,)
                 )
                 if not rows:
@@ -263,7 +199,7 @@ class SqliteStore(Store):
                     return 0
                 excess = 0
                 if max_bytes is not None:
-                    stored = _fetchval(conn, "SELECT value FROM relay_meta WHERE key = 'events_bytes'")
+                    stored = fetchval(conn, "SELECT value FROM relay_meta WHERE key = 'events_bytes'")
                     excess = max(0, stored - max_bytes)
                 count, freed = retention_prefix(rows, cutoff, excess)
                 if count:
@@ -285,7 +221,7 @@ class SqliteStore(Store):
 
     # -- accounts ----------------------------------------------------------------------------
     async def get_account(self, did: str) -> AccountState | None:
-        rows = await self._read(_fetchall, f"SELECT {_ACCOUNT_COLS} FROM accounts WHERE did = ?", (did,))
+        rows = await self._read(fetchall, f"SELECT {_ACCOUNT_COLS} FROM accounts WHERE did = ?", (did,))
         return _account(rows[0]) if rows else None
 
     async def account_heads(self, dids: Iterable[str]) -> dict[str, tuple[str | None, str | None]]:
@@ -322,7 +258,7 @@ class SqliteStore(Store):
 
     async def upsert_account(self, state: AccountState) -> None:
         def _upsert(conn: sqlite3.Connection) -> None:
-            with _Tx(conn):
+            with Tx(conn):
                 row = conn.execute("SELECT host FROM accounts WHERE did = ?", (state.did,)).fetchone()
                 conn.execute(
                     f"INSERT INTO accounts ({_ACCOUNT_COLS}) VALUES (?,?,?,?,?,?,?,?,?) "
@@ -352,7 +288,7 @@ class SqliteStore(Store):
 
     async def list_accounts(self, after_did: str | None = None, limit: int = 500) -> list[AccountState]:
         rows = await self._read(
-            _fetchall,
+            fetchall,
             f"SELECT {_ACCOUNT_COLS} FROM accounts WHERE did > ? ORDER BY did LIMIT ?",
             (after_did or "", limit),
         )
@@ -363,7 +299,7 @@ class SqliteStore(Store):
     ) -> list[AccountState]:
         partial = " AND sync_state <> 'synced'" if state != "synced" else ""
         rows = await self._read(
-            _fetchall,
+            fetchall,
             f"SELECT {_ACCOUNT_COLS} FROM accounts WHERE sync_state = ?{partial} AND did > ? ORDER BY did LIMIT ?",
             (state, after_did or "", limit),
         )
@@ -371,17 +307,17 @@ class SqliteStore(Store):
 
     async def count_accounts(self, host: str | None = None) -> int:
         if host is None:
-            return await self._read(_fetchval, "SELECT count(*) FROM accounts")
-        return await self._read(_fetchval, "SELECT count(*) FROM accounts WHERE host = ?", (host,))
+            return await self._read(fetchval, "SELECT count(*) FROM accounts")
+        return await self._read(fetchval, "SELECT count(*) FROM accounts WHERE host = ?", (host,))
 
     # -- hosts -------------------------------------------------------------------------------
     async def get_host(self, hostname: str) -> HostState | None:
-        rows = await self._read(_fetchall, f"SELECT {_HOST_COLS} FROM hosts WHERE hostname = ?", (hostname,))
+        rows = await self._read(fetchall, f"SELECT {_HOST_COLS} FROM hosts WHERE hostname = ?", (hostname,))
         return _host(rows[0]) if rows else None
 
     async def list_hosts(self, after: str | None = None, limit: int = 500) -> list[HostState]:
         rows = await self._read(
-            _fetchall,
+            fetchall,
             f"SELECT {_HOST_COLS} FROM hosts WHERE hostname > ? ORDER BY hostname LIMIT ?",
             (after or "", limit),
         )
@@ -421,9 +357,7 @@ class SqliteStore(Store):
         return await self._update_one("UPDATE hosts SET status = ? WHERE hostname = ?", (status, hostname))
 
     async def host_cursor(self, hostname: str) -> int | None:
-        return await self._read(
-            _fetchval, "SELECT upstream_cursor FROM hosts WHERE hostname = ?", (hostname,)
-        )
+        return await self._read(fetchval, "SELECT upstream_cursor FROM hosts WHERE hostname = ?", (hostname,))
 
     async def set_host_cursor(self, hostname: str, cursor: int) -> bool:
         return await self._update_one(
@@ -432,7 +366,7 @@ class SqliteStore(Store):
 
     # -- domain bans -------------------------------------------------------------------------
     async def list_domain_bans(self) -> list[str]:
-        return [r[0] for r in await self._read(_fetchall, "SELECT domain FROM domain_bans ORDER BY domain")]
+        return [r[0] for r in await self._read(fetchall, "SELECT domain FROM domain_bans ORDER BY domain")]
 
     async def add_domain_ban(self, domain: str) -> bool:
         return await self._update_one(
@@ -498,16 +432,14 @@ class _SqliteLease(WriterLease):
         self._fd: int | None = fd
 
     async def high_water(self) -> int:
-        return await self._store._write(
-            _fetchval, "SELECT value FROM relay_meta WHERE key = 'seq_high_water'"
-        )
+        return await self._store._write(fetchval, "SELECT value FROM relay_meta WHERE key = 'seq_high_water'")
 
     async def commit_batch(self, batch: BatchWrite) -> None:
         if self._fd is None:
             raise SequencerConflictError("writer lease already released")
 
         def _commit(conn: sqlite3.Connection) -> None:
-            with _Tx(conn):
+            with Tx(conn):
                 _advance_high_water(conn, batch)
                 _write_events(conn, batch)
                 _write_accounts(conn, batch)

@@ -127,3 +127,24 @@ async def test_readers_during_writes_and_retention(target, store: Store) -> None
         assert [e.seq for e in remaining] == list(range(oldest, total + 1))  # no hole in the window
     finally:
         await reader_store.close()
+
+
+async def test_follow_replays_then_tails(store: Store) -> None:
+    async with Sequencer(store, Collector()) as seq:
+        for n in range(1, 6):
+            await seq.submit(commit_event(n))
+        got: list[int] = []
+
+        async def consume() -> None:
+            async for event in store.follow(2, page=2, poll_interval=0.01):
+                got.append(event.seq)
+                if len(got) == 6:
+                    return
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.05)
+        for n in range(6, 9):
+            await seq.submit(commit_event(n))
+        await asyncio.wait_for(task, 10)
+    assert got == [3, 4, 5, 6, 7, 8]
+    assert await store.count_events() == 8

@@ -1,0 +1,77 @@
+"""Blocking ``sqlite3`` connections driven from asyncio: each connection is pinned to its own
+single thread, and whole operations (many statements) run there in one hop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class SqliteConn:
+    """One sqlite3 connection pinned to one thread."""
+
+    def __init__(self, path: str) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlite")
+        self._path = path
+        self.conn: sqlite3.Connection | None = None
+
+    async def open(self) -> None:
+        await self.run(self._open)
+
+    def _open(self) -> None:
+        conn = sqlite3.connect(self._path, isolation_level=None, check_same_thread=False, timeout=30)
+        conn.execute("PRAGMA busy_timeout = 30000")
+        conn.execute("PRAGMA journal_mode = WAL")
+        conn.execute("PRAGMA synchronous = NORMAL")  # durable against process crashes in WAL mode
+        conn.execute("PRAGMA temp_store = MEMORY")
+        conn.execute("PRAGMA cache_size = -32000")
+        self.conn = conn
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, fn, *args)
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(conn, *args)`` on the connection's thread."""
+        return await self.run(lambda: fn(self.conn, *args))
+
+    async def close(self) -> None:
+        def _close() -> None:
+            if self.conn is not None:
+                self.conn.close()
+                self.conn = None
+
+        try:
+            await self.run(_close)
+        finally:
+            self._pool.shutdown(wait=False)
+
+
+class Tx:
+    """``with Tx(conn, immediate=True):`` BEGIN … COMMIT/ROLLBACK on an autocommit connection."""
+
+    def __init__(self, conn: sqlite3.Connection, immediate: bool = True) -> None:
+        self.conn = conn
+        self.immediate = immediate
+
+    def __enter__(self) -> sqlite3.Connection:
+        self.conn.execute("BEGIN IMMEDIATE" if self.immediate else "BEGIN")
+        return self.conn
+
+    def __exit__(self, exc_type: object, *_: object) -> None:
+        self.conn.execute("COMMIT" if exc_type is None else "ROLLBACK")
+
+
+def fetchall(conn: sqlite3.Connection, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    return conn.execute(sql, params).fetchall()
+
+
+def fetchval(conn: sqlite3.Connection, sql: str, params: tuple[Any, ...] = ()) -> Any:
+    row = conn.execute(sql, params).fetchone()
+    return None if row is None else row[0]
