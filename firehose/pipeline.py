@@ -165,9 +165,14 @@ class ValidationPipeline:
         return await fut
 
     def _dispatch(self) -> None:
-        # keep two batches per worker queued so a worker never waits on the parent
-        while self._ready and self._busy < 2 * max(1, self.workers):
-            size = max(1, min(self.max_batch, -(-len(self._ready) // max(1, self.workers))))
+        # One batch per worker; a second one per worker only when it is full. While a worker is
+        # busy, newly ready events accumulate, so batches grow with load (fewer IPC round trips)
+        # and stay small (low latency) when the stream is quiet.
+        workers = max(1, self.workers)
+        while self._ready and (
+            self._busy < workers or (self._busy < 2 * workers and len(self._ready) >= self.max_batch)
+        ):
+            size = max(1, min(self.max_batch, -(-len(self._ready) // workers)))
             batch, self._ready = self._ready[:size], self._ready[size:]
             self._busy += 1
             asyncio.get_running_loop().create_task(self._run_batch(batch))
