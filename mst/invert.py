@@ -19,8 +19,7 @@ from mst.cid import CID
 from mst.errors import InversionError
 from mst.node import (
     BlockMap,
-    is_valid_mst_key,
-    key_height,
+    checked_height,
     load_node,
     node_get,
     root_delete,
@@ -39,9 +38,10 @@ def invert_ops(blocks: BlockMap, root: CID, ops: Sequence[RepoOp]) -> CID:
             key = op.path.encode()
         except (AttributeError, UnicodeEncodeError):
             raise InversionError("inversion_bad_op", "op path is not a string") from None
-        if not is_valid_mst_key(key):
+        h = checked_height(key)
+        if h < 0:
             raise InversionError("inversion_bad_op", f"invalid path {op.path[:80]!r}")
-        current = node_get(blocks, node, key, key_height(key))
+        current = node_get(blocks, node, key, h)
         action = op.action
         if action == "create":
             if current is None:

@@ -67,6 +67,20 @@ def common_prefix_len(a: bytes, b: bytes) -> int:
     return n - ((x.bit_length() + 7) >> 3)
 
 
+def checked_height(key: bytes) -> int:
+    """Height of ``key`` if it is a valid MST key, else -1 (cached for valid keys)."""
+    h = _HEIGHTS.get(key)
+    if h is not None:
+        return h
+    if not is_valid_mst_key(key):
+        return -1
+    h = key_height(key)
+    if len(_HEIGHTS) >= _HEIGHTS_MAX:
+        _HEIGHTS.clear()
+    _HEIGHTS[key] = h
+    return h
+
+
 def is_valid_mst_key(key: bytes) -> bool:
     """``<collection>/<rkey>`` with the repo-path character set, at most 1024 bytes."""
     return len(key) <= MAX_KEY_BYTES and _MST_KEY_RE.fullmatch(key) is not None
@@ -286,12 +300,9 @@ def decode_node(data: bytes, cid: CID | None, layer: int | None) -> Node:
             raise MSTError("mst_key_order", "keys not strictly increasing")
         h = heights.get(key)
         if h is None:
-            if not is_valid_mst_key(key):
+            h = checked_height(key)
+            if h < 0:
                 raise MSTError("mst_key_invalid", "invalid MST key")
-            h = key_height(key)
-            if len(heights) >= _HEIGHTS_MAX:
-                heights.clear()
-            heights[key] = h
         if h != h0:
             if h0 >= 0:
                 raise MSTError("mst_key_height", "keys of different heights in one node")
@@ -432,7 +443,9 @@ def node_put(store: BlockMap, node: Node, key: bytes, val: CID, h: int) -> Node:
 
 def root_put(store: BlockMap, root: Node, key: bytes, val: CID) -> Node:
     """Insert/replace at the root, growing the tree if ``key`` is higher than the root layer."""
-    h = key_height(key)
+    h = _HEIGHTS.get(key)
+    if h is None:
+        h = key_height(key)
     if h <= root.layer:
         return node_put(store, root, key, val, h)
     lo, hi = split(store, None if root.is_empty else root, key)
@@ -464,7 +477,9 @@ def node_delete(store: BlockMap, node: Node, key: bytes, h: int) -> Node | None:
 
 def root_delete(store: BlockMap, root: Node, key: bytes) -> Node:
     """Remove ``key`` from the tree rooted at ``root``, trimming pointer-only roots."""
-    h = key_height(key)
+    h = _HEIGHTS.get(key)
+    if h is None:
+        h = key_height(key)
     if h > root.layer:
         raise MSTError("mst_key_not_found", "key not in tree")
     n = node_delete(store, root, key, h)
