@@ -174,3 +174,22 @@ def test_verify_repo_car_failures() -> None:
     with pytest.raises(CommitError) as info:
         verify_repo_car(write_car(car.roots, blocks), DID, None)
     assert info.value.reason == "commit_missing"
+
+
+def test_resign_and_sign_with() -> None:
+    key = PrivateKey.generate_k256()
+    repo = Repo.create(DID, key)
+    repo.apply_writes([Write("create", "app.bsky.feed.post", "a", {"x": 1})])
+    data = repo.data_root
+    res = repo.resign()
+    assert res.ops == [] and res.data == data == res.prev_data
+    assert invert_ops(read_car(res.car).blocks, res.data, []) == data
+    other = PrivateKey.generate_p256()
+    bad = repo.apply_writes([Write("create", "app.bsky.feed.post", "b", {"x": 2})], sign_with=other)
+    assert not verify_commit_sig(bad.commit, key.public_key)
+    assert verify_commit_sig(bad.commit, other.public_key)
+    assert repo.head == bad.commit_cid  # state still advances
+    assert repo.genesis is not None and repo.genesis.data == MST_EMPTY
+
+
+MST_EMPTY = parse_cid("bafyreie5737gdxlw5i64vzichcalba3z2v5n6icifvx5xytvske7mr3hpm")
