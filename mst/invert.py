@@ -31,7 +31,12 @@ __all__ = ["invert_ops"]
 
 
 def invert_ops(blocks: BlockMap, root: CID, ops: Sequence[RepoOp]) -> CID:
-    """Root CID of the tree before ``ops`` were applied to the tree rooted at ``root``."""
+    """Root CID of the tree before ``ops`` were applied to the tree rooted at ``root``.
+
+    With no ops the answer is ``root`` itself and no block is needed (a commit that only
+    re-signs an unchanged tree carries no MST nodes)."""
+    if not ops:
+        return root
     node = load_node(blocks, root, None)
     for op in reversed(ops):
         try:
