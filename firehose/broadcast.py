@@ -355,15 +355,17 @@ async def pump(
     waiters = {task, slow} | ({gone} if gone is not None else set())
     try:
         done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-        if task in done:
+        too_slow = session.too_slow.is_set()
+        if task in done and not too_slow:
             task.result()
             return
-        task.cancel()
+        if not task.done():
+            task.cancel()
         try:
             await task
         except (asyncio.CancelledError, Exception):
             pass
-        if slow in done and session.close_frame is not None:
+        if too_slow and session.close_frame is not None and (gone is None or not gone.done()):
             try:
                 await asyncio.wait_for(send(session.close_frame), error_send_timeout)
             except Exception:  # stalled or already gone: closing is all that is left

@@ -168,3 +168,21 @@ async def test_pre_upgrade_http_errors(ingest: Ingest, transport: str) -> None:
             assert err.value.response.status_code == 400
     finally:
         await b.close()
+
+
+@pytest.mark.parametrize("transport", ["websockets", "asgi"])
+async def test_slow_live_consumer_receives_consumer_too_slow(ingest: Ingest, transport: str) -> None:
+    b = Broadcaster(ingest.store, ingest.bus, live_queue_max=5, live_queue_bytes=256 * 1024)
+    await b.start()
+    try:
+        async with serve(b, transport) as hp:
+            reader = asyncio.create_task(collect(ws_url(hp), until_seq=10_000, delay=0.003))
+            await wait_until(lambda: b.consumer_count == 1)
+            await ingest.add(400, batch=20, payload=b"s" * 32768)
+            got = await asyncio.wait_for(reader, 30)
+        assert got[-1] == ("error", "ConsumerTooSlow")
+        seqs = got[:-1]
+        assert seqs == list(range(1, len(seqs) + 1))  # in order, no gap, until the cut
+        assert b.stats.too_slow == 1
+    finally:
+        await b.close()
