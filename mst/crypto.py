@@ -263,9 +263,8 @@ class PrivateKey:
     def sign(self, msg: bytes) -> bytes:
         """64-byte compact ``r || s`` (low-S) ECDSA signature of SHA-256(``msg``)."""
         if self._k is not None:
-            der = self._k.sign(msg)  # libsecp256k1 always produces low-S
-            r, s = decode_dss_signature(der)
-            order = K256_ORDER
+            # libsecp256k1 always produces low-S; r || s || recovery-id -> drop the last byte
+            return self._k.sign_recoverable(msg)[:64]
         else:
             r, s = decode_dss_signature(self._p.sign(msg, ec.ECDSA(hashes.SHA256())))
             order = P256_ORDER
