@@ -91,6 +91,9 @@ class Reason(StrEnum):
     MISSING_SEQ = "missing_seq"
     FUTURE_CURSOR = "future_cursor"
     SEQ_WENT_BACKWARDS = "seq_went_backwards"
+    CONNECTION_FAILED = "connection_failed"
+    INFO_OUTDATED_CURSOR = "info_outdated_cursor"
+    INFO_OTHER = "info_other"
 
     # --- pipeline
     VALIDATOR_CRASHED = "validator_crashed"

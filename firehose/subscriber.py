@@ -13,7 +13,8 @@ Contract:
   ``seq`` is below the cursor we asked for, or more than ``max_backwards`` consecutive
   non-increasing frames reset the cursor (``on_cursor_reset(old, reason)``) and the stream is
   followed from its current position instead of idling forever.
-* Rate limits are token buckets awaited before ``on_frame``: backpressure, never drops.
+* Rate limits are token buckets awaited before ``on_frame``: backpressure, never drops
+  (``SubscriberConfig.for_host(per_second, per_hour, per_day)`` maps a host's stored limits).
 * Reconnects use capped exponential backoff with jitter; WebSocket pings keep the link alive.
 * Malformed frames drop the connection (event-stream spec: invalid framing is a hard error);
   unknown ``op``/``t`` are skipped and counted; ``#info`` is counted and logged.
@@ -52,6 +53,21 @@ class SubscriberConfig:
     #: (events, window seconds) buckets; all must have a token.
     rate_limits: list[tuple[float, float]] = field(default_factory=lambda: [(50.0, 1.0), (2500.0, 3600.0)])
     max_backwards: int = 10
+
+
+    @classmethod
+    def for_host(
+        cls, per_second: int | None, per_hour: int | None, per_day: int | None, **kw: float
+    ) -> SubscriberConfig:
+        """A config whose rate limits are a host's stored limits (``None`` = the default)."""
+        defaults = dict((int(w), n) for n, w in cls().rate_limits)
+        limits = [
+            (float(per_second or defaults.get(1, 50.0)), 1.0),
+            (float(per_hour or defaults.get(3600, 2500.0)), 3600.0),
+        ]
+        if per_day:
+            limits.append((float(per_day), 86400.0))
+        return cls(rate_limits=limits, **kw)  # type: ignore[arg-type]
 
 
 @dataclass(slots=True)
@@ -151,7 +167,7 @@ class HostSubscriber:
                 await self._reset(r.reason)
                 reset_now = True
             except (OSError, ConnectionClosed, InvalidHandshake, InvalidStatus, TimeoutError) as exc:
-                self.counters["connection_failed"] += 1
+                self.counters[Reason.CONNECTION_FAILED.value] += 1
                 log.info("upstream connection ended", extra={"host": self.host, "error": type(exc).__name__})
                 reset_now = False
             if self._stopping.is_set():
@@ -203,7 +219,9 @@ class HostSubscriber:
                         log.info("upstream error frame", extra={"host": self.host, "error": frame.error})
                         return delivered
                     if frame.t == "#info":
-                        self.counters["info_" + str(frame.body.get("name", "unknown"))[:32]] += 1
+                        name = frame.body.get("name")
+                        known = name == "OutdatedCursor"
+                        self.counters[(Reason.INFO_OUTDATED_CURSOR if known else Reason.INFO_OTHER).value] += 1
                         continue
                     seq = frame.body.get("seq")
                     if type(seq) is not int or seq < 1:

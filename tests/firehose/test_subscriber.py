@@ -81,7 +81,7 @@ async def test_delivers_in_order_and_cursor_moves_only_by_ack() -> None:
     got: list[int] = []
     async with Upstream([sends(*[msg(i) for i in range(1, 11)], encode_info_frame("OutdatedCursor"))]) as url:
         sub = HostSubscriber(url, lambda f: _append(got, f), config=fast_config())
-        await run_until(sub, lambda: len(got) == 10 and sub.counters["info_OutdatedCursor"] == 1)
+        await run_until(sub, lambda: len(got) == 10 and sub.counters[Reason.INFO_OUTDATED_CURSOR] == 1)
     assert got == list(range(1, 11))
     assert sub.cursor is None  # nothing acknowledged: the cursor never moved by itself
     sub.ack(7)
@@ -198,7 +198,7 @@ async def test_backoff_is_capped_exponential_with_jitter() -> None:
 
 async def test_unreachable_host_backs_off_and_counts() -> None:
     sub = HostSubscriber("http://127.0.0.1:9", lambda f: _append([], f), config=fast_config(open_timeout=1))
-    await run_until(sub, lambda: sub.counters["connection_failed"] >= 3)
+    await run_until(sub, lambda: sub.counters[Reason.CONNECTION_FAILED] >= 3)
 
 
 async def test_ping_keepalive_detects_a_dead_upstream() -> None:
@@ -229,8 +229,13 @@ async def test_ping_keepalive_detects_a_dead_upstream() -> None:
         cfg = fast_config(ping_interval=0.1, ping_timeout=0.2, close_timeout=0.2)
         sub = HostSubscriber(f"http://127.0.0.1:{port}", lambda f: _append([], f), config=cfg)
         await run_until(sub, lambda: connections >= 2)
-        assert sub.counters["connection_failed"] >= 1
+        assert sub.counters[Reason.CONNECTION_FAILED] >= 1
     finally:
         for w in writers:
             w.close()
         server.close()
+
+
+def test_config_for_host_limits() -> None:
+    cfg = SubscriberConfig.for_host(10, None, 5000, backoff_base=2.0)
+    assert cfg.rate_limits == [(10.0, 1.0), (2500.0, 3600.0), (5000.0, 86400.0)] and cfg.backoff_base == 2.0
