@@ -43,6 +43,8 @@ def build_parser(default_master: str | None = "local[*]") -> argparse.ArgumentPa
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument("--db", default=None, help="relay database URL (default: $RELAY_DATABASE_URL or the embedded SQLite file)")
         p.add_argument("--master", default=default_master, help="Spark master (default: %(default)s)")
+        p.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE",
+                       help="extra Spark setting (repeatable), e.g. spark.driver.extraJavaOptions= for C2")
         p.add_argument("--partitions", type=int, default=0, help="tasks (default: Spark's default parallelism)")
         p.add_argument("--run-id", default=None, help="run id (a rerun with the same id resumes it)")
         p.add_argument("--host", action="append", default=[], help="only this host (repeatable)")
@@ -179,7 +181,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     run_id = run_id or f"{args.job}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{uuid.uuid4().hex[:6]}"
     cfg = _job_config(args, run_id)
     existing = SparkSession.getActiveSession()
-    spark = build_session(args.master, app_name=f"relay-spark-{args.job}", progress_bar=False)
+    extra = dict(item.split("=", 1) for item in args.conf if "=" in item)
+    spark = build_session(args.master, app_name=f"relay-spark-{args.job}", conf=extra, progress_bar=False)
     url = spark.sparkContext.uiWebUrl
     print(f"relay spark {args.job}: run {run_id}" + (f", Spark UI {url}" if url else ""), file=sys.stderr)
     try:

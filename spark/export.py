@@ -35,7 +35,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 JOB = "export"
 RECORD_FIELDS = ("did", "collection", "rkey", "cid", "rev", "record")
-FAILED_MARK = "\x00failed"  # collection value of the per-repo status rows (never a valid NSID)
 
 
 def export_schema() -> Any:
@@ -74,15 +73,13 @@ def repo_rows(
 def export_partition(
     cfg: JobConfig, collections: frozenset[str] | None, accounts: Iterable[StoredAccount]
 ) -> Iterator[tuple[str, ...]]:
-    """Executor side: yields record rows, plus one marker row per failed repository."""
+    """Executor side: yields record rows; per-repository outcomes go to the results table."""
     checked = for_each_host(cfg, accounts, lambda f, i, a: repo_rows(f, i, a, collections))
     with connect_db(cfg.db_url) as db:
         for batch in batched(checked, cfg.write_batch):
             with db.transaction():
                 write_results(db, cfg.run_id, JOB, [result for result, _ in batch])
-            for result, rows in batch:
-                if result.outcome == "failed":
-                    yield (result.did, FAILED_MARK, "", "", "", result.reason or "")
+            for _, rows in batch:
                 yield from rows
 
 
@@ -91,9 +88,6 @@ def run_export(
     collections: Iterable[str] | None = None,
 ) -> dict[str, Any]:
     """Driver side; returns the manifest it wrote to ``<out_dir>/manifest.json``."""
-    from pyspark import StorageLevel
-    from pyspark.sql import functions as F
-
     sc = spark.sparkContext
     parts = cfg.partitions or max(1, sc.defaultParallelism)
     wanted = frozenset(collections) if collections else None
@@ -104,21 +98,19 @@ def run_export(
     accounts, selected = read_accounts_rdd(sc, cfg, flt, parts)
     sc.setJobDescription(f"export {cfg.run_id}: {selected} repositories")
     rows = by_host_shard(accounts, cfg, work_partitions(parts, selected)).mapPartitions(lambda it: export_partition(cfg, wanted, it))
-    frame = spark.createDataFrame(rows, export_schema()).persist(StorageLevel.MEMORY_AND_DISK)
-    try:
-        dataset = out_dir.rstrip("/") + "/records"
-        frame.filter(F.col("collection") != FAILED_MARK).write.mode("overwrite").partitionBy(
-            "collection").parquet(dataset)
-        counts = {r["collection"]: int(r["count"]) for r in frame.groupBy("collection").count().collect()}
-        failed: dict[str, str] = {}
-        if counts.pop(FAILED_MARK, 0):
-            failed = {
-                r["did"]: r["record"]
-                for r in frame.filter(F.col("collection") == FAILED_MARK).select("did", "record").collect()
-            }
-    finally:
-        frame.unpersist()
-    per_collection = counts
+    dataset = out_dir.rstrip("/") + "/records"
+    # one pass: rows stream from the executors straight into the Parquet writer
+    frame = spark.createDataFrame(rows, export_schema(), verifySchema=False)
+    frame.write.mode("overwrite").partitionBy("collection").parquet(dataset)
+    with connect_db(cfg.db_url) as db:
+        failed = {r["did"]: r["reason"] for r in db.fetch(
+            "SELECT did, reason FROM spark_job_results WHERE run_id = ? AND outcome = 'failed'", cfg.run_id)}
+        written = int(db.fetchval("SELECT coalesce(sum(records), 0) FROM spark_job_results WHERE run_id = ?",
+                                  cfg.run_id) or 0)
+    per_collection: dict[str, int] = {}
+    if written:  # counted from the dataset itself (partition values only: no column is read)
+        counts = spark.read.parquet(dataset).groupBy("collection").count().collect()
+        per_collection = {r["collection"]: int(r["count"]) for r in counts}
     manifest = {
         "format": "atproto-relay-export/1",
         "run_id": cfg.run_id,

@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 from backfill.store import open_store
 from backfill.types import AccountState
+from mst.car import read_car
 from mst.cid import cid_str
 from spark.config import FetchConfig, JobConfig
 
@@ -88,3 +89,13 @@ def job_config(url: str, fleet: FleetThread, run_id: str | None = None, **fetch:
                       retries=1, backoff_s=0.05, host_rate=500.0, **fetch)
     return JobConfig(db_url=url, run_id=run_id or f"t-{uuid.uuid4().hex[:8]}", fetch=cfg, write_batch=7,
                      partitions=2)
+
+
+def tamper(acct: Any) -> None:
+    """Make the host serve a repository with one record block altered (its hash no longer matches)."""
+    path, cid = sorted(acct.repo.records().items())[0]
+    car = acct.repo.export_car()
+    raw = bytes(read_car(car).blocks[cid])
+    assert b"app.bsky" in raw and car.count(raw) == 1
+    tampered = car.replace(raw, raw.replace(b"app.bsky", b"app.bskz", 1))
+    acct.repo.export_car = lambda: tampered

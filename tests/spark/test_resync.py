@@ -15,18 +15,7 @@ from spark.db import connect_db
 from spark.outbox import drain_repair_outbox
 from spark.relaydb import AccountFilter, ResultRow, write_results
 from spark.resync import run_resync
-from tests.spark.helpers import FleetThread, job_config, seed_relay
-
-
-def _tamper(fleet: FleetThread, acct: Any) -> None:
-    """Make the host serve a repository with one record block altered (its hash no longer matches)."""
-    path, cid = sorted(acct.repo.records().items())[0]
-    original = acct.repo.export_car
-    car = original()
-    raw = bytes(read_car(car).blocks[cid])
-    assert b"app.bsky" in raw and car.count(raw) == 1
-    tampered = car.replace(raw, raw.replace(b"app.bsky", b"app.bskz", 1))
-    acct.repo.export_car = lambda: tampered
+from tests.spark.helpers import FleetThread, job_config, seed_relay, tamper
 
 
 def _accounts(url: str) -> dict[str, dict[str, Any]]:
@@ -70,7 +59,7 @@ def test_resync_verifies_detects_tampering_and_repairs_divergence(
     accounts = fleet.fleet.accounts
     tampered, diverged, flagged, moved = accounts[0], accounts[1], accounts[2], accounts[3]
     seed_relay(relay_db, fleet)
-    fleet.call(_tamper, fleet, tampered)
+    fleet.call(tamper, tampered)
     # the DID document now names another PDS: the relay's host must not be trusted for this repo
     other = next(h for h in fleet.fleet.hosts if h is not moved.host)
     fleet.call(lambda: fleet.fleet.plc.docs[moved.did]["service"][0].__setitem__("serviceEndpoint", other.url))
