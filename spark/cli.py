@@ -232,6 +232,9 @@ def main(argv: list[str] | None = None, default_master: str | None = "local[*]")
     if args.job == "package":
         print(package(args.out))
         return 0
+    bad = [item for item in args.conf if "=" not in item]
+    if bad:
+        parser.error(f"--conf needs KEY=VALUE, got {bad[0]!r}")
     summary = run(args)
     if args.json:
         print(json.dumps(summary, indent=2, sort_keys=True))
