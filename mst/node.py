@@ -151,7 +151,7 @@ def _patched(patch: tuple[bytes, int, CID], new: CID | None) -> bytes | None:
     tag = b"\x61l" if slot == 0 else b"\x61t"
     pattern = tag + _LINK + old.cid_bytes
     at = base.find(pattern)
-    if at < 0:
+    if at < 0 or base.find(pattern, at + 1) >= 0:  # absent or ambiguous: encode in full
         return None
     return base[:at] + tag + _LINK + new.cid_bytes + base[at + len(pattern) :]
 
