@@ -9,7 +9,15 @@ from mst.cid import CID, cid_for_cbor, cid_for_raw
 from mst.errors import InversionError, MissingBlockError, MSTError
 from mst.invert import invert_ops
 from mst.mst import MST, build, covering_blocks, mst_diff
-from mst.node import common_prefix_len, decode_node, key_height
+from mst.node import (
+    _encode_node_generic,
+    common_prefix_len,
+    decode_node,
+    encode_node,
+    iter_new_nodes,
+    key_height,
+    sub_cid,
+)
 from mst.ops import RepoOp
 
 LEAF = cid_for_cbor(cbor.encode({"v": 1}))
@@ -178,3 +186,20 @@ def test_decode_node_rejects_non_canonical() -> None:
     with pytest.raises(MSTError) as info:
         decode_node(_node_bytes([]), None, 0)
     assert info.value.reason == "mst_non_canonical"
+
+
+def test_patched_encodings_equal_full_encodings() -> None:
+    store, tree = _tree(2000)
+    t2 = tree
+    for i in range(0, 2000, 97):
+        t2 = t2.put(f"com.example.record/{i:08d}", LEAF2)
+    t2 = t2.delete("com.example.record/00000500").put("com.example.record/00000500x", LEAF)
+    checked = 0
+    for node in iter_new_nodes(t2.node):
+        fast = node.encode()
+        full = encode_node(node.keys, node.vals, [sub_cid(s) for s in node.subs])
+        assert fast == full == _encode_node_generic(node.keys, node.vals, [sub_cid(s) for s in node.subs])
+        checked += 1
+    assert checked > 20
+    # and a freshly built tree of the same content has the same root
+    assert build({}, list(t2.items())) == t2.root
