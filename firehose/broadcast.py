@@ -70,6 +70,7 @@ class BroadcastStats:
     outdated_cursor: int = 0
     replay_overflows: int = 0
     bus_gaps_filled: int = 0
+    bus_errors: int = 0
 
 
 class ConsumerSession:
@@ -191,8 +192,13 @@ class ConsumerSession:
             last = 0
         else:
             last = cursor - 1
+        limit = b.replay_batch
         while True:
-            events = await b.store.read_after(last, b.replay_batch)
+            events = await b.store.read_after(last, limit)
+            read_limit = limit
+            if events:  # keep one batch near ``replay_bytes`` whatever the frame sizes
+                avg = max(1, sum(len(e.frame) for e in events) // len(events))
+                limit = max(1, min(b.replay_batch, b.replay_bytes // avg))
             for ev in events:
                 if ev.seq <= last:
                     continue
@@ -200,7 +206,7 @@ class ConsumerSession:
                 self.last_seq = ev.seq
                 self.sent += 1
                 yield ev.frame
-            if len(events) >= b.replay_batch:
+            if len(events) >= read_limit:
                 continue
             # Caught up. No await between this check and the switch to live.
             if self._replay_overflow:
@@ -231,6 +237,7 @@ class Broadcaster:
         live_queue_max: int = 10_000,
         live_queue_bytes: int = 64 * 1024 * 1024,
         replay_batch: int = 500,
+        replay_bytes: int = 4 * 1024 * 1024,
         max_consumers: int = 10_000,
     ) -> None:
         self.store = store
@@ -238,6 +245,7 @@ class Broadcaster:
         self.live_queue_max = live_queue_max
         self.live_queue_bytes = live_queue_bytes
         self.replay_batch = replay_batch
+        self.replay_bytes = replay_bytes
         self.max_consumers = max_consumers
         self.stats = BroadcastStats()
         self._sessions: set[ConsumerSession] = set()
@@ -282,32 +290,42 @@ class Broadcaster:
     def session(self, cursor: int | None) -> ConsumerSession:
         return ConsumerSession(self, cursor)
 
-    async def _fill_gap(self, upto: int) -> list[SequencedEvent]:
-        """Read events the bus skipped (Redis trim) from the store: ``last < seq < upto``."""
-        out: list[SequencedEvent] = []
-        last = self._last_seq or 0
+    async def _fill_gap(self, upto: int) -> None:
+        """Deliver events the bus skipped (Redis trim) from the store: ``last < seq < upto``,
+        one bounded chunk at a time."""
         while True:
+            last = self._last_seq or 0
             evs = await self.store.read_after(last, self.replay_batch)
-            evs = [e for e in evs if e.seq < upto]
-            out.extend(evs)
-            if len(evs) < self.replay_batch:
-                return out
-            last = evs[-1].seq
+            chunk = [e for e in evs if e.seq < upto]
+            if chunk:
+                self.deliver(chunk)
+            if len(chunk) < len(evs) or len(evs) < self.replay_batch:
+                return
 
     async def _fan_out(self) -> None:
+        """Follow the bus until closed. A failing bus read (e.g. Redis restarting) is retried
+        with backoff from the same position, so nothing is skipped."""
         assert self._sub is not None
+        delay = 0.1
         while not self._closed:
             try:
                 batch = await self._sub.next_batch()
+                first = batch[0]
+                prev = first.extra.get("prev_seq") if first.extra else None
+                if prev is not None and self._last_seq is not None and prev > self._last_seq:
+                    self.stats.bus_gaps_filled += 1
+                    await self._fill_gap(first.seq)
+                self.deliver(batch)
+                delay = 0.1
             except BusClosed:
                 return
-            first = batch[0]
-            prev = first.extra.get("prev_seq") if first.extra else None
-            if prev is not None and self._last_seq is not None and prev > self._last_seq:
-                filled = await self._fill_gap(first.seq)
-                self.stats.bus_gaps_filled += 1
-                batch = filled + batch
-            self.deliver(batch)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                self.stats.bus_errors += 1
+                log.exception("broadcast fan-out: bus read failed; retrying")
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
 
     def deliver(self, batch: list[SequencedEvent]) -> None:
         """Hand a batch (ascending seq) to every session. Synchronous: never awaits."""

@@ -105,7 +105,7 @@ async def test_handoff_under_concurrent_ingest(ingest: Ingest, broadcaster: Broa
 
 
 async def test_slow_catching_up_consumer_is_never_dropped(ingest: Ingest) -> None:
-    b = Broadcaster(ingest.store, ingest.bus, replay_batch=10, live_queue_max=15)
+    b = Broadcaster(ingest.store, ingest.bus, replay_batch=10, replay_bytes=1500, live_queue_max=15)
     await ingest.add(120)
     await b.start()
     try:

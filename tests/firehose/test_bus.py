@@ -101,3 +101,17 @@ async def test_redis_trim_gap_is_filled_from_the_store(ingest: Ingest, redis_url
         await publisher.redis.delete(stream)
         await publisher.close()
         await consumer.close()
+
+
+async def test_fan_out_survives_bus_errors(ingest: Ingest) -> None:
+    dead = RedisStreamBus("redis://127.0.0.1:1/15", "test:fh:dead")  # nothing listens on port 1
+    b = Broadcaster(ingest.store, dead)
+    await b.start()
+    try:
+        async with asyncio.timeout(10):
+            while b.stats.bus_errors < 2:
+                await asyncio.sleep(0.05)
+        assert b._task is not None and not b._task.done()  # still retrying, not crashed
+    finally:
+        await b.close()
+        await dead.close()
