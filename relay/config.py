@@ -60,6 +60,8 @@ SETTINGS: tuple[Setting, ...] = (
             "limit on hosts added through public requestCrawl per day", "int"),
     Setting("crawling_enabled", "RELAY_CRAWLING", "--crawling", "true",
             "accept public requestCrawl (can be toggled in the admin API)", "bool"),
+    Setting("validation_workers", "RELAY_VALIDATION_WORKERS", "--validation-workers", "2",
+            "processes verifying commits in parallel (0 = in the event loop)", "int"),
     Setting("resync_workers", "RELAY_RESYNC_WORKERS", "--resync-workers", "4",
             "parallel repository resyncs", "int"),
     Setting("handle_resolver_url", "RELAY_HANDLE_RESOLVER_URL", "--handle-resolver-url", "",
@@ -129,6 +131,7 @@ class RelayConfig:
     redis_url: str = ""
     new_hosts_per_day: int = 50
     crawling_enabled: bool = True
+    validation_workers: int = 2
     resync_workers: int = 4
     handle_resolver_url: str = ""
     log_level: str = "info"

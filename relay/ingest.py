@@ -36,6 +36,7 @@ from typing import Any
 from backfill.sequencer import Sequencer
 from backfill.store import Store
 from backfill.types import AccountState, HostState, PendingEvent
+from firehose.pipeline import ValidationPipeline
 from firehose.subscriber import HostSubscriber, SubscriberConfig, UpstreamFrame
 from mst.syntax import is_valid_did
 from relay.accounts import account_event_body
@@ -44,7 +45,6 @@ from relay.hosts import HostManager, host_base_url
 from relay.identity import Identity, IdentityError, IdentityResolver
 from relay.jsonlog import fields
 from relay.metrics import RelayMetrics
-from relay.validation import Judgement, judge
 
 log = logging.getLogger("relay.ingest")
 
@@ -59,6 +59,21 @@ def _did_of(kind: str, body: dict[str, Any]) -> str | None:
 
 
 @dataclasses.dataclass(slots=True)
+class _Item:
+    """One upstream frame on its way through a host's reorder queue."""
+
+    hostname: str
+    uf: UpstreamFrame
+    kind: str
+    received: float
+    did: str | None = None
+    state: AccountState | None = None
+    signing_key: str | None = None
+    verdict: asyncio.Future[Any] | None = None
+    event: PendingEvent | None = None
+
+
+@dataclasses.dataclass(slots=True)
 class _HostRun:
     subscriber: HostSubscriber
     task: asyncio.Task[None]
@@ -70,20 +85,24 @@ class Ingest:
 
     def __init__(self, *, store: Store, sequencer: Sequencer, identity: IdentityResolver,
                  hosts: HostManager, metrics: RelayMetrics, config: RelayConfig,
-                 state_cache_size: int = 200_000) -> None:
+                 pipeline: ValidationPipeline, state_cache_size: int = 200_000,
+                 max_in_flight_per_host: int = 512) -> None:
         self.store = store
         self.sequencer = sequencer
         self.identity = identity
         self.hosts = hosts
         self.metrics = metrics
         self.config = config
+        self.pipeline = pipeline
+        self.max_in_flight_per_host = max_in_flight_per_host
+        self._queues: dict[str, asyncio.Queue[_Item]] = {}
+        self._drainers: dict[str, asyncio.Task[None]] = {}
         self.resync: Callable[[str, str | None], Awaitable[None]] | None = None
         self._runs: dict[str, _HostRun] = {}
         self._states: OrderedDict[str, AccountState] = OrderedDict()
         self._state_cache_size = state_cache_size
-        self._buffers: dict[str, list[tuple[str, UpstreamFrame]]] = {}
+        self._buffers: dict[str, list[_Item]] = {}
         self._host_counts: dict[str, int] = {}
-        self._pending_cursor: dict[str, int] = {}
         self._acks: set[asyncio.Task[None]] = set()
         self._closed = False
 
@@ -109,7 +128,9 @@ class Ingest:
             return
         cursor = await self.store.host_cursor(host.hostname)
         url = host_base_url(host.hostname, insecure=self.config.allow_insecure_hosts, websocket=True)
-        subscriber = HostSubscriber(url, self._make_on_frame(host.hostname), cursor=cursor or None,
+        # A new host is read from the start of its backfill window (cursor 0), so nothing it
+        # emitted before it was added is missed; later runs resume from the durable cursor.
+        subscriber = HostSubscriber(url, self._make_on_frame(host.hostname), cursor=cursor or 0,
                                     config=self.subscriber_config(host),
                                     on_cursor_reset=self._make_on_reset(host.hostname))
         task = asyncio.create_task(self._run_host(host.hostname, subscriber), name=f"host:{host.hostname}")
@@ -153,7 +174,7 @@ class Ingest:
         self._closed = True
         for hostname in list(self._runs):
             await self.stop_host(hostname)
-        for task in list(self._acks):
+        for task in list(self._drainers.values()) + list(self._acks):
             task.cancel()
 
     def subscriber(self, hostname: str) -> HostSubscriber | None:
@@ -224,50 +245,91 @@ class Ingest:
     def _count(self, kind: str, reason: str) -> None:
         self.metrics.verdicts.labels(kind=kind, reason=reason).inc()
 
+    def _queue_for(self, hostname: str) -> asyncio.Queue[_Item]:
+        """The host's reorder queue and its drainer (frames leave in upstream order)."""
+        queue = self._queues.get(hostname)
+        if queue is None:
+            queue = self._queues[hostname] = asyncio.Queue(self.max_in_flight_per_host)
+            task = asyncio.create_task(self._drain(hostname, queue), name=f"drain:{hostname}")
+            self._drainers[hostname] = task
+        return queue
+
     async def handle(self, hostname: str, uf: UpstreamFrame) -> None:
-        """Judge one upstream frame; never raises for bad input (it is counted instead)."""
+        """Judge one upstream frame; never raises for bad input (it is counted instead).
+
+        Identity, host binding and account admission happen here, in upstream order; the
+        cryptographic validation runs in the pipeline (other processes) and the results are
+        applied by the host's drainer in the same order.
+        """
         kind = uf.frame.t or ""
         self.metrics.events_in.labels(host=hostname, type=kind).inc()
-        received = time.monotonic()
+        item = _Item(hostname, uf, kind, time.monotonic())
         body = uf.frame.body
         did = _did_of(kind, body)
-        if did is None:
-            self._count("reject", "bad_did")
-            await self._skip(hostname, uf.seq)
-            return
         try:
-            if kind in ("#commit", "#sync"):
-                event = await self._repo_event(hostname, kind, did, uf)
+            if did is None:
+                self._count("reject", "bad_did")
+            elif kind in ("#commit", "#sync"):
+                await self._prepare_repo_event(item, did)
             elif kind == "#identity":
-                event = await self._identity_event(hostname, did, uf)
+                item.event = await self._identity_event(hostname, did, uf)
             elif kind == "#account":
-                event = await self._account_event(hostname, did, uf)
+                item.event = await self._account_event(hostname, did, uf)
             else:
                 self._count("ignore", "unknown_type")
-                event = None
         except IdentityError as exc:
             self._count("reject", f"identity_{exc.reason}")
-            event = None
-        if event is None:
-            await self._skip(hostname, uf.seq)
+        await self._queue_for(hostname).put(item)
+
+    async def _prepare_repo_event(self, item: _Item, did: str) -> None:
+        hostname = item.hostname
+        ident = await self._resolve_for_host(did, hostname)
+        if ident is None:
+            self._count("reject", "wrong_host")
             return
-        await self._submit(hostname, uf.seq, event, received)
+        stored = await self.account(did)
+        if stored is not None and stored.sync_state == "throttled":
+            self._count("ignore", "account_throttled")
+            return
+        state = await self._admit_account(hostname, did, stored)
+        if state is None:
+            self._count("ignore", "account_throttled")
+            return
+        item.did = did
+        item.state = state
+        item.signing_key = ident.signing_key
+        item.verdict = await self.pipeline.submit(did, item.uf.raw, None if stored is None else state,
+                                                  ident.signing_key)
+
+    async def _drain(self, hostname: str, queue: asyncio.Queue[_Item]) -> None:
+        while True:
+            item = await queue.get()
+            try:
+                event = item.event
+                if item.verdict is not None:
+                    verdict = await item.verdict
+                    event = await self._apply(item, verdict)
+                if event is None:
+                    await self._skip(hostname, item.uf.seq)
+                else:
+                    await self._submit(hostname, item.uf.seq, event, item.received)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("ingest drain failed", extra=fields(host=hostname))
 
     async def _skip(self, hostname: str, upstream_seq: int) -> None:
-        """A frame that produced no event: remember its seq; persist the cursor now and then."""
-        self._pending_cursor[hostname] = upstream_seq
+        """A frame that produced no event: persist the cursor now and then (not every time)."""
         sub = self.subscriber(hostname)
         acked = sub.cursor if sub is not None else None
         if acked is None or upstream_seq - acked >= 100:
             await self.sequencer.advance_cursor(hostname, upstream_seq)
             if sub is not None:
                 sub.ack(upstream_seq)
-            self._pending_cursor.pop(hostname, None)
 
     async def _submit(self, hostname: str, upstream_seq: int, event: PendingEvent, received: float) -> None:
         event.host = hostname
         event.upstream_seq = upstream_seq
-        self._pending_cursor.pop(hostname, None)
         future = await self.sequencer.enqueue(event)
         task = asyncio.create_task(self._await_durable(hostname, upstream_seq, event, future, received))
         self._acks.add(task)
@@ -312,64 +374,46 @@ class Ingest:
         host = await self.store.get_host(hostname)
         limit = self.hosts.account_limit(host) if host is not None else self.config.default_account_limit
         count = await self._host_account_count(hostname)
+        self._host_counts[hostname] = count + 1
         if limit is not None and count >= limit:
             held = AccountState(did=did, host=hostname, sync_state="throttled", updated_at=time.time())
             await self.store.upsert_account(held)
             self._remember(held)
-            self._host_counts[hostname] = count + 1
             if host is not None and host.status == "active":
                 await self.store.set_host_status(hostname, "throttled")
             return None
-        self._host_counts[hostname] = count + 1
         return AccountState(did=did, host=hostname)
 
-    async def _repo_event(self, hostname: str, kind: str, did: str, uf: UpstreamFrame) -> PendingEvent | None:
-        ident = await self._resolve_for_host(did, hostname)
-        if ident is None:
-            self._count("reject", "wrong_host")
-            return None
-        stored = await self.account(did)
-        if stored is not None and stored.sync_state == "throttled":
-            self._count("ignore", "account_throttled")
-            return None
-        new_account = stored is None
-        state = await self._admit_account(hostname, did, stored)
-        if state is None:
-            self._count("ignore", "account_throttled")
-            return None
-        if state.sync_state in ("desynchronized", "resyncing") and kind == "#commit":
-            buf = self._buffers.setdefault(did, [])
-            if len(buf) < MAX_BUFFER_PER_ACCOUNT:
-                buf.append((hostname, uf))
-                self._count("buffer", "resync_pending")
-            else:
-                self._count("ignore", "resync_buffer_full")
-            return None
-        if not state.active:
-            self._count("ignore", "account_inactive")
-            return None
-        verdict = judge(kind, uf.frame.body, None if new_account else state, ident.signing_key)
-        if verdict.kind == "reject" and verdict.reason == "bad_signature":
-            fresh = await self.identity.resolve(did, fresh=True)
-            if fresh.signing_key != ident.signing_key and fresh.pds_hostname == hostname:
-                verdict = judge(kind, uf.frame.body, None if new_account else state, fresh.signing_key)
-        return await self._apply(hostname, kind, did, state, verdict, uf)
-
-    async def _apply(self, hostname: str, kind: str, did: str, state: AccountState, verdict: Judgement,
-                     uf: UpstreamFrame) -> PendingEvent | None:
+    async def _apply(self, item: _Item, verdict: Any) -> PendingEvent | None:
+        """Turn a verdict into an event (or a count, a buffer entry, a desync mark)."""
+        did = item.did
+        assert did is not None and item.state is not None
+        current = self._states.get(did) or item.state
+        if verdict.kind == "desync" and verdict.reason == "resync_in_progress":
+            if current.sync_state in ("desynchronized", "resyncing"):
+                buf = self._buffers.setdefault(did, [])
+                if len(buf) < MAX_BUFFER_PER_ACCOUNT:
+                    buf.append(item)
+                    self._count("buffer", "resync_pending")
+                else:
+                    self._count("ignore", "resync_buffer_full")
+                return None
+            # the resync finished while this frame was in flight: judge it again, in order
+            self.pipeline.forget(did)
+            verdict = await self.pipeline.validate(did, item.uf.raw, current, item.signing_key)
         self._count(verdict.kind, verdict.reason)
         if verdict.kind == "accept" and verdict.new_state is not None:
-            new_state = dataclasses.replace(verdict.new_state, host=hostname,
-                                            upstream_status=state.upstream_status,
-                                            local_status=state.local_status, updated_at=time.time())
-            if kind == "#sync" or verdict.reason == "sync_reset":
+            new_state = dataclasses.replace(verdict.new_state, host=item.hostname,
+                                            upstream_status=current.upstream_status,
+                                            local_status=current.local_status, updated_at=time.time())
+            if item.kind == "#sync":
                 self._buffers.pop(did, None)
                 new_state.sync_state = "synced"
             self._remember(new_state)
-            body = {k: v for k, v in uf.frame.body.items() if k != "seq"}
-            return PendingEvent(kind=kind, did=did, body=body, rev=new_state.rev, account=new_state)
+            body = {k: v for k, v in item.uf.frame.body.items() if k != "seq"}
+            return PendingEvent(kind=item.kind, did=did, body=body, rev=new_state.rev, account=new_state)
         if verdict.kind == "desync":
-            await self.mark_desynchronized(state, hostname)
+            await self.mark_desynchronized(current, item.hostname)
         return None
 
     async def mark_desynchronized(self, state: AccountState, hostname: str | None) -> None:
@@ -437,40 +481,34 @@ class Ingest:
         if current is not None:
             new_state = dataclasses.replace(new_state, upstream_status=current.upstream_status,
                                             local_status=current.local_status)
-        resyncing = dataclasses.replace(new_state, sync_state="resyncing")
-        self._remember(resyncing)
-        event = PendingEvent(kind="#sync", did=did, body=sync_body, rev=None,
-                             account=dataclasses.replace(new_state, sync_state="synced"))
-        if new_state.active:
+        state = dataclasses.replace(new_state, sync_state="synced")
+        self._remember(dataclasses.replace(state, sync_state="resyncing"))
+        self.pipeline.forget(did)
+        if state.active:
+            event = PendingEvent(kind="#sync", did=did, body=sync_body, account=state)
             await (await self.sequencer.enqueue(event))
         else:
-            await self.store.upsert_account(event.account)  # type: ignore[arg-type]
-        state = dataclasses.replace(new_state, sync_state="synced")
+            await self.store.upsert_account(state)
         while True:
             buffered = self._buffers.get(did)
             if not buffered:
                 break
-            origin, uf = buffered.pop(0)
+            item = buffered.pop(0)
             self._remember(dataclasses.replace(state, sync_state="resyncing"))
-            if uf.frame.body.get("rev", "") <= (state.rev or ""):
+            if str(item.uf.frame.body.get("rev", "")) <= (state.rev or ""):
                 self._count("ignore", "covered_by_resync")
                 continue
-            if not state.active:
-                continue
-            try:
-                ident = await self.identity.resolve(did)
-            except IdentityError as exc:
-                self._count("reject", f"identity_{exc.reason}")
-                continue
-            verdict = judge("#commit", uf.frame.body, state, ident.signing_key)
-            event2 = await self._apply(origin, "#commit", did, state, verdict, uf)
+            self.pipeline.forget(did)
+            verdict = await self.pipeline.validate(did, item.uf.raw, state, item.signing_key)
+            self._remember(state)
+            event = await self._apply(item, verdict)
             if verdict.kind == "desync":
                 return  # marked again; a new resync is queued
-            if event2 is not None and event2.account is not None:
-                state = dataclasses.replace(event2.account, sync_state="synced")
-                event2.account = state
-                await self._submit(origin, uf.seq, event2, time.monotonic())
+            if event is not None and event.account is not None:
+                state = event.account
+                await self._submit(item.hostname, item.uf.seq, event, item.received)
         self._buffers.pop(did, None)
+        self.pipeline.forget(did)
         self._remember(state)
 
     async def set_local_status(self, did: str, local_status: str) -> AccountState:

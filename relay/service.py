@@ -27,10 +27,17 @@ from backfill.store import Store, open_store
 from backfill.types import AccountState
 from firehose.broadcast import Broadcaster
 from firehose.bus import EventBus, InProcessBus, RedisStreamBus
+from firehose.pipeline import ValidationPipeline
 from relay.config import RelayConfig
 from relay.consumers import ConsumerRegistry, ConsumerTracking
 from relay.hosts import HostManager
-from relay.identity import IdentityCache, IdentityResolver, MemoryIdentityCache, RedisIdentityCache
+from relay.identity import (
+    IdentityCache,
+    IdentityError,
+    IdentityResolver,
+    MemoryIdentityCache,
+    RedisIdentityCache,
+)
 from relay.ingest import Ingest
 from relay.jsonlog import fields
 from relay.metrics import RelayMetrics
@@ -66,6 +73,7 @@ class RelayService:
         self.hosts: HostManager | None = None
         self.ingest: Ingest | None = None
         self.resync: ResyncManager | None = None
+        self.pipeline: ValidationPipeline | None = None
         self._redis: Any = None
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -107,8 +115,18 @@ class RelayService:
                                     metrics=self.metrics, config=config, workers=config.resync_workers)
         self.hosts = HostManager(store=self.store, config=config, metrics=self.metrics, guard=self.guard,
                                  safe=self.safe)
+        identity = self.identity
+
+        async def refresh_key(did: str) -> str | None:
+            try:
+                return (await identity.resolve(did, fresh=True)).signing_key
+            except IdentityError:
+                return None
+
+        self.pipeline = ValidationPipeline(config.validation_workers, refresh_key=refresh_key)
+        await self.pipeline.start()
         self.ingest = Ingest(store=self.store, sequencer=self.sequencer, identity=self.identity,
-                             hosts=self.hosts, metrics=self.metrics, config=config)
+                             hosts=self.hosts, metrics=self.metrics, config=config, pipeline=self.pipeline)
         self.hosts.start_host = self.ingest.start_host
         self.hosts.stop_host = self.ingest.stop_host
         self.hosts.limit_raised = self._limit_raised
@@ -167,6 +185,8 @@ class RelayService:
             await self.ingest.close()
         if self.resync is not None:
             await self.resync.close()
+        if self.pipeline is not None:
+            await self.pipeline.close()
         if self.sequencer is not None:
             with contextlib.suppress(Exception):
                 await self.sequencer.close()

@@ -1,0 +1,104 @@
+"""Shared pieces of the end-to-end tests: a consumer over a real WebSocket and truth checks."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from websockets.asyncio.client import ClientConnection, connect
+
+from firehose.frames import decode_frame
+
+
+@dataclass
+class Received:
+    seq: int
+    t: str
+    did: str
+    rev: str | None
+    body: dict[str, Any]
+
+
+def parse(frame: bytes) -> Received | None:
+    f = decode_frame(frame)
+    if f.is_error or f.t == "#info":
+        return None
+    did = f.body.get("repo") if f.t == "#commit" else f.body.get("did")
+    return Received(int(f.body["seq"]), str(f.t), str(did), f.body.get("rev"), f.body)
+
+
+class Consumer:
+    """A subscribeRepos consumer collecting events in a background task."""
+
+    def __init__(self, ws_url: str, cursor: int | None = None) -> None:
+        self.url = ws_url if cursor is None else f"{ws_url}?cursor={cursor}"
+        self.events: list[Received] = []
+        self.infos: list[bytes] = []
+        self._ws: ClientConnection | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> Consumer:
+        self._ws = await connect(self.url, max_size=None)
+        self._task = asyncio.create_task(self._read())
+        return self
+
+    async def _read(self) -> None:
+        assert self._ws is not None
+        try:
+            async for frame in self._ws:
+                assert isinstance(frame, bytes)
+                ev = parse(frame)
+                if ev is None:
+                    self.infos.append(frame)
+                else:
+                    self.events.append(ev)
+        except Exception:
+            return
+
+    async def wait_for(self, predicate, timeout: float = 30.0) -> None:  # type: ignore[no-untyped-def]
+        deadline = time.monotonic() + timeout
+        while not predicate(self.events):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out; have {len(self.events)} events")
+            await asyncio.sleep(0.05)
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._ws is not None:
+            await self._ws.close()
+        if self._task is not None:
+            await asyncio.wait_for(self._task, 5)
+
+
+def key_of(kind: str, did: str, rev: str | None) -> tuple[str, str, str | None]:
+    return (kind, did, rev if kind in ("#commit", "#sync") else None)
+
+
+def check_stream(events: list[Received]) -> None:
+    """seq strictly increasing; per account, commit revs strictly increasing."""
+    seqs = [e.seq for e in events]
+    assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs), "seq not strictly increasing"
+    last: dict[str, str] = {}
+    for e in events:
+        if e.t in ("#commit", "#sync") and e.rev is not None:
+            assert e.rev > last.get(e.did, ""), f"rev order broken for {e.did}"
+            last[e.did] = e.rev
+
+
+async def crawl(relay_url: str, hostname: str) -> None:
+    async with httpx.AsyncClient(base_url=relay_url) as http:
+        r = await http.post("/xrpc/com.atproto.sync.requestCrawl", json={"hostname": hostname})
+        assert r.status_code == 200, r.text
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """Sum of a Prometheus sample family filtered by labels."""
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
