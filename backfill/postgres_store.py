@@ -27,22 +27,29 @@ _HOST_COLS = (
     "rate_limit_per_hour, rate_limit_per_day, last_seen, account_count, created_at"
 )
 
-# Batch write of account state from the sequencer: UPDATE the existing rows (the common case),
-# then INSERT the ones that were not there. local_status of an existing account is not touched:
-# only the operator (upsert_account) changes it, so a takedown is never undone by a concurrently
-# validated event.
-_SQL_UPDATE_ACCOUNTS = """
-UPDATE accounts a SET host = u.host, upstream_status = u.upstream_status, rev = u.rev,
-    commit_cid = u.commit_cid, data_cid = u.data_cid, sync_state = u.sync_state, updated_at = u.updated_at
-FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[],
-            $8::float8[]) AS u(did, host, upstream_status, rev, commit_cid, data_cid, sync_state, updated_at)
-WHERE a.did = u.did
-RETURNING a.did
+# Batch write of account state from the sequencer: the batch is COPYed into a per-connection
+# temporary staging table (binary COPY: far cheaper to encode than nine text arrays), then one
+# UPDATE covers the existing accounts (the common case) and one INSERT the new ones.
+# local_status of an existing account is not touched: only the operator (upsert_account) changes
+# it, so a takedown is never undone by a concurrently validated event.
+_STAGE = "relay_account_stage"
+_SQL_CREATE_STAGE = f"""
+CREATE TEMPORARY TABLE IF NOT EXISTS {_STAGE} (
+    did text, host text, upstream_status text, local_status text, rev text, commit_cid text,
+    data_cid text, sync_state text, updated_at double precision
+) ON COMMIT DELETE ROWS
+"""
+# Sent without parameters (simple protocol), so each is planned with the staged row count known.
+_SQL_UPDATE_ACCOUNTS = f"""
+UPDATE accounts a SET host = s.host, upstream_status = s.upstream_status, rev = s.rev,
+    commit_cid = s.commit_cid, data_cid = s.data_cid, sync_state = s.sync_state, updated_at = s.updated_at
+FROM pg_temp.{_STAGE} s
+WHERE a.did = s.did
 """
 _SQL_INSERT_ACCOUNTS = f"""
 INSERT INTO accounts ({_ACCOUNT_COLS})
-SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[],
-                     $7::text[], $8::text[], $9::float8[])
+SELECT {_ACCOUNT_COLS} FROM pg_temp.{_STAGE} s
+WHERE NOT EXISTS (SELECT 1 FROM accounts a WHERE a.did = s.did)
 ON CONFLICT (did) DO UPDATE SET
     host = EXCLUDED.host, upstream_status = EXCLUDED.upstream_status, rev = EXCLUDED.rev,
     commit_cid = EXCLUDED.commit_cid, data_cid = EXCLUDED.data_cid,
@@ -377,6 +384,7 @@ class _PgLease(WriterLease):
 
     def __init__(self, conn: asyncpg.Connection) -> None:
         self._conn = conn
+        self._stage_ready = False
 
     async def high_water(self) -> int:
         return await self._conn.fetchval("SELECT value FROM relay_meta WHERE key = 'seq_high_water'")
@@ -412,34 +420,31 @@ class _PgLease(WriterLease):
     async def _write_accounts(self, batch: BatchWrite) -> None:
         if not batch.accounts:
             return
+        if not self._stage_ready:
+            await self._conn.execute(_SQL_CREATE_STAGE)
+            self._stage_ready = True
         accts = sorted(batch.accounts, key=lambda a: a.did)  # index order: fewer page jumps
-        updated = await self._conn.fetch(
-            _SQL_UPDATE_ACCOUNTS,
-            [a.did for a in accts],
-            [a.host for a in accts],
-            [a.upstream_status for a in accts],
-            [a.rev for a in accts],
-            [a.commit_cid for a in accts],
-            [a.data_cid for a in accts],
-            [a.sync_state for a in accts],
-            [a.updated_at for a in accts],
+        await self._conn.copy_records_to_table(
+            _STAGE,
+            schema_name="pg_temp",
+            records=[
+                (
+                    a.did,
+                    a.host,
+                    a.upstream_status,
+                    a.local_status,
+                    a.rev,
+                    a.commit_cid,
+                    a.data_cid,
+                    a.sync_state,
+                    a.updated_at,
+                )
+                for a in accts
+            ],
         )
-        if len(updated) == len(accts):
-            return
-        done = {r[0] for r in updated}
-        new = [a for a in accts if a.did not in done]
-        await self._conn.execute(
-            _SQL_INSERT_ACCOUNTS,
-            [a.did for a in new],
-            [a.host for a in new],
-            [a.upstream_status for a in new],
-            [a.local_status for a in new],
-            [a.rev for a in new],
-            [a.commit_cid for a in new],
-            [a.data_cid for a in new],
-            [a.sync_state for a in new],
-            [a.updated_at for a in new],
-        )
+        status = await self._conn.execute(_SQL_UPDATE_ACCOUNTS)
+        if int(status.rsplit(" ", 1)[1]) < len(accts):
+            await self._conn.execute(_SQL_INSERT_ACCOUNTS)
 
     async def _write_hosts(self, batch: BatchWrite) -> None:
         if not batch.host_updates:
