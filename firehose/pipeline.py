@@ -232,7 +232,10 @@ class ValidationPipeline:
             verdict = await self._call(frame, effective, key, t)
             if verdict.reason == Reason.BAD_SIGNATURE and self.refresh_key is not None:
                 self.identity_refreshes += 1
-                fresh = await self.refresh_key(did)
+                try:
+                    fresh = await self.refresh_key(did)
+                except Exception:  # resolution failed: the verdict stands
+                    fresh = None
                 if fresh is not None and fresh != key:
                     verdict = await self._call(frame, effective, fresh, t)
             if verdict.new_state is not None:

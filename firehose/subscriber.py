@@ -164,8 +164,12 @@ class HostSubscriber:
                 delivered = await self._connect_once()
                 reset_now = False
             except _Reset as r:
-                await self._reset(r.reason)
-                reset_now = True
+                if self._acked is None:  # nothing to reset: a host that misbehaves anyway
+                    self.counters[r.reason.value] += 1
+                    reset_now = False
+                else:
+                    await self._reset(r.reason)
+                    reset_now = True
             except (OSError, ConnectionClosed, InvalidHandshake, InvalidStatus, TimeoutError) as exc:
                 self.counters[Reason.CONNECTION_FAILED.value] += 1
                 log.info("upstream connection ended", extra={"host": self.host, "error": type(exc).__name__})

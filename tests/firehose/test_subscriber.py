@@ -152,9 +152,13 @@ async def test_many_backwards_frames_reset_the_stream() -> None:
     frames = [msg(100)] + [msg(5)] * 4
     upstream = Upstream([sends(*frames), sends(msg(6), msg(7))])
     async with upstream as url:
-        sub = HostSubscriber(url, lambda f: _append(got, f), config=fast_config(max_backwards=3))
+        async def on_frame(f: UpstreamFrame) -> None:
+            got.append(f.seq)
+            sub.ack(f.seq)
+
+        sub = HostSubscriber(url, on_frame, config=fast_config(max_backwards=3))
         await run_until(sub, lambda: got == [100, 6, 7])
-    assert sub.resets == 1 and upstream.cursors == [None, None]
+    assert sub.resets == 1 and upstream.cursors == [None, None]  # reset: not resumed from 100
 
 
 async def test_malformed_frame_drops_connection_then_reconnects() -> None:
@@ -239,3 +243,16 @@ async def test_ping_keepalive_detects_a_dead_upstream() -> None:
 def test_config_for_host_limits() -> None:
     cfg = SubscriberConfig.for_host(10, None, 5000, backoff_base=2.0)
     assert cfg.rate_limits == [(10.0, 1.0), (2500.0, 3600.0), (5000.0, 86400.0)] and cfg.backoff_base == 2.0
+
+
+async def test_future_cursor_without_a_cursor_backs_off_instead_of_spinning() -> None:
+    upstream = Upstream([sends(encode_error_frame("FutureCursor"), hold=False)])
+    async with upstream as url:
+        cfg = SubscriberConfig(backoff_base=0.2, backoff_max=0.2, rate_limits=[(1000, 1.0)])
+        sub = HostSubscriber(url, lambda f: _append([], f), config=cfg)
+        task = asyncio.create_task(sub.run())
+        await asyncio.sleep(0.5)
+        await sub.stop()
+        await asyncio.wait_for(task, 5)
+    assert 1 <= len(upstream.cursors) <= 4  # backed off (~0.1-0.2 s apart), not a tight loop
+    assert sub.resets == 0 and sub.counters[Reason.FUTURE_CURSOR] >= 1
