@@ -61,6 +61,7 @@ class Reason(StrEnum):
     COMMIT_DID_MISMATCH = "commit_did_mismatch"
     COMMIT_REV_MISMATCH = "commit_rev_mismatch"
     MISSING_RECORD_BLOCK = "missing_record_block"
+    BAD_RECORD = "bad_record"  # a created/updated record that is not a DAG-CBOR map
 
     # --- MST operation inversion
     MISSING_PREV_DATA = "missing_prev_data"

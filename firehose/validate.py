@@ -12,7 +12,7 @@ signing key, now) returning a :class:`Verdict`. No I/O, no clocks, no globals.
 2. CAR slice: every block hash (``bad_block_hash``), root == ``commit`` field (``car_root_mismatch``
    when the header is wrong, ``commit_cid_mismatch`` when the field is), commit block present and
    well-formed, ``did``/``rev`` equal the signed commit's, rev not more than ``max_clock_skew``
-   in the future, every created/updated record block present;
+   in the future, every created/updated record block present and a DAG-CBOR map (``bad_record``);
 3. MST operation inversion against ``prevData`` (the empty tree for a repo's first commit);
    a result equal to the *stored* data root but not to ``prevData`` is ``prev_data_wrong``;
 4. signature with the current key → ``bad_signature`` (the caller refreshes identity once and
@@ -45,11 +45,20 @@ from firehose.messages import (
     parse_frame,
 )
 from firehose.reasons import Reason
+from mst import cbor
 from mst.car import Car, read_car
-from mst.cid import CID
+from mst.cid import CID, DAG_CBOR_PREFIX
 from mst.commit import Commit, decode_commit
 from mst.crypto import PublicKey, parse_did_key
-from mst.errors import CARError, CommitError, InversionError, KeyFormatError, MissingBlockError, MSTError
+from mst.errors import (
+    CARError,
+    CBORError,
+    CommitError,
+    InversionError,
+    KeyFormatError,
+    MissingBlockError,
+    MSTError,
+)
 from mst.invert import invert_ops
 from mst.node import empty_node
 from mst.tid import tid_to_micros
@@ -139,6 +148,19 @@ def _check_commit_fields(commit: Commit, did: str, rev: str, now: float, skew: f
         raise _reject(Reason.REV_IN_FUTURE)
 
 
+def _check_record(cid: CID, block: bytes) -> None:
+    """A record must be a DAG-CBOR map under a dag-cbor CID; its schema is not checked (relays
+    do not validate records against lexicons)."""
+    if cid.cid_bytes[:4] != DAG_CBOR_PREFIX:
+        raise _reject(Reason.BAD_RECORD, "record CID is not dag-cbor")
+    try:
+        value = cbor.decode(block)
+    except CBORError as exc:
+        raise _reject(Reason.BAD_RECORD, exc.reason) from None
+    if type(value) is not dict:
+        raise _reject(Reason.BAD_RECORD, "record is not a map")
+
+
 def _check_signature(commit: Commit, signing_key: str | PublicKey) -> None:
     try:
         key = parse_did_key(signing_key) if isinstance(signing_key, str) else signing_key
@@ -175,8 +197,11 @@ def validate_commit(
         car, commit_cid, commit = _open_car(msg.blocks, msg.commit)
         _check_commit_fields(commit, msg.repo, msg.rev, now, max_clock_skew)
         for op in msg.ops:
-            if op.cid is not None and op.cid not in car.blocks:
-                raise _reject(Reason.MISSING_RECORD_BLOCK)
+            if op.cid is not None:
+                record = car.blocks.get(op.cid)
+                if record is None:
+                    raise _reject(Reason.MISSING_RECORD_BLOCK)
+                _check_record(op.cid, record)
         if msg.prev_data is not None:
             expected = msg.prev_data
         elif msg.since is None:

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from backfill.types import AccountState
 from firehose.reasons import ALL_REASONS, Reason
 from firehose.validate import EMPTY_TREE_ROOT, Verdict, validate_frame
+from mst.car import read_car, write_car
 from mst.cid import cid_for_cbor
 from mst.crypto import PrivateKey, parse_multibase_key
 from mst.repo import Write
@@ -135,6 +136,13 @@ def _tampered(chain) -> dict[str, tuple[dict, AccountState | None, str]]:
     cases[Reason.BAD_CAR] = ({**good, "blocks": b"\x00\x01garbage"}, before, key)
     cases[Reason.BAD_OP_CID] = ({**good, "ops": [{**good["ops"][0], "cid": None}]}, before, key)
     cases[Reason.BAD_SIGNING_KEY] = (good, before, "did:key:zNotAKey")
+    junk = b"\x82\x01\x02"  # valid DAG-CBOR, but a list, not a record map
+    junk_cid = cid_for_cbor(junk)
+    car = read_car(good["blocks"])
+    bad_record = {**good, "blocks": write_car(car.roots, [*car.blocks.items(), (junk_cid, junk)]),
+                  "ops": [{"action": "create", "path": "app.bsky.feed.post/3kzzzzzzzzzzz", "cid": junk_cid},
+                          *good["ops"]]}
+    cases[Reason.BAD_RECORD] = (bad_record, before, key)
     return cases
 
 
