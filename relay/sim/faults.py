@@ -9,11 +9,13 @@ Frame-level faults (the frame itself is wrong):
 
 * ``bad_signature`` – commit signed with a key that is not the account's → reject ``bad_signature``.
 * ``broken_chain`` – a commit is withheld, so the next one's ``since``/``prevData`` do not chain
-  to what the relay holds → the next commit is ``desync`` ``prev_data_mismatch``.
-* ``missing_block`` – the MST root node is stripped from the CAR slice → reject ``missing_block``.
+  to what the relay holds → the next commit is ``desync`` ``since_mismatch``.
+* ``missing_block`` – the MST root node is stripped from the CAR slice → reject
+  ``missing_mst_block`` (operation inversion cannot run).
 * ``oversized`` – a frame over the 5 MB frame limit → reject ``frame_too_large``.
-* ``duplicate`` – the same frame (same seq) is sent twice → second copy ``ignore`` ``duplicate_seq``.
-* ``replay`` – an old commit is sent again under a new seq → ``ignore`` ``stale_rev``.
+* ``duplicate`` – the same frame (same seq) is sent twice → second copy ``ignore``
+  ``seq_not_increasing`` (the upstream subscriber drops it).
+* ``replay`` – an old commit is sent again under a new seq → ``ignore`` ``rev_not_increasing``.
 * ``seq_backwards`` – the host is wiped: log cleared, seq restarts at 1, connections dropped;
   the repositories are intact, later frames are valid (a relay reconnecting with its old cursor
   gets ``FutureCursor``).
@@ -32,7 +34,13 @@ Account faults (valid events that change what the relay may redistribute):
   later commits are signed with the new key.
 * ``migration`` – the account moves to another host: PLC document updated, the new host emits
   ``#identity``, ``#account active`` and ``#sync``; the old host's ``#account`` deactivation is
-  ``ignore`` ``wrong_host`` (the DID document no longer names it).
+  ``reject`` ``wrong_host`` (the DID document no longer names it).
+
+The ground truth assumes a relay that keeps up with the hosts: a commit signed with the old key
+(or sent by the old host) that a relay only validates *after* the PLC document changed cannot be
+told apart from a forgery, so tests judge live (see ``tests/sim/test_faults.py``).
+
+Reasons are values of ``firehose.reasons.Reason`` (plus the relay's ``wrong_host``).
 """
 
 from __future__ import annotations
@@ -47,11 +55,12 @@ FAULT_KINDS: Final = FRAME_FAULTS + CONNECTION_FAULTS + ACCOUNT_FAULTS
 #: fault kind -> (verdict, reason) expected for the frame the fault produces.
 EXPECTED: Final[dict[str, tuple[str, str]]] = {
     "bad_signature": ("reject", "bad_signature"),
-    "broken_chain": ("desync", "prev_data_mismatch"),
-    "missing_block": ("reject", "missing_block"),
+    "broken_chain": ("desync", "since_mismatch"),
+    "missing_block": ("reject", "missing_mst_block"),
     "oversized": ("reject", "frame_too_large"),
-    "duplicate": ("ignore", "duplicate_seq"),
-    "replay": ("ignore", "stale_rev"),
+    "duplicate": ("ignore", "seq_not_increasing"),
+    "replay": ("ignore", "rev_not_increasing"),
+    "migration": ("reject", "wrong_host"),
 }
 
 #: Verdict kinds (the same words as ``firehose.validate.Verdict.kind``).

@@ -391,7 +391,8 @@ class SimFleet:
                         acct.did, rev=res.rev, commit=res.commit_cid.encode(), fault="migration")
             acct.history.append(self._commit_body(acct, res))
             self._queue(old, "#account", {"did": acct.did, "time": now_iso(), "active": False, "status": "deactivated"},
-                        acct.did, verdict="ignore", reason="wrong_host", fault="migration")
+                        acct.did, verdict=EXPECTED["migration"][0], reason=EXPECTED["migration"][1],
+                        fault="migration")
         elif kind == "seq_backwards":
             acct.host.seq = 0  # frames generated from now on restart at seq 1
             self._pending.append(_Pending(acct.host, None, None))

@@ -116,13 +116,13 @@ class SimHost:
         self.url = f"http://{self.hostname}"
 
     async def stop(self) -> None:
+        server, self._server = self._server, None
         for ws in list(self._subscribers):
             ws.transport.abort()
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
-            self._server = None
         self._wake()
+        if server is not None:
+            server.close()
+            await server.wait_closed()
 
     # -- faults ------------------------------------------------------------------------------
     def set_fault(self, kind: str, rate: float) -> None:
@@ -207,6 +207,7 @@ class SimHost:
             idx = log.index_from(cursor)
         live_from = log.end
         self._subscribers.add(ws)
+        closed = asyncio.ensure_future(ws.wait_closed())
         try:
             while True:
                 if self._server is None:
@@ -230,10 +231,13 @@ class SimHost:
                         return
                     if idx < log.base:
                         idx = log.base
-                await self._wait()
+                if closed.done():
+                    return
+                await asyncio.wait((self._wait(), closed), return_when=asyncio.FIRST_COMPLETED)
         except ConnectionClosed:
             return
         finally:
+            closed.cancel()
             self._subscribers.discard(ws)
 
     # -- XRPC --------------------------------------------------------------------------------
