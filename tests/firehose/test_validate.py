@@ -278,3 +278,34 @@ def test_state_cids_are_canonical_base32(chain) -> None:
     repo, before, r, _ = chain
     v = judge(commit_body(repo, r), before, repo.key.did_key())
     assert v.new_state.data_cid.startswith("bafyrei") and v.new_state.commit_cid == r.commit_cid.encode()
+
+
+_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.text(max_size=20) | st.binary(max_size=40)
+    | st.sampled_from([cid_for_cbor(b"\xa0"), EMPTY_TREE_ROOT]),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=8,
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_fuzz_structured_field_mutations_only_typed_verdicts(chain, data: st.DataObject) -> None:
+    repo, before, r, _ = chain
+    body = commit_body(repo, r)
+    for _ in range(data.draw(st.integers(1, 3))):
+        key = data.draw(st.sampled_from(sorted(body)))
+        if data.draw(st.booleans()):
+            body[key] = data.draw(_values)
+        else:
+            body.pop(key, None)
+            if not body:
+                break
+    if body.get("ops") and isinstance(body["ops"], list) and data.draw(st.booleans()):
+        i = data.draw(st.integers(0, len(body["ops"]) - 1))
+        body["ops"][i] = data.draw(_values)
+    state = data.draw(st.sampled_from([None, before]))
+    v = validate_frame(frame(body), state, repo.key.did_key(), NOW)
+    assert v.reason in ALL_REASONS
+    if v.kind == "accept":  # only harmless fields (deprecated ones, seq, time) can have changed
+        assert v.new_state.rev == r.rev
