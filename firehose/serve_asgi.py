@@ -86,7 +86,8 @@ class SubscribeReposWebSocket:
         session = self.broadcaster.session(cursor)
 
         async def send_frame(frame: bytes) -> None:
-            await ws.send({"type": "websocket.send", "bytes": frame})
+            # the raw ASGI send: Starlette's state bookkeeping per frame is measurable at 50k/s
+            await send({"type": "websocket.send", "bytes": frame})
 
         async def until_disconnect() -> None:
             # Client frames are ignored (server-to-client protocol); we only watch for the close.
