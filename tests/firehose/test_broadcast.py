@@ -186,3 +186,38 @@ async def test_slow_live_consumer_receives_consumer_too_slow(ingest: Ingest, tra
         assert b.stats.too_slow == 1
     finally:
         await b.close()
+
+
+async def test_handoff_over_redis_bus(ingest: Ingest, redis_url: str) -> None:
+    """The scale-out path: the sequencer side publishes to Redis, a fan-out replica follows it."""
+    import uuid
+
+    from firehose.bus import RedisStreamBus
+
+    stream = f"test:fh:{uuid.uuid4().hex}"
+    publisher = RedisStreamBus(redis_url, stream)
+    follower = RedisStreamBus(redis_url, stream, block_ms=50)
+    ingest.bus = publisher
+    try:
+        await ingest.add(100)
+        b = Broadcaster(ingest.store, follower, replay_batch=20)
+        await b.start()
+        target = 400
+        async with serve(b, "websockets") as hp:
+            writer = asyncio.create_task(ingest.add(300, batch=9))
+            readers = []
+            for cursor in (0, 50, None):
+                readers.append((cursor, asyncio.create_task(collect(ws_url(hp, cursor), until_seq=target))))
+                await asyncio.sleep(0.01)
+            await writer
+            for cursor, task in readers:
+                got = await asyncio.wait_for(task, 30)
+                if cursor is None:  # live-only: a contiguous tail ending at the target
+                    assert got == list(range(got[0], target + 1))
+                else:
+                    assert got == list(range(max(cursor, 1), target + 1))
+        await b.close()
+    finally:
+        await publisher.redis.delete(stream)
+        await publisher.close()
+        await follower.close()
