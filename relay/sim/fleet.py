@@ -180,6 +180,7 @@ class SimFleet:
 
     def _publish_doc(self, acct: SimAccount) -> None:
         self.plc.docs[acct.did] = did_document(acct.did, acct.handle, acct.key, acct.host.url)
+        self.plc.handles[acct.handle] = acct.did
 
     # -- event plumbing ----------------------------------------------------------------------
     def _queue(

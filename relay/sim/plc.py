@@ -1,4 +1,8 @@
-"""A PLC-directory stand-in: ``GET /{did}`` returns the DID document of any simulated account."""
+"""A PLC-directory stand-in: ``GET /{did}`` returns the DID document of any simulated account.
+
+It also answers ``/xrpc/com.atproto.identity.resolveHandle?handle=…`` for the simulated handles,
+so a relay can verify handles without DNS (``--handle-resolver-url`` = the PLC URL).
+"""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ class SimPLC:
 
     def __init__(self) -> None:
         self.docs: dict[str, dict[str, Any]] = {}
+        self.handles: dict[str, str] = {}
         self.requests = 0
         self._server: Server | None = None
         self.url = ""
@@ -35,7 +40,12 @@ class SimPLC:
 
     def _http(self, connection: ServerConnection, request: Request) -> Response:
         self.requests += 1
-        path, _ = split_request(request)
+        path, params = split_request(request)
+        if path == "/xrpc/com.atproto.identity.resolveHandle":
+            found = self.handles.get(params.get("handle", "").lower())
+            if found is None:
+                return xrpc_error(400, "HandleNotFound", "unknown handle")
+            return json_response({"did": found})
         did = path.lstrip("/")
         if did.endswith("/data"):
             did = did[: -len("/data")]

@@ -135,3 +135,13 @@ def test_unknown_fault_kind_is_refused() -> None:
     with pytest.raises(ValueError):
         fleet.hosts[0].set_fault("slow", 1.5)
     assert SigningKey  # imported for type clarity
+
+
+async def test_plc_resolves_simulated_handles() -> None:
+    async with SimFleet(SimConfig(hosts=1, accounts_per_host=2, seed=12)) as fleet:
+        acct = fleet.accounts[1]
+        async with httpx.AsyncClient(base_url=fleet.plc_url) as http:
+            r = await http.get("/xrpc/com.atproto.identity.resolveHandle", params={"handle": acct.handle})
+            assert r.json() == {"did": acct.did}
+            r = await http.get("/xrpc/com.atproto.identity.resolveHandle", params={"handle": "nobody.sim.test"})
+            assert r.status_code == 400

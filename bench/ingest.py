@@ -1,0 +1,133 @@
+"""Ingest: highest sustained rate of fully verified commits through the whole relay.
+
+Simulator (this process, frames pre-generated) → ``relay serve`` (child process, SQLite by
+default, ``--db postgres`` for PostgreSQL) → one consumer (this process). All pre-generated
+commits are released at once; the relay pulls them as fast as it can verify, sequence, persist
+and broadcast them. The sustained rate is measured between 10 % and 90 % of the delivered
+commits; CPU is read from ``/proc`` for the relay's main process and its validation workers.
+
+    .venv/bin/python bench/ingest.py [--quick] [--commits N] [--db sqlite|postgres]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench._common import (  # noqa: E402
+    PG_DSN,
+    CountingConsumer,
+    cpu_seconds,
+    metric_sum,
+    note,
+    relay,
+    result,
+    self_cpu,
+    wait_until,
+)
+from relay.sim import SimConfig, SimFleet  # noqa: E402
+
+
+async def run_ingest(*, hosts: int, accounts: int, commits: int, db: str, prefix: str = "ingest",
+                     workers: int | None = None, fleet_config: SimConfig | None = None) -> dict[str, float]:
+    """One ingest measurement; returns the figures (also printed as RESULT lines)."""
+    cfg = fleet_config or SimConfig(hosts=hosts, accounts_per_host=accounts, seed=1)
+    fleet = SimFleet(cfg)
+    t = time.perf_counter()
+    await fleet.start()
+    n_accounts = len(fleet.accounts)
+    note(f"{prefix}: fleet of {hosts} hosts x {accounts} accounts up in {time.perf_counter() - t:.1f}s")
+    t = time.perf_counter()
+    fleet.prepare(commits)
+    gen = time.perf_counter() - t
+    note(f"{prefix}: pre-generated {commits} commits in {gen:.1f}s ({commits / gen:.0f}/s)")
+    out: dict[str, float] = {"sim_pregen_commits_per_s": commits / gen}
+    database_url = None
+    if db == "postgres":
+        schema = f"bench_{prefix}_{int(time.time())}"
+        database_url = f"{PG_DSN}?schema={schema}"
+    extra = [] if workers is None else ["--validation-workers", str(workers)]
+    try:
+        async with relay(fleet.plc_url, database_url=database_url, extra=extra) as r:
+            consumer = CountingConsumer(r.ws_url).start()
+            await asyncio.wait_for(consumer.connected.wait(), 30)
+            await r.crawl([h.hostname for h in fleet.hosts])
+            announced = cfg.announce_accounts
+            if announced:
+                ok = await wait_until(lambda: consumer.commits >= n_accounts, 60 + n_accounts / 200)
+                note(f"{prefix}: announcements delivered={consumer.commits}/{n_accounts} ok={ok}")
+            else:
+                await asyncio.sleep(1.0)
+            base = consumer.commits
+            expected = sum(1 for tr in fleet.ground_truth[-fleet.pending:] if tr.kind == "#commit"
+                           and tr.verdict == "accept") if fleet.pending else 0
+            samples: list[tuple[float, int, float, float]] = []
+            main_pid = r.proc.pid
+            pids = r.refresh_pids()
+            workers_pids = [p for p in pids if p != main_pid]
+            cpu_main0, cpu_workers0, sim0 = cpu_seconds([main_pid]), cpu_seconds(workers_pids), self_cpu()
+            t0 = time.time()
+            await fleet.release(None)
+            last_progress = time.monotonic()
+            last_n = 0
+            while True:
+                await asyncio.sleep(0.25)
+                n = consumer.commits - base
+                samples.append((time.time(), n, r.cpu(), self_cpu()))
+                if n != last_n:
+                    last_n, last_progress = n, time.monotonic()
+                if n >= expected or time.monotonic() - last_progress > 20:
+                    break
+            t_end = consumer.last_at
+            cpu_main = cpu_seconds([main_pid]) - cpu_main0
+            cpu_workers = cpu_seconds(workers_pids) - cpu_workers0
+            sim_cpu = self_cpu() - sim0
+            delivered = consumer.commits - base
+            metrics = await r.metrics()
+            await consumer.stop()
+    finally:
+        await fleet.stop()
+    wall = max(1e-9, t_end - t0)
+    lo = next((s for s in samples if s[1] >= 0.1 * delivered), samples[0])
+    hi = next((s for s in samples if s[1] >= 0.9 * delivered), samples[-1])
+    steady = (hi[1] - lo[1]) / max(1e-9, hi[0] - lo[0])
+    steady_cpu = (hi[2] - lo[2]) / max(1e-9, hi[0] - lo[0])
+    out.update({
+        "commits_expected": expected,
+        "commits_delivered": delivered,
+        "commits_per_s": steady,
+        "commits_per_s_overall": delivered / wall,
+        "relay_cpu_cores": steady_cpu,
+        "relay_cpu_ms_per_commit": 1000 * (cpu_main + cpu_workers) / max(1, delivered),
+        "relay_cpu_main_s": cpu_main,
+        "relay_cpu_workers_s": cpu_workers,
+        "sim_and_consumer_cpu_s": sim_cpu,
+        "seconds": wall,
+        "rejects": metric_sum(metrics, "relay_verdicts_total", kind="reject"),
+    })
+    for k, v in out.items():
+        result(f"{prefix}_{k}", v)
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--commits", type=int, default=None)
+    p.add_argument("--hosts", type=int, default=4)
+    p.add_argument("--accounts", type=int, default=250, help="accounts per host")
+    p.add_argument("--db", choices=["sqlite", "postgres"], default="sqlite")
+    p.add_argument("--workers", type=int, default=None, help="relay --validation-workers")
+    a = p.parse_args()
+    commits = a.commits or (12_000 if a.quick else 60_000)
+    asyncio.run(run_ingest(hosts=a.hosts, accounts=a.accounts, commits=commits, db=a.db, workers=a.workers))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
