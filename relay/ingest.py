@@ -151,12 +151,12 @@ class Ingest:
         run = self._runs.pop(hostname, None)
         if run is None:
             return
-        await run.subscriber.stop()
-        run.task.cancel()
-        try:
-            await run.task
-        except (asyncio.CancelledError, Exception):
+        try:  # a polite close; a host that does not answer the close handshake is cut off
+            await asyncio.wait_for(run.subscriber.stop(), 1.0)
+        except (TimeoutError, Exception):
             pass
+        run.task.cancel()
+        await asyncio.wait([run.task], timeout=1.0)
 
     async def start_all(self) -> None:
         """Resume every non-banned host from its persisted cursor."""
@@ -172,8 +172,7 @@ class Ingest:
 
     async def close(self) -> None:
         self._closed = True
-        for hostname in list(self._runs):
-            await self.stop_host(hostname)
+        await asyncio.gather(*(self.stop_host(h) for h in list(self._runs)), return_exceptions=True)
         for task in list(self._drainers.values()) + list(self._acks):
             task.cancel()
 

@@ -53,3 +53,38 @@ async def test_valid_events_exactly_once_invalid_absent(relay_factory, database_
                 assert [e.seq for e in again.events[:len(tail)]] == [e.seq for e in tail]
     finally:
         await fleet.stop()
+
+
+async def test_desynchronized_account_is_resynced(relay_factory) -> None:  # type: ignore[no-untyped-def]
+    fleet = SimFleet(SimConfig(hosts=1, accounts_per_host=3, seed=3))
+    await fleet.start()
+    try:
+        async with relay_factory(**_relay_settings(fleet)) as relay:
+            async with Consumer(relay.ws_url, cursor=0) as consumer:
+                await crawl(relay.url, fleet.hosts[0].hostname)
+                await fleet.generate(6)
+                valid = [t for t in fleet.ground_truth if t.verdict == "accept"]
+                await consumer.wait_for(lambda evs: len(evs) >= len(valid))
+                fleet.hosts[0].set_fault("broken_chain", 1.0)
+                truth = await fleet.generate(1)
+                fleet.hosts[0].set_fault("broken_chain", 0.0)
+                desynced = [t for t in truth if t.verdict == "desync"]
+                assert desynced, truth
+                did = desynced[0].did
+                await consumer.wait_for(lambda evs: any(e.t == "#sync" and e.did == did for e in evs))
+                sync = next(e for e in consumer.events if e.t == "#sync" and e.did == did)
+                account = fleet.by_did[did]
+                assert sync.rev == account.repo.rev
+                async with httpx.AsyncClient(base_url=relay.url) as http:
+                    status = (await http.get("/xrpc/com.atproto.sync.getRepoStatus", params={"did": did})).json()
+                    assert status == {"did": did, "active": True, "rev": account.repo.rev}
+                    text = (await http.get("/metrics")).text
+                assert metric_value(text, "relay_verdicts_total", kind="desync") >= 1
+                assert metric_value(text, "relay_resyncs_total", result="ok") >= 1
+                # the account keeps streaming normally after the repair
+                before = len(consumer.events)
+                await fleet.generate(5)
+                await consumer.wait_for(lambda evs: len(evs) >= before + 5)
+                check_stream(consumer.events)
+    finally:
+        await fleet.stop()
