@@ -34,6 +34,11 @@ def result(name: str, value: float | int | str) -> None:
     print(f"RESULT {name}={value}", flush=True)
 
 
+def load_average() -> float:
+    """1-minute load average (the machine is shared; figures depend on it)."""
+    return os.getloadavg()[0]
+
+
 def note(msg: str) -> None:
     print(f"# {msg}", file=sys.stderr, flush=True)
 

@@ -23,6 +23,7 @@ from bench._common import (  # noqa: E402
     PG_DSN,
     CountingConsumer,
     cpu_seconds,
+    load_average,
     metric_sum,
     note,
     relay,
@@ -109,6 +110,7 @@ async def run_ingest(*, hosts: int, accounts: int, commits: int, db: str, prefix
         "sim_and_consumer_cpu_s": sim_cpu,
         "seconds": wall,
         "rejects": metric_sum(metrics, "relay_verdicts_total", kind="reject"),
+        "load_average": load_average(),
     })
     for k, v in out.items():
         result(f"{prefix}_{k}", v)

@@ -1,0 +1,88 @@
+"""A minimal, cheap WebSocket *receiver* for benchmarks (many consumers in one process).
+
+Only what a firehose consumer needs: the client handshake, then unmasked server frames parsed
+straight from the TCP stream (no per-message objects beyond the payload). Control frames are
+skipped; a close frame ends the stream. This keeps the consumers' own CPU small so the figures
+describe the server, not the load generator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+import time
+from collections.abc import Callable
+from urllib.parse import urlsplit
+
+
+async def subscribe(url: str, on_message: Callable[[bytes, float], None], *,
+                    stop: asyncio.Event, connected: Callable[[], None] | None = None,
+                    read_size: int = 1 << 16, stall: bool = False) -> str:
+    """Receive messages from ``url`` until ``stop`` is set or the server closes; returns why it ended."""
+    parts = urlsplit(url)
+    host, port = parts.hostname or "127.0.0.1", parts.port or 80
+    path = parts.path + (f"?{parts.query}" if parts.query else "")
+    reader, writer = await asyncio.open_connection(host, port, limit=1 << 22)
+    key = base64.b64encode(os.urandom(16)).decode()
+    writer.write((f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\n"
+                  f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n").encode())
+    head = await reader.readuntil(b"\r\n\r\n")
+    if b" 101 " not in head.split(b"\r\n", 1)[0]:
+        writer.close()
+        return "handshake_failed"
+    if connected:
+        connected()
+    if stall:
+        writer.transport.pause_reading()
+        await stop.wait()
+        writer.transport.abort()
+        return "stopped"
+    buf = b""
+    frag: list[bytes] = []
+    stop_task = asyncio.ensure_future(stop.wait())
+    try:
+        while True:
+            read = asyncio.ensure_future(reader.read(read_size))
+            done, _ = await asyncio.wait((read, stop_task), return_when=asyncio.FIRST_COMPLETED)
+            if read not in done:
+                read.cancel()
+                return "stopped"
+            chunk = read.result()
+            if not chunk:
+                return "eof"
+            now = time.time()
+            buf = buf + chunk if buf else chunk
+            pos = 0
+            n = len(buf)
+            while n - pos >= 2:
+                b0, b1 = buf[pos], buf[pos + 1]
+                length = b1 & 0x7F
+                hdr = 2
+                if length == 126:
+                    if n - pos < 4:
+                        break
+                    length = int.from_bytes(buf[pos + 2:pos + 4], "big")
+                    hdr = 4
+                elif length == 127:
+                    if n - pos < 10:
+                        break
+                    length = int.from_bytes(buf[pos + 2:pos + 10], "big")
+                    hdr = 10
+                if n - pos < hdr + length:
+                    break
+                opcode = b0 & 0x0F
+                payload = buf[pos + hdr:pos + hdr + length]
+                pos += hdr + length
+                if opcode == 8:
+                    return "closed:" + str(int.from_bytes(payload[:2], "big") if len(payload) >= 2 else 0)
+                if opcode in (1, 2, 0):
+                    frag.append(payload)
+                    if b0 & 0x80:
+                        msg = frag[0] if len(frag) == 1 else b"".join(frag)
+                        frag = []
+                        on_message(msg, now)
+            buf = buf[pos:]
+    finally:
+        stop_task.cancel()
+        writer.transport.abort()
