@@ -16,7 +16,7 @@ import zlib
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from spark.config import JobConfig
 from spark.db import connect_db
@@ -107,10 +107,3 @@ def batched(items: Iterable[T], size: int) -> Iterator[list[T]]:
             batch = []
     if batch:
         yield batch
-
-
-def summarize(pairs: Iterable[tuple[str, Any]]) -> dict[str, int]:
-    out: dict[str, int] = defaultdict(int)
-    for key, _ in pairs:
-        out[key] += 1
-    return dict(out)

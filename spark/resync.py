@@ -17,6 +17,7 @@ finds them ``ok`` and writes nothing to the accounts or the outbox.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -80,6 +81,11 @@ def resync_partition(cfg: JobConfig, accounts: Iterable[StoredAccount]) -> Itera
                 yield row.outcome, row.reason or ""
 
 
+def count_outcomes(pairs: Iterable[tuple[str, str]]) -> dict[str, int]:
+    """``outcome`` or ``outcome:reason`` → count."""
+    return dict(Counter(f"{o}:{r}" if r else o for o, r in pairs))
+
+
 def run_resync(spark: SparkSession, cfg: JobConfig, flt: AccountFilter) -> dict[str, Any]:
     """Driver side: select, distribute, verify, repair; returns the run's summary."""
     sc = spark.sparkContext
@@ -89,13 +95,14 @@ def run_resync(spark: SparkSession, cfg: JobConfig, flt: AccountFilter) -> dict[
         start_run(db, cfg.run_id, JOB, {"filter": repr(flt)})
     accounts, selected = read_accounts_rdd(sc, cfg, flt, parts)
     sc.setJobDescription(f"resync {cfg.run_id}: {selected} repositories")
-    outcomes = (
+    per_task = (
         by_host_shard(accounts, cfg, work_partitions(parts, selected))
-        .mapPartitions(lambda it: resync_partition(cfg, it))
-        .map(lambda pair: (f"{pair[0]}:{pair[1]}" if pair[1] else pair[0], 1))
-        .reduceByKey(lambda a, b: a + b)
-        .collectAsMap()
+        .mapPartitions(lambda it: [count_outcomes(resync_partition(cfg, it))])
+        .collect()  # one small dict per task: no second shuffle
     )
+    outcomes: Counter[str] = Counter()
+    for counts in per_task:
+        outcomes.update(counts)
     with connect_db(cfg.db_url) as db:
         totals = result_counts(db, cfg.run_id)
         summary = {
