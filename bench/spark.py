@@ -1,6 +1,6 @@
 """Benchmark of the Spark jobs in ``local[2]`` against the PDS-fleet simulator.
 
-    .venv/bin/python bench/spark.py [--hosts 4] [--accounts 25] [--records 100] [--read-rows 200000]
+    .venv/bin/python bench/spark.py [--hosts 4] [--accounts 100] [--records 25] [--read-rows 200000]
 
 Prints ``RESULT <name>=<value>`` lines:
 
@@ -137,8 +137,8 @@ def measure_reads(spark: Any, url: str, parts: int) -> tuple[float, float, int]:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--hosts", type=int, default=4)
-    parser.add_argument("--accounts", type=int, default=25, help="accounts per host")
-    parser.add_argument("--records", type=int, default=100, help="records per repository")
+    parser.add_argument("--accounts", type=int, default=100, help="accounts per host")
+    parser.add_argument("--records", type=int, default=25, help="records per repository")
     parser.add_argument("--read-rows", type=int, default=200_000)
     args = parser.parse_args()
 
