@@ -89,6 +89,7 @@ async def run_ingest(*, hosts: int, accounts: int, commits: int, db: str, prefix
             cpu_workers = cpu_seconds(workers_pids) - cpu_workers0
             sim_cpu = self_cpu() - sim0
             delivered = consumer.commits - base
+            rss = r.rss()
             metrics = await r.metrics()
             await consumer.stop()
     finally:
@@ -109,6 +110,7 @@ async def run_ingest(*, hosts: int, accounts: int, commits: int, db: str, prefix
         "relay_cpu_workers_s": cpu_workers,
         "sim_and_consumer_cpu_s": sim_cpu,
         "seconds": wall,
+        "relay_rss_mb": rss / 1e6,
         "rejects": metric_sum(metrics, "relay_verdicts_total", kind="reject"),
         "load_average": load_average(),
     })

@@ -1,0 +1,52 @@
+"""Growth: ingest rate and relay RSS as the number of accounts grows (1k, 10k, 100k).
+
+Each size runs ``bench/ingest.py``'s measurement on a fresh relay (SQLite) with a fleet of that
+many accounts (no start-up announcements, so most first commits are also the relay's first sight
+of the account: identity resolution and a new account row are part of the cost).
+
+    .venv/bin/python bench/growth.py [--quick] [--sizes 1000,10000,100000] [--commits N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench._common import note, result  # noqa: E402
+from bench.ingest import run_ingest  # noqa: E402
+from relay.sim import SimConfig  # noqa: E402
+
+
+async def run(sizes: list[int], commits: int) -> None:
+    figures = {}
+    for n in sizes:
+        hosts = 4
+        cfg = SimConfig(hosts=hosts, accounts_per_host=n // hosts, seed=3, announce_accounts=False)
+        note(f"growth: {n} accounts")
+        out = await run_ingest(hosts=hosts, accounts=n // hosts, commits=commits, db="sqlite",
+                               prefix=f"growth_{n}", fleet_config=cfg)
+        figures[n] = out
+    first = sizes[0]
+    for n in sizes[1:]:
+        result(f"growth_rate_ratio_{n}_vs_{first}", figures[n]["commits_per_s"] / figures[first]["commits_per_s"])
+        result(f"growth_rss_ratio_{n}_vs_{first}", figures[n]["relay_rss_mb"] / figures[first]["relay_rss_mb"])
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--sizes", default=None)
+    p.add_argument("--commits", type=int, default=None)
+    a = p.parse_args()
+    sizes = [int(x) for x in (a.sizes or ("1000,10000" if a.quick else "1000,10000,100000")).split(",")]
+    commits = a.commits or (4000 if a.quick else 20_000)
+    asyncio.run(run(sizes, commits))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
