@@ -37,7 +37,8 @@ def _iso(ts: float) -> str:
 
 
 def event_for(row: dict[str, Any], now: float) -> PendingEvent | None:
-    """The event for one outbox row (None when the account has vanished from the relay).
+    """The event for one outbox row (None when the account has vanished from the relay, or for
+    a ``#sync`` of an account that is not active by now: the row is then consumed without seq).
 
     The job has already written the account's state, so the event carries no ``account`` (the
     sequencer must not overwrite a newer state with this snapshot) and no ``rev`` (the
@@ -46,6 +47,8 @@ def event_for(row: dict[str, Any], now: float) -> PendingEvent | None:
     if row.get("upstream_status") is None:
         return None
     if row["kind"] == "#sync":
+        if row["upstream_status"] != "active" or row["local_status"] != "active":
+            return None  # an inactive account's commits are not redistributed (nor its #sync)
         body = {"did": row["did"], "blocks": bytes(row["blocks"]), "rev": row["rev"], "time": _iso(now)}
         return PendingEvent(kind="#sync", did=row["did"], body=body)
     active, status = bool(row["active"]), row["status"]

@@ -122,3 +122,22 @@ def test_db_url_helpers() -> None:
     assert split_schema("postgresql://u@h:5432/db?schema=s1&sslmode=disable") == (
         "postgresql://u@h:5432/db?sslmode=disable", "s1")
     assert split_schema("postgresql://u@h/db") == ("postgresql://u@h/db", None)
+
+
+def test_outbox_events_respect_account_status() -> None:
+    from spark.outbox import event_for
+
+    sync = {"kind": "#sync", "did": "did:plc:x", "rev": "3k2", "blocks": b"car", "active": None, "status": None,
+            "upstream_status": "active", "local_status": "active"}
+    event = event_for(sync, 0.0)
+    assert event is not None and event.kind == "#sync" and event.rev is None and event.account is None
+    assert event.body["rev"] == "3k2" and event.body["blocks"] == b"car" and event.body["time"].endswith("Z")
+    assert event_for({**sync, "upstream_status": "deactivated"}, 0.0) is None
+    assert event_for({**sync, "local_status": "takendown"}, 0.0) is None
+    assert event_for({**sync, "upstream_status": None}, 0.0) is None  # account vanished
+    account = {**sync, "kind": "#account", "active": False, "status": "suspended", "blocks": None}
+    assert event_for(account, 0.0).body == {"did": "did:plc:x", "time": "1970-01-01T00:00:00.000Z",
+                                            "active": False, "status": "suspended"}
+    # an operator takedown outranks a host saying "active"
+    reactivated = {**account, "active": True, "status": None, "local_status": "takendown"}
+    assert event_for(reactivated, 0.0).body["status"] == "takendown"
