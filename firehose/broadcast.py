@@ -196,6 +196,13 @@ class ConsumerSession:
         while True:
             events = await b.store.read_after(last, limit)
             read_limit = limit
+            if events and last > 0 and events[0].seq > last + 1:
+                # Did retention trim the window past this (slow) consumer? Say so, never a
+                # silent gap: the same #info a too-old cursor gets at connection time.
+                oldest = await b.store.oldest_seq()
+                if oldest is not None and oldest > last + 1:
+                    b.stats.outdated_cursor += 1
+                    yield encode_info_frame(OUTDATED_CURSOR, "events were trimmed while replaying")
             if events:  # keep one batch near ``replay_bytes`` whatever the frame sizes
                 avg = max(1, sum(len(e.frame) for e in events) // len(events))
                 limit = max(1, min(b.replay_batch, b.replay_bytes // avg))

@@ -221,3 +221,24 @@ async def test_handoff_over_redis_bus(ingest: Ingest, redis_url: str) -> None:
         await publisher.redis.delete(stream)
         await publisher.close()
         await follower.close()
+
+
+async def test_window_trimmed_under_a_slow_replay_is_announced(ingest: Ingest) -> None:
+    old = time.time() - 3600
+    await ingest.add(40, when=old)
+    await ingest.add(10)
+    b = Broadcaster(ingest.store, ingest.bus, replay_batch=5)
+    await b.start()
+    try:
+        frames = b.session(0).frames()
+        first = [decode_frame(await anext(frames)).body["seq"] for _ in range(5)]
+        assert first == [1, 2, 3, 4, 5]
+        assert await ingest.store.trim(older_than_seconds=60) == 40  # the window moves on
+        rest = []
+        while len(rest) < 11:
+            f = decode_frame(await asyncio.wait_for(anext(frames), 5))
+            rest.append(("info", f.body["name"]) if f.t == "#info" else f.body["seq"])
+        assert rest == [("info", "OutdatedCursor"), *range(41, 51)]
+        await frames.aclose()
+    finally:
+        await b.close()
