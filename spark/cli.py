@@ -235,6 +235,12 @@ def main(argv: list[str] | None = None, default_master: str | None = "local[*]")
     bad = [item for item in args.conf if "=" not in item]
     if bad:
         parser.error(f"--conf needs KEY=VALUE, got {bad[0]!r}")
+    try:
+        import pyspark  # noqa: F401
+    except ImportError:
+        print("relay spark: PySpark is not installed; install the extra: pip install -e '.[spark]'",
+              file=sys.stderr)
+        return 2
     summary = run(args)
     if args.json:
         print(json.dumps(summary, indent=2, sort_keys=True))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from typing import Any
 
 from spark.db import connect_db
@@ -64,12 +65,18 @@ def test_reconcile_finds_status_head_and_unknown_divergences(spark_session: Any,
     assert results[unknown.did] == "added"
     assert results[foreign.did] == "not_added" and foreign.did not in rows
 
-    # a second pass changes nothing
+    # a second pass changes nothing; a host that cannot be listed is reported, not fatal
     before = _snapshot(relay_db)
-    again = run_reconcile(spark_session, job_config(relay_db, fleet))
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{probe.getsockname()[1]}"
+    again = run_reconcile(spark_session, job_config(relay_db, fleet), sorted(hosts) + [dead])
     assert _snapshot(relay_db) == before
+    assert again["hosts"][dead] == {"host_failed:connect_error": 1}
     totals2: dict[str, int] = {}
-    for counts in again["hosts"].values():
+    for host, counts in again["hosts"].items():
+        if host == dead:
+            continue
         for outcome, n in counts.items():
             totals2[outcome] = totals2.get(outcome, 0) + n
     # the added account has no state yet and the moved-on one is still behind: both stay flagged
