@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from mst import cbor
-from mst.cid import CID, DAG_CBOR_PREFIX, RAW_PREFIX
+from mst.cid import CID, DAG_CBOR_PREFIX, RAW_PREFIX, SMALL_HASH_BYTES, sha256_small
 from mst.errors import CARError, CBORError
 
 __all__ = [
@@ -121,6 +121,9 @@ def read_car(
     blocks: dict[CID, bytes] = {}
     count = 0
     sha = _sha256
+    small = sha256_small
+    dag = DAG_CBOR_PREFIX
+    raw = RAW_PREFIX
     while pos < end:
         b0 = data[pos]
         if b0 < 0x80:
@@ -134,19 +137,21 @@ def read_car(
         sec_end = pos + slen
         if sec_end > end:
             raise CARError("car_truncated", "block section past end of data")
-        prefix = data[pos : pos + 4]
-        if slen < 36 or (prefix != DAG_CBOR_PREFIX and prefix != RAW_PREFIX):
-            raise CARError("car_cid_invalid", "block CID is not CIDv1 dag-cbor/raw sha-256")
         cid_end = pos + 36
-        if sec_end - cid_end > max_block_bytes:
-            raise CARError("car_block_too_large", f"block of {sec_end - cid_end} bytes")
+        cid_bytes = data[pos:cid_end]
+        prefix = cid_bytes[:4]
+        if slen < 36 or (prefix != dag and prefix != raw):
+            raise CARError("car_cid_invalid", "block CID is not CIDv1 dag-cbor/raw sha-256")
+        size = sec_end - cid_end
+        if size > max_block_bytes:
+            raise CARError("car_block_too_large", f"block of {size} bytes")
         count += 1
         if count > max_blocks:
             raise CARError("car_too_many_blocks", f"more than {max_blocks} blocks")
         block = data[cid_end:sec_end]
-        if sha(block).digest() != data[pos + 4 : cid_end]:
+        if prefix + (small(block) if size < SMALL_HASH_BYTES else sha(block)).digest() != cid_bytes:
             raise CARError("car_hash_mismatch", "block does not hash to its CID")
-        blocks[CID(data[pos:cid_end])] = block
+        blocks[CID(cid_bytes)] = block
         pos = sec_end
     return Car(roots=roots, blocks=blocks)
 

@@ -16,14 +16,13 @@ loaded node keeps the CID it was loaded by.
 
 from __future__ import annotations
 
-import hashlib
 import re
 from bisect import bisect_left
 from collections.abc import Iterator, Mapping
 from typing import Union
 
 from mst import cbor
-from mst.cid import CID, DAG_CBOR_PREFIX, RAW_PREFIX, cid_for_cbor
+from mst.cid import CID, DAG_CBOR_PREFIX, RAW_PREFIX, cid_for_cbor, sha256_digest
 from mst.errors import CBORError, MissingBlockError, MSTError
 
 __all__ = [
@@ -39,7 +38,6 @@ Sub = Union["Node", CID, None]
 
 MAX_KEY_BYTES = 1024
 _MST_KEY_RE = re.compile(rb"[a-zA-Z0-9_~:.\-]+/[a-zA-Z0-9_~:.\-]+")
-_sha256 = hashlib.sha256
 # height of recently seen *valid* keys (validity + height in one lookup); bounded, cleared when full
 _HEIGHTS: dict[bytes, int] = {}
 _HEIGHTS_MAX = 200_000
@@ -47,7 +45,7 @@ _HEIGHTS_MAX = 200_000
 
 def key_height(key: bytes) -> int:
     """Layer of a key: leading zero bits of SHA-256(key), counted in 2-bit steps."""
-    digest = _sha256(key).digest()
+    digest = sha256_digest(key)
     n = int.from_bytes(digest[:8], "big")
     if n:
         return (64 - n.bit_length()) >> 1
