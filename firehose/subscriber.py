@@ -33,7 +33,7 @@ from urllib.parse import urlsplit
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
-from firehose.frames import MAX_FRAME_BYTES, Frame, FrameError, decode_frame
+from firehose.frames import Frame, FrameError, decode_frame
 from firehose.ratelimit import RateLimiter
 from firehose.reasons import Reason
 
@@ -53,6 +53,11 @@ class SubscriberConfig:
     #: (events, window seconds) buckets; all must have a token.
     rate_limits: list[tuple[float, float]] = field(default_factory=lambda: [(50.0, 1.0), (2500.0, 3600.0)])
     max_backwards: int = 10
+    #: Transport cap on one WebSocket message. Frames above the protocol's 5 MB but below this
+    #: are still delivered, so validation rejects them with ``frame_too_large`` and the cursor
+    #: moves past them; a message above it fails the connection (close 1009) and, if that
+    #: happens twice at the same cursor, the cursor is reset instead of retrying forever.
+    max_message_bytes: int = 16_000_000
 
 
     @classmethod
@@ -123,6 +128,7 @@ class HostSubscriber:
         self._stopping = asyncio.Event()
         self._ws: ClientConnection | None = None
         self.connected = asyncio.Event()
+        self._oversize_at: int | None = None  # cursor at which a message over the cap failed us
 
     # -- cursor
     @property
@@ -171,9 +177,18 @@ class HostSubscriber:
                     await self._reset(r.reason)
                     reset_now = True
             except (OSError, ConnectionClosed, InvalidHandshake, InvalidStatus, TimeoutError) as exc:
-                self.counters[Reason.CONNECTION_FAILED.value] += 1
-                log.info("upstream connection ended", extra={"host": self.host, "error": type(exc).__name__})
                 reset_now = False
+                if isinstance(exc, ConnectionClosed) and exc.sent is not None and exc.sent.code == 1009:
+                    self.counters[Reason.FRAME_TOO_LARGE.value] += 1
+                    if self._oversize_at is not None and self._oversize_at == self._acked:
+                        self._oversize_at = None
+                        await self._reset(Reason.FRAME_TOO_LARGE)
+                        reset_now = True
+                    else:
+                        self._oversize_at = self._acked
+                else:
+                    self.counters[Reason.CONNECTION_FAILED.value] += 1
+                log.info("upstream connection ended", extra={"host": self.host, "error": type(exc).__name__})
             if self._stopping.is_set():
                 return
             if reset_now:
@@ -194,7 +209,7 @@ class HostSubscriber:
             ping_timeout=self.config.ping_timeout,
             open_timeout=self.config.open_timeout,
             close_timeout=self.config.close_timeout,
-            max_size=MAX_FRAME_BYTES,
+            max_size=self.config.max_message_bytes,
             compression=None,
         ) as ws:
             self._ws = ws
@@ -208,7 +223,7 @@ class HostSubscriber:
                         self.counters[Reason.BAD_HEADER_CBOR.value] += 1
                         return delivered
                     try:
-                        frame = decode_frame(raw)
+                        frame = decode_frame(raw, max_bytes=self.config.max_message_bytes)
                     except FrameError as exc:  # hard error: drop the connection
                         self.counters[exc.reason] += 1
                         return delivered

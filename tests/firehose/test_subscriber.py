@@ -256,3 +256,45 @@ async def test_future_cursor_without_a_cursor_backs_off_instead_of_spinning() ->
         await asyncio.wait_for(task, 5)
     assert 1 <= len(upstream.cursors) <= 4  # backed off (~0.1-0.2 s apart), not a tight loop
     assert sub.resets == 0 and sub.counters[Reason.FUTURE_CURSOR] >= 1
+
+
+async def test_frame_over_5mb_is_delivered_for_a_typed_rejection() -> None:
+    from firehose.validate import validate_frame
+
+    got: list[UpstreamFrame] = []
+    big = encode_frame("#commit", {"seq": 2, "repo": "did:plc:abc", "blocks": b"\x00" * 5_100_000})
+
+    async def keep(f: UpstreamFrame) -> None:
+        got.append(f)
+
+    async with Upstream([sends(msg(1), big, msg(3))]) as url:
+        sub = HostSubscriber(url, keep, config=fast_config())
+        await run_until(sub, lambda: len(got) == 3, timeout=20)
+    assert [f.seq for f in got] == [1, 2, 3]  # the stream goes on past it
+    v = validate_frame(got[1].raw, None, None, 0.0)
+    assert (v.kind, v.reason) == ("reject", Reason.FRAME_TOO_LARGE)
+
+
+async def test_message_over_the_transport_cap_resets_instead_of_looping() -> None:
+    got: list[int] = []
+    resets: list[tuple[int | None, str]] = []
+    huge = encode_frame("#identity", {"seq": 3, "did": "did:plc:abc", "pad": b"\x00" * 300_000})
+
+    async def looping(conn: ServerConnection, cursor: int | None) -> None:
+        for seq, f in ((1, msg(1)), (2, msg(2)), (3, huge), (9, msg(9))):
+            if cursor is None or seq >= cursor:  # an inclusive replay from the cursor
+                await conn.send(f)
+        await conn.wait_closed()
+    upstream = Upstream([looping, looping, sends(msg(4), msg(5))])
+
+    async def on_frame(f: UpstreamFrame) -> None:
+        got.append(f.seq)
+        sub.ack(f.seq)
+
+    async with upstream as url:
+        sub = HostSubscriber(url, on_frame, config=fast_config(max_message_bytes=100_000),
+                             on_cursor_reset=lambda old, reason: resets.append((old, reason)))
+        await run_until(sub, lambda: got[-1:] == [5], timeout=20)
+    assert got == [1, 2, 4, 5]  # 2 re-sent on the 2nd connection is skipped as already acked
+    assert resets == [(2, "frame_too_large")] and upstream.cursors == [None, 2, None]
+    assert sub.counters[Reason.FRAME_TOO_LARGE] == 3  # two failed connections + the reset
