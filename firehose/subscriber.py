@@ -17,7 +17,10 @@ Contract:
   (``SubscriberConfig.for_host(per_second, per_hour, per_day)`` maps a host's stored limits).
 * Reconnects use capped exponential backoff with jitter; WebSocket pings keep the link alive.
 * Malformed frames drop the connection (event-stream spec: invalid framing is a hard error);
-  unknown ``op``/``t`` are skipped and counted; ``#info`` is counted and logged.
+  if the same unreadable frame fails the connection twice at the same cursor (a host replaying
+  a poison frame), the cursor is reset past it instead of retrying forever. Frames over 5 MB but
+  under ``max_message_bytes`` are delivered so validation rejects them (``frame_too_large``).
+  Unknown ``op``/``t`` are skipped and counted; ``#info`` is counted.
 """
 
 from __future__ import annotations
@@ -88,6 +91,13 @@ class _Reset(Exception):
         self.reason = reason
 
 
+class _Poison(Exception):
+    """A frame that fails the connection (undecodable, or over the transport cap)."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
 def stream_url(host: str, cursor: int | None) -> str:
     """``ws[s]://host/xrpc/com.atproto.sync.subscribeRepos[?cursor=N]`` from a hostname or URL."""
     if "://" not in host:
@@ -128,7 +138,7 @@ class HostSubscriber:
         self._stopping = asyncio.Event()
         self._ws: ClientConnection | None = None
         self.connected = asyncio.Event()
-        self._oversize_at: int | None = None  # cursor at which a message over the cap failed us
+        self._poison_at: int | None = None  # cursor at which an unreadable frame failed us
 
     # -- cursor
     @property
@@ -176,16 +186,13 @@ class HostSubscriber:
                 else:
                     await self._reset(r.reason)
                     reset_now = True
+            except _Poison as p:
+                reset_now = await self._poisoned(p.reason)
             except (OSError, ConnectionClosed, InvalidHandshake, InvalidStatus, TimeoutError) as exc:
                 reset_now = False
                 if isinstance(exc, ConnectionClosed) and exc.sent is not None and exc.sent.code == 1009:
                     self.counters[Reason.FRAME_TOO_LARGE.value] += 1
-                    if self._oversize_at is not None and self._oversize_at == self._acked:
-                        self._oversize_at = None
-                        await self._reset(Reason.FRAME_TOO_LARGE)
-                        reset_now = True
-                    else:
-                        self._oversize_at = self._acked
+                    reset_now = await self._poisoned(Reason.FRAME_TOO_LARGE.value)
                 else:
                     self.counters[Reason.CONNECTION_FAILED.value] += 1
                 log.info("upstream connection ended", extra={"host": self.host, "error": type(exc).__name__})
@@ -198,6 +205,17 @@ class HostSubscriber:
                 await asyncio.wait_for(self._stopping.wait(), self.backoff_delay(attempt))
             except TimeoutError:
                 pass
+
+    async def _poisoned(self, reason: str) -> bool:
+        """A frame we cannot read failed the connection. The first time, reconnect (it may have
+        been a transient corruption); the second time at the same cursor the host would replay
+        it forever, so reset the cursor past it. Returns True when the cursor was reset."""
+        if self._poison_at is not None and self._poison_at == self._acked:
+            self._poison_at = None
+            await self._reset(Reason(reason))
+            return True
+        self._poison_at = self._acked
+        return False
 
     async def _connect_once(self) -> int:
         asked = self._acked
@@ -221,12 +239,12 @@ class HostSubscriber:
                 async for raw in ws:
                     if isinstance(raw, str):
                         self.counters[Reason.BAD_HEADER_CBOR.value] += 1
-                        return delivered
+                        raise _Poison(Reason.BAD_HEADER_CBOR.value)
                     try:
                         frame = decode_frame(raw, max_bytes=self.config.max_message_bytes)
                     except FrameError as exc:  # hard error: drop the connection
                         self.counters[exc.reason] += 1
-                        return delivered
+                        raise _Poison(exc.reason) from None
                     ignored = frame.ignored_reason
                     if ignored is not None:
                         self.counters[ignored] += 1

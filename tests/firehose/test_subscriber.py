@@ -298,3 +298,27 @@ async def test_message_over_the_transport_cap_resets_instead_of_looping() -> Non
     assert got == [1, 2, 4, 5]  # 2 re-sent on the 2nd connection is skipped as already acked
     assert resets == [(2, "frame_too_large")] and upstream.cursors == [None, 2, None]
     assert sub.counters[Reason.FRAME_TOO_LARGE] == 3  # two failed connections + the reset
+
+
+async def test_a_replayed_poison_frame_resets_the_cursor() -> None:
+    got: list[int] = []
+    resets: list[tuple[int | None, str]] = []
+
+    async def poisoned(conn: ServerConnection, cursor: int | None) -> None:
+        for seq, f in ((1, msg(1)), (2, msg(2)), (3, b"\xff\x00garbage"), (9, msg(9))):
+            if cursor is None or seq >= cursor:
+                await conn.send(f)
+        await conn.wait_closed()
+
+    upstream = Upstream([poisoned, poisoned, sends(msg(4))])
+
+    async def on_frame(f: UpstreamFrame) -> None:
+        got.append(f.seq)
+        sub.ack(f.seq)
+
+    async with upstream as url:
+        sub = HostSubscriber(url, on_frame, config=fast_config(),
+                             on_cursor_reset=lambda old, reason: resets.append((old, reason)))
+        await run_until(sub, lambda: got[-1:] == [4], timeout=20)
+    assert got == [1, 2, 4]
+    assert resets == [(2, "bad_header_cbor")] and upstream.cursors == [None, 2, None]
