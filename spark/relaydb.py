@@ -54,19 +54,19 @@ class AccountFilter:
 
 def did_boundaries(db: JobDB, parts: int, flt: AccountFilter) -> list[tuple[str | None, str | None]]:
     """Split the selected accounts into ``parts`` contiguous DID ranges ``[lo, hi)`` of about equal
-    size (one indexed ``OFFSET`` probe per boundary), so executors read them in parallel."""
+    size (one ordered index scan picks every ``step``-th DID), so executors read them in parallel."""
     where, args = flt.where()
     total = int(db.fetchval(f"SELECT count(*) FROM accounts a WHERE {where}", *args) or 0)
     parts = max(1, min(parts, total))
+    step = -(-total // parts) if total else 1
     cuts: list[str] = []
-    for i in range(1, parts):
-        did = db.fetchval(
-            f"SELECT a.did FROM accounts a WHERE {where} ORDER BY a.did LIMIT 1 OFFSET ?",
-            *args,
-            (total * i) // parts,
+    if parts > 1:
+        rows = db.fetch(
+            "SELECT did FROM (SELECT a.did, row_number() OVER (ORDER BY a.did) AS rn "
+            f"FROM accounts a WHERE {where}) t WHERE (rn - 1) % ? = 0 AND rn > 1 ORDER BY did",
+            *args, step,
         )
-        if did is not None and (not cuts or did > cuts[-1]):
-            cuts.append(did)
+        cuts = [row["did"] for row in rows]
     bounds: list[str | None] = [None, *cuts, None]
     return list(zip(bounds[:-1], bounds[1:], strict=True))
 

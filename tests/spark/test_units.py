@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import time
+from pathlib import Path
 
 import pytest
 
@@ -141,3 +142,20 @@ def test_outbox_events_respect_account_status() -> None:
     # an operator takedown outranks a host saying "active"
     reactivated = {**account, "active": True, "status": None, "local_status": "takendown"}
     assert event_for(reactivated, 0.0).body["status"] == "takendown"
+
+
+def test_did_boundaries_split_evenly(tmp_path: Path) -> None:
+    from spark.db import connect_db
+    from spark.relaydb import AccountFilter, did_boundaries, read_accounts
+
+    with connect_db(str(tmp_path / "r.sqlite")) as db:
+        db.execute("CREATE TABLE accounts (did TEXT PRIMARY KEY, host TEXT, upstream_status TEXT DEFAULT 'active', "
+                   "local_status TEXT DEFAULT 'active', rev TEXT, commit_cid TEXT, data_cid TEXT, "
+                   "sync_state TEXT DEFAULT 'synced')")
+        db.executemany("INSERT INTO accounts (did, host) VALUES (?, ?)", [(f"did:plc:{i:05d}", "h") for i in range(103)])
+        for parts in (1, 2, 4, 7, 200):
+            bounds = did_boundaries(db, parts, AccountFilter())
+            assert len(bounds) == min(parts, 103)
+            sizes = [len(read_accounts(db, lo, hi, AccountFilter())) for lo, hi in bounds]
+            assert sum(sizes) == 103 and max(sizes) - min(sizes) <= max(sizes) // 2 + 1, (parts, sizes)
+        assert did_boundaries(db, 4, AccountFilter(hosts=("nowhere",))) == [(None, None)]
