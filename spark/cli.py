@@ -101,7 +101,7 @@ def package(out: str) -> Path:
 class Progress:
     """Redraws ``<job>: N/total repositories  ok=… repaired=… failed=…`` on stderr."""
 
-    def __init__(self, db_url: str, run_id: str, job: str, total: int | None, every: float = 1.0) -> None:
+    def __init__(self, db_url: str, run_id: str, job: str, total: int | None, every: float = 2.0) -> None:
         self.db_url, self.run_id, self.job, self.total, self.every = db_url, run_id, job, total, every
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self._loop, daemon=True, name="spark-progress")
