@@ -61,6 +61,10 @@ class SubscriberConfig:
     #: moves past them; a message above it fails the connection (close 1009) and, if that
     #: happens twice at the same cursor, the cursor is reset instead of retrying forever.
     max_message_bytes: int = 16_000_000
+    #: Decode with the full DRISL rules here too. Off by default: the subscriber only routes
+    #: frames, and validation decodes every frame strictly (a non-strict frame becomes a typed
+    #: per-frame rejection instead of a dropped connection), at a third of the parent's cost.
+    strict_decode: bool = False
 
 
     @classmethod
@@ -241,7 +245,9 @@ class HostSubscriber:
                         self.counters[Reason.BAD_HEADER_CBOR.value] += 1
                         raise _Poison(Reason.BAD_HEADER_CBOR.value)
                     try:
-                        frame = decode_frame(raw, max_bytes=self.config.max_message_bytes)
+                        frame = decode_frame(
+                            raw, max_bytes=self.config.max_message_bytes, strict=self.config.strict_decode
+                        )
                     except FrameError as exc:  # hard error: drop the connection
                         self.counters[exc.reason] += 1
                         raise _Poison(exc.reason) from None

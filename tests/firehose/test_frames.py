@@ -100,3 +100,17 @@ def test_fuzz_mutated_frames_only_typed_errors(data: st.DataObject) -> None:
         decode_frame(bytes(frame[:cut]))
     except FrameError as exc:
         assert exc.reason in ALL_REASONS
+
+
+def test_lenient_decode_leaves_drisl_extras_to_validation() -> None:
+    from cbrrr import CID
+
+    odd = CID(bytes.fromhex("01701220") + b"\x11" * 32)  # dag-pb codec: not a blessed atproto CID
+    data = encode_frame("#commit", {"seq": 1, "commit": odd})
+    with pytest.raises(FrameError) as err:
+        decode_frame(data)
+    assert err.value.reason == Reason.BAD_BODY_CBOR
+    assert decode_frame(data, strict=False).body["commit"] == odd
+    for bad in (b"\xff", bytes.fromhex("a2626f70016174622378") + b"\xa0", encode_frame("#x", {}) + b"\x00"):
+        with pytest.raises(FrameError):
+            decode_frame(bad, strict=False)  # still canonical DAG-CBOR only
