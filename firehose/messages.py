@@ -12,13 +12,31 @@ scenarios) may be absent or of any type.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 from firehose.frames import Frame
 from firehose.reasons import Reason
 from mst.cid import CID
 from mst.ops import RepoOp
-from mst.syntax import is_valid_datetime, is_valid_did, is_valid_handle, is_valid_repo_path, is_valid_tid
+from mst.syntax import (
+    is_valid_datetime,
+    is_valid_did,
+    is_valid_handle,
+    is_valid_nsid,
+    is_valid_record_key,
+    is_valid_tid,
+)
+
+# DIDs and collections repeat across events: memoise their (pure) syntax checks.
+_did_ok = lru_cache(maxsize=1 << 16)(is_valid_did)
+_collection_ok = lru_cache(maxsize=1 << 12)(is_valid_nsid)
+
+
+def _path_ok(path: str) -> bool:
+    collection, sep, rkey = path.partition("/")
+    return bool(sep) and _collection_ok(collection) and is_valid_record_key(rkey)
+
 
 MAX_OPS = 200
 SEQ_LIMIT = 2**53
@@ -108,7 +126,7 @@ def _seq(body: dict[str, Any]) -> int:
 
 def _did(body: dict[str, Any], key: str = "did") -> str:
     v = _str(body, key)
-    if not is_valid_did(v):
+    if not _did_ok(v):
         raise MessageError(Reason.BAD_DID, key)
     return v
 
@@ -141,7 +159,7 @@ def _op(raw: Any) -> RepoOp:
     if action not in _ACTIONS:
         raise MessageError(Reason.BAD_OP_ACTION)
     path = raw.get("path")
-    if type(path) is not str or not is_valid_repo_path(path):
+    if type(path) is not str or not _path_ok(path):
         raise MessageError(Reason.BAD_OP_PATH)
     if "cid" not in raw:
         raise MessageError(Reason.MISSING_FIELD, "ops.cid")
