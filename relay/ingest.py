@@ -388,7 +388,10 @@ class Ingest:
         did = item.did
         assert did is not None and item.state is not None
         current = self._states.get(did) or item.state
-        if verdict.kind == "desync" and verdict.reason == "resync_in_progress":
+        if verdict.kind == "desync" and (verdict.reason == "resync_in_progress"
+                                         or current.sync_state in ("desynchronized", "resyncing")):
+            # an earlier frame of this account (already drained) desynchronized it: this one was
+            # judged against the state before that mark, so it waits for the resync as well
             if current.sync_state in ("desynchronized", "resyncing"):
                 buf = self._buffers.setdefault(did, [])
                 if len(buf) < MAX_BUFFER_PER_ACCOUNT:
@@ -401,6 +404,10 @@ class Ingest:
             self.pipeline.forget(did)
             verdict = await self.pipeline.validate(did, item.uf.raw, current, item.signing_key)
         self._count(verdict.kind, verdict.reason)
+        if verdict.kind != "accept":
+            log.debug("verdict", extra=fields(did=did, kind=verdict.kind, reason=verdict.reason,
+                                             rev=item.uf.frame.body.get("rev"), since=item.uf.frame.body.get("since"),
+                                             stored_rev=current.rev, host=item.hostname))
         if verdict.kind == "accept" and verdict.new_state is not None:
             new_state = dataclasses.replace(verdict.new_state, host=item.hostname,
                                             upstream_status=current.upstream_status,
@@ -428,8 +435,17 @@ class Ingest:
         if ident.pds_hostname != hostname:
             self._count("reject", "wrong_host")
             return None
-        state = await self.account(did)
-        if state is not None and not state.active:
+        stored = await self.account(did)
+        if stored is not None and stored.sync_state == "throttled":
+            self._count("ignore", "account_throttled")
+            return None
+        state = await self._admit_account(hostname, did, stored)
+        if state is None:
+            self._count("ignore", "account_throttled")
+            return None
+        if stored is None:
+            self._remember(state)
+        if not state.active:
             self._count("ignore", "account_inactive")
             return None
         body = {k: v for k, v in uf.frame.body.items() if k not in ("seq", "handle")}
@@ -454,7 +470,8 @@ class Ingest:
             self._count("reject", "wrong_host")
             return None
         stored = await self.account(did)
-        state = await self._admit_account(hostname, did, stored)
+        held_already = stored is not None and stored.sync_state == "throttled"
+        state = None if held_already else await self._admit_account(hostname, did, stored)
         if state is None:  # held: keep the status, emit nothing
             held = await self.account(did)
             if held is not None:

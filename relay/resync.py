@@ -168,7 +168,7 @@ class ResyncManager:
         sync_car = write_car([verified.commit_cid], [(verified.commit_cid, bytes(commit_block))])
         base = stored or AccountState(did=did, host=ident.pds_hostname or host)
         new_state = dataclasses.replace(base, host=ident.pds_hostname or host or base.host, rev=commit.rev,
-                                        commit_cid=str(verified.commit_cid), data_cid=str(commit.data),
+                                        commit_cid=verified.commit_cid.encode(), data_cid=commit.data.encode(),
                                         sync_state="synced", updated_at=time.time())
         body = {"did": did, "rev": commit.rev, "blocks": sync_car, "time": now_iso()}
         assert self.ingest is not None, "ResyncManager.ingest must be set"

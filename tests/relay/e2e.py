@@ -62,7 +62,8 @@ class Consumer:
         deadline = time.monotonic() + timeout
         while not predicate(self.events):
             if time.monotonic() > deadline:
-                raise AssertionError(f"timed out; have {len(self.events)} events")
+                tail = [(e.t, e.did[-6:], e.rev) for e in self.events[-12:]]
+                raise AssertionError(f"timed out; have {len(self.events)} events; last: {tail}")
             await asyncio.sleep(0.05)
 
     async def __aexit__(self, *exc: object) -> None:

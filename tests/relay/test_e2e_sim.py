@@ -88,3 +88,50 @@ async def test_desynchronized_account_is_resynced(relay_factory) -> None:  # typ
                 check_stream(consumer.events)
     finally:
         await fleet.stop()
+
+
+async def test_accounts_over_limit_are_held_then_resynced(relay_factory) -> None:  # type: ignore[no-untyped-def]
+    fleet = SimFleet(SimConfig(hosts=1, accounts_per_host=4, seed=5))
+    await fleet.start()
+    try:
+        settings = _relay_settings(fleet, default_account_limit=2, admin_token="tok")
+        async with relay_factory(**settings) as relay, httpx.AsyncClient(base_url=relay.url) as http:
+            hostname = fleet.hosts[0].hostname
+            async with Consumer(relay.ws_url, cursor=0) as consumer:
+                await crawl(relay.url, hostname)
+                await fleet.generate(20)
+                firsts = []
+                for t in fleet.ground_truth:
+                    if t.did not in firsts:
+                        firsts.append(t.did)
+                allowed, held = set(firsts[:2]), firsts[2:]
+                expected = [t for t in fleet.ground_truth if t.verdict == "accept" and t.did in allowed]
+                await consumer.wait_for(lambda evs: len(evs) >= len(expected))
+                await asyncio.sleep(0.5)
+                assert {e.did for e in consumer.events} == allowed, [(e.t, e.did[-4:]) for e in consumer.events]
+                for did in held:
+                    r = await http.get("/xrpc/com.atproto.sync.getRepoStatus", params={"did": did})
+                    assert r.json() == {"did": did, "active": False, "status": "throttled"}
+                r = await http.get("/xrpc/com.atproto.sync.getHostStatus", params={"hostname": hostname})
+                assert r.json()["status"] == "throttled"
+                r = await http.post(f"/admin/hosts/{hostname}/limits", json={"account_limit": 10},
+                                    headers={"authorization": "Bearer tok"})
+                assert r.status_code == 200 and r.json()["accountLimit"] == 10
+                await consumer.wait_for(lambda evs: {e.did for e in evs if e.t == "#sync"} >= set(held))
+                for did in held:
+                    sync = next(e for e in consumer.events if e.t == "#sync" and e.did == did)
+                    assert sync.rev == fleet.by_did[did].repo.rev
+                    r = await http.get("/xrpc/com.atproto.sync.getRepoStatus", params={"did": did})
+                    assert r.json()["active"] is True
+                r = await http.get("/xrpc/com.atproto.sync.getHostStatus", params={"hostname": hostname})
+                assert r.json()["status"] == "active"
+                before = len(consumer.events)
+                await fleet.generate(8)
+                try:
+                    await consumer.wait_for(lambda evs: len(evs) >= before + 8)
+                except AssertionError:
+                    text = (await http.get("/metrics")).text
+                    raise AssertionError([ln for ln in text.splitlines() if ln.startswith("relay_verdicts_total")]) from None
+                check_stream(consumer.events)
+    finally:
+        await fleet.stop()
