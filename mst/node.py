@@ -106,9 +106,11 @@ class Node:
         self._cid = cid
         self._enc = enc
         self.stored = stored  # True if the block is known to be in the store
-        # (base encoding, slot, old link): this node equals the base node except for one subtree
-        # link, so its encoding is the base encoding with that link's 36 bytes swapped
-        self.patch: tuple[bytes, int, CID] | None = None
+        # (base encoding, substitutions): this node equals the node encoded as ``base`` except
+        # for the links named by the substitutions (``(slot, old link bytes)``; slot ``i >= 0``
+        # is subtree slot i, ``-1 - j`` is value j), so its encoding is ``base`` with those
+        # links' 36 bytes swapped (see :func:`_patched`)
+        self.patch: tuple[bytes, tuple[tuple[int, bytes], ...]] | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -120,7 +122,7 @@ class Node:
         if enc is None:
             patch = self.patch
             if patch is not None:
-                enc = _patched(patch, sub_cid(self.subs[patch[1]]))
+                enc = _patched(self, patch)
                 self.patch = None
             if enc is None:
                 enc = encode_node(self.keys, self.vals, [sub_cid(s) for s in self.subs])
@@ -142,28 +144,61 @@ class Node:
 _LINK = b"\xd8\x2a\x58\x25\x00"  # tag 42, bytes(37), multibase identity prefix
 
 
-def _patched(patch: tuple[bytes, int, CID], new: CID | None) -> bytes | None:
-    base, slot, old = patch
-    if new is None or len(new.cid_bytes) != 36 or len(old.cid_bytes) != 36:
+def _patched(node: Node, patch: tuple[bytes, tuple[tuple[int, bytes], ...]]) -> bytes | None:
+    """``node``'s encoding made from its base encoding by swapping links, or ``None`` when a
+    link cannot be swapped unambiguously (then the caller encodes in full)."""
+    enc, subst = patch
+    for slot, old in subst:
+        if slot >= 0:
+            tag = b"\x61l" if slot == 0 else b"\x61t"
+            new = sub_cid(node.subs[slot])
+        else:
+            tag = b"\x61v"
+            new = node.vals[-1 - slot]
+        if new is None or len(new.cid_bytes) != 36:
+            return None
+        pattern = tag + _LINK + old
+        at = enc.find(pattern)
+        if at < 0 or enc.find(pattern, at + 1) >= 0:  # absent or ambiguous: encode in full
+            return None
+        enc = b"".join((enc[:at], tag, _LINK, new.cid_bytes, enc[at + len(pattern) :]))
+    return enc
+
+
+def _link_bytes(sub: Sub) -> bytes | None:
+    """The link bytes of a slot when already known without encoding anything."""
+    if sub is None:
         return None
-    tag = b"\x61l" if slot == 0 else b"\x61t"
-    pattern = tag + _LINK + old.cid_bytes
-    at = base.find(pattern)
-    if at < 0 or base.find(pattern, at + 1) >= 0:  # absent or ambiguous: encode in full
+    c = sub._cid if type(sub) is Node else sub  # type: ignore[union-attr]
+    if c is None:
         return None
-    return base[:at] + tag + _LINK + new.cid_bytes + base[at + len(pattern) :]
+    b = c.cid_bytes  # type: ignore[union-attr]
+    return b if len(b) == 36 else None
+
+
+def _derive(node: Node, slot: int, n: Node) -> None:
+    """Give ``n`` (``node`` with the link at ``slot`` replaced) a patch recipe if possible."""
+    if node._enc is not None:
+        base: bytes = node._enc
+        subst: tuple[tuple[int, bytes], ...] = ()
+    elif node.patch is not None:
+        base, subst = node.patch
+        if any(s == slot for s, _ in subst):  # already swapped relative to base
+            n.patch = node.patch
+            return
+    else:
+        return
+    old = _link_bytes(node.subs[slot]) if slot >= 0 else node.vals[-1 - slot].cid_bytes
+    if old is not None and len(old) == 36:
+        n.patch = (base, (*subst, (slot, old)))
 
 
 def _with_sub(node: Node, i: int, new: Node | None) -> Node:
     """``node`` with subtree slot ``i`` replaced (cheap re-encoding when possible)."""
     subs = node.subs[:]
-    old = subs[i]
     subs[i] = new
     n = Node(node.layer, node.keys, node.vals, subs)
-    if old is not None and node._enc is not None:
-        old_cid = old._cid if type(old) is Node else old
-        if old_cid is not None:
-            n.patch = (node._enc, i, old_cid)  # type: ignore[assignment]
+    _derive(node, i, n)
     return n
 
 
@@ -424,7 +459,9 @@ def node_put(store: BlockMap, node: Node, key: bytes, val: CID, h: int) -> Node:
             return node
         vals = node.vals[:]
         vals[i] = val
-        return Node(layer, keys, vals, node.subs[:])
+        n = Node(layer, keys, vals, node.subs[:])
+        _derive(node, -1 - i, n)
+        return n
     if h == layer:
         lo, hi = split(store, child(store, node, i), key)
         return Node(
