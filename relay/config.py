@@ -66,8 +66,8 @@ SETTINGS: tuple[Setting, ...] = (
             "parallel repository resyncs", "int"),
     Setting("handle_resolver_url", "RELAY_HANDLE_RESOLVER_URL", "--handle-resolver-url", "",
             "resolve handles via this service's com.atproto.identity.resolveHandle instead of "
-            "https://<handle>/.well-known/atproto-did"),
-    Setting("log_level", "RELAY_LOG_LEVEL", "--log-level", "info", "debug | info | warning | error"),
+            "https://HANDLE/.well-known/atproto-did"),
+    Setting("log_level", "RELAY_LOG_LEVEL", "--log-level", "info", "debug, info, warning or error"),
 )
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -214,5 +214,6 @@ def settings_table() -> str:
     """The Markdown configuration table (the README's copy is generated from this)."""
     rows = ["| Variable | Flag | Default | Meaning |", "| --- | --- | --- | --- |"]
     for s in SETTINGS:
-        rows.append(f"| `{s.env}` | `{s.flag}` | `{s.default}` | {s.help} |")
+        default = f"`{s.default}`" if s.default else "(empty)"
+        rows.append(f"| `{s.env}` | `{s.flag}` | {default} | {s.help} |")
     return "\n".join(rows)

@@ -70,7 +70,8 @@ async def run(config: RelayConfig, role: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
+    role = args[args.index("--role") + 1] if "--role" in args[:-1] else "serve"
+    parser = build_parser(role if role in ("serve", "ingest", "fanout") else "serve")
     ns = parser.parse_args(args)
     try:
         config = RelayConfig.from_args(ns)
