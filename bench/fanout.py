@@ -279,7 +279,7 @@ def main() -> int:
     p.add_argument("--consumers", type=int, default=50)
     p.add_argument("--seconds", type=float, default=None)
     a = p.parse_args()
-    seconds = a.seconds or (5.0 if a.quick else 30.0)
+    seconds = a.seconds or (2.0 if a.quick else 30.0)
     asyncio.run(run(a.rate, a.consumers, seconds))
     return 0
 

@@ -43,7 +43,7 @@ def main() -> int:
     p.add_argument("--commits", type=int, default=None)
     a = p.parse_args()
     sizes = [int(x) for x in (a.sizes or ("1000,10000" if a.quick else "1000,10000,100000")).split(",")]
-    commits = a.commits or (4000 if a.quick else 20_000)
+    commits = a.commits or (1500 if a.quick else 10_000)
     asyncio.run(run(sizes, commits))
     return 0
 

@@ -128,7 +128,7 @@ def main() -> int:
     p.add_argument("--db", choices=["sqlite", "postgres"], default="sqlite")
     p.add_argument("--workers", type=int, default=None, help="relay --validation-workers")
     a = p.parse_args()
-    commits = a.commits or (12_000 if a.quick else 60_000)
+    commits = a.commits or (8_000 if a.quick else 60_000)
     asyncio.run(run_ingest(hosts=a.hosts, accounts=a.accounts, commits=commits, db=a.db, workers=a.workers))
     return 0
 

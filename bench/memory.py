@@ -25,16 +25,18 @@ from bench._common import CountingConsumer, load_average, note, relay, result  #
 from relay.sim import SimConfig, SimFleet  # noqa: E402
 
 
-async def run(seconds: float, rate: float, slow_delay: float) -> None:
+async def run(seconds: float, rate: float, slow_delay: float, *, stalled_on: bool = True,
+              slow_on: bool = True) -> None:
     fleet = SimFleet(SimConfig(hosts=4, accounts_per_host=100, seed=4))
     await fleet.start()
     samples: list[tuple[float, int]] = []
     try:
         async with relay(fleet.plc_url) as r:
             normal = CountingConsumer(r.ws_url).start()
-            slow = CountingConsumer(r.ws_url, read_delay=slow_delay).start()
-            stalled = CountingConsumer(r.ws_url, stalled=True).start()
-            for c in (normal, slow, stalled):
+            slow = CountingConsumer(r.ws_url, read_delay=slow_delay)
+            stalled = CountingConsumer(r.ws_url, stalled=True)
+            clients = [normal] + ([slow.start()] if slow_on else []) + ([stalled.start()] if stalled_on else [])
+            for c in clients:
                 await asyncio.wait_for(c.connected.wait(), 30)
             await r.crawl([h.hostname for h in fleet.hosts])
             producer = asyncio.create_task(fleet.run(rate, seconds))
@@ -47,7 +49,7 @@ async def run(seconds: float, rate: float, slow_delay: float) -> None:
                 await asyncio.sleep(1.0)
             made = await producer
             normal_commits = normal.commits
-            for c in (normal, slow, stalled):
+            for c in clients:
                 await c.stop()
     finally:
         await fleet.stop()
@@ -63,9 +65,12 @@ async def run(seconds: float, rate: float, slow_delay: float) -> None:
     result("memory_rss_after_warmup_max_mb", max(after))
     result("memory_rss_spread_pct", 100 * (max(after) - min(after)) / statistics.median(after))
     result("memory_rss_drift_pct", 100 * (late - early) / early)
-    result("memory_stalled_consumer_cut_after_s", stalled_cut if stalled_cut is not None else "never")
-    result("memory_stalled_consumer_end", stalled.closed_reason or "still_connected")
-    result("memory_slow_consumer_end", slow.closed_reason or "still_connected")
+    if stalled_on:
+        result("memory_stalled_consumer_cut_after_s", stalled_cut if stalled_cut is not None else "never")
+        result("memory_stalled_consumer_end", stalled.closed_reason or "still_connected")
+    if slow_on:
+        result("memory_slow_consumer_frames", slow.frames)
+        result("memory_slow_consumer_end", slow.closed_reason or "still_connected")
     result("memory_load_average", load_average())
     note("memory: rss samples (s, MB): " + " ".join(f"{t:.0f}:{v:.0f}" for (t, _), v in zip(samples, rss, strict=True)))
 
@@ -76,9 +81,11 @@ def main() -> int:
     p.add_argument("--seconds", type=float, default=None)
     p.add_argument("--rate", type=float, default=1000.0)
     p.add_argument("--slow-delay", type=float, default=0.005)
+    p.add_argument("--no-stalled", action="store_true", help="leave out the stalled consumer (control run)")
+    p.add_argument("--no-slow", action="store_true", help="leave out the slow consumer (control run)")
     a = p.parse_args()
-    seconds = a.seconds or (45.0 if a.quick else 600.0)
-    asyncio.run(run(seconds, a.rate, a.slow_delay))
+    seconds = a.seconds or (30.0 if a.quick else 600.0)
+    asyncio.run(run(seconds, a.rate, a.slow_delay, stalled_on=not a.no_stalled, slow_on=not a.no_slow))
     return 0
 
 
