@@ -54,7 +54,7 @@ class RelayService:
     """See the module docstring. ``resolver`` replaces public DNS (tests)."""
 
     def __init__(self, config: RelayConfig, *, role: str = "serve", resolver: Resolver | None = None,
-                 store_schema: str | None = None) -> None:
+                 store_schema: str | None = None, bus_stream: str = "relay:events") -> None:
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r}")
         self.config = config
@@ -65,6 +65,7 @@ class RelayService:
         self.guard = AddressGuard(allow_insecure=config.allow_insecure_hosts, resolver=resolver)
         self.safe = SafeClient(self.guard)
         self.store_schema = store_schema
+        self.bus_stream = bus_stream
         self.store: Store = None  # type: ignore[assignment]
         self.bus: EventBus = None  # type: ignore[assignment]
         self.sequencer: Sequencer | None = None
@@ -96,7 +97,7 @@ class RelayService:
             import redis.asyncio as aioredis
 
             self._redis = aioredis.from_url(config.redis_url)
-            self.bus = RedisStreamBus(config.redis_url)
+            self.bus = RedisStreamBus(config.redis_url, stream=self.bus_stream)
             cache = RedisIdentityCache(self._redis)
         else:
             self.bus = InProcessBus()
