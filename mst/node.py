@@ -325,12 +325,13 @@ def decode_node(data: bytes, cid: CID | None, layer: int | None) -> Node:
             raise MSTError("mst_node_invalid", "t must be null or a dag-cbor CID")
         if p < 0 or p > len(prev):
             raise MSTError("mst_prefix_invalid", "prefix length out of range")
-        key = prev[:p] + k if p else k
-        # the shared prefix is exactly p unless the next byte also matches
-        if k and p < len(prev) and k[0] == prev[p]:
-            raise MSTError("mst_prefix_invalid", "prefix compression is not maximal")
-        if key <= prev:  # also rejects an empty first key
+        # for 0 <= p <= len(prev): the suffix is non-empty, the shared prefix is exactly p (the
+        # next byte differs) and the key exceeds the previous one iff k[:1] > prev[p:p+1]
+        if k[:1] <= prev[p : p + 1]:
+            if k and p < len(prev) and k[0] == prev[p]:
+                raise MSTError("mst_prefix_invalid", "prefix compression is not maximal")
             raise MSTError("mst_key_order", "keys not strictly increasing")
+        key = prev[:p] + k if p else k
         h = heights.get(key)
         if h is None:
             h = checked_height(key)
@@ -355,7 +356,7 @@ def decode_node(data: bytes, cid: CID | None, layer: int | None) -> Node:
             layer = 0
         elif left is None:
             raise MSTError("mst_non_canonical", "empty non-root node")
-    if layer == 0 and any(s is not None for s in subs):
+    if layer == 0 and subs.count(None) != len(subs):
         raise MSTError("mst_key_height", "layer-0 node with subtree pointers")
     return Node(layer, keys, vals, subs, cid, data, True)
 
