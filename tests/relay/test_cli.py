@@ -1,0 +1,75 @@
+"""The CLI surface: help for every relay-owned command, admin CLI against a live relay, Helm values."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from relay import admin_cli, cli, serve
+from relay.config import SETTINGS
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("command", ["serve", "ingest", "fanout", "admin"])
+def test_help(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([command, "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert f"relay {command}" in out
+    if command != "admin":
+        for s in SETTINGS:
+            assert s.flag in out and s.env in out
+
+
+def test_bad_setting_exits_with_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert serve.main(["--bind", "nowhere"]) == 2
+    assert "RELAY_BIND" in capsys.readouterr().err
+
+
+def test_admin_cli_talks_to_a_running_relay(relay_factory, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    import asyncio
+
+    async def run() -> tuple[int, int, int]:
+        async with relay_factory(admin_token="tok") as relay:
+            loop = asyncio.get_running_loop()
+
+            def call(*args: str) -> int:
+                return admin_cli.main(["--url", relay.url, "--token", "tok", *args])
+
+            ok = await loop.run_in_executor(None, call, "crawling", "off")
+            wrong = await loop.run_in_executor(
+                None, lambda: admin_cli.main(["--url", relay.url, "--token", "nope", "hosts"]))
+            ban = await loop.run_in_executor(None, call, "ban", "spam.example")
+            assert relay.service.hosts is not None and relay.service.hosts.crawling_enabled is False
+            assert await relay.service.store.list_domain_bans() == ["spam.example"]
+            return ok, wrong, ban
+
+    ok, wrong, ban = asyncio.new_event_loop().run_until_complete(run())
+    assert (ok, wrong, ban) == (0, 1, 0)
+    assert '"enabled": false' in capsys.readouterr().out
+
+
+def test_admin_cli_requests() -> None:
+    parser = admin_cli.build_parser()
+    assert admin_cli.request_for(parser.parse_args(["limits", "h.example", "--account-limit", "5"])) == \
+        ("POST", "/admin/hosts/h.example/limits", {"account_limit": 5, "trusted": None})
+    assert admin_cli.request_for(parser.parse_args(["takedown", "did:plc:abc"])) == \
+        ("POST", "/admin/accounts/did:plc:abc/takedown", None)
+    assert admin_cli.request_for(parser.parse_args(["unban", "x.example"])) == \
+        ("DELETE", "/admin/domain-bans/x.example", None)
+
+
+def test_helm_values_use_real_settings_and_commands() -> None:
+    chart = ROOT / "helm" / "relay"
+    values = (chart / "values.yaml").read_text()
+    known = {s.env for s in SETTINGS}
+    used = set(re.findall(r"\b(RELAY_[A-Z_]+):", values))
+    assert used and used <= known, used - known
+    templates = "\n".join(p.read_text() for p in (chart / "templates").iterdir())
+    for command in re.findall(r'args: \["(\w+)"', templates):
+        assert command in cli.SUBCOMMANDS, command
+    assert "path: /_health" in templates and "path: /metrics" in templates
