@@ -17,6 +17,10 @@ Prints ``RESULT <name>=<value>`` lines:
 * ``core_commit_verify_cold_per_s`` — the same with the key-height cache emptied before every
   frame (worst case: no key seen before);
 * ``core_producer_commits_per_s`` — ``Repo.apply_writes`` of 1–3 writes (simulator speed).
+
+With ``--stages`` it also prints (as ``#`` comment lines) the CPU microseconds per frame of each
+stage of ``verify_frame`` measured separately: frame decode, CAR parse, commit decode,
+signature, op list, inversion (the profile summary in BENCHMARKS.md comes from this).
 """
 
 from __future__ import annotations
@@ -72,8 +76,22 @@ def post(rng: random.Random) -> dict:
     }
 
 
+def fixed_clock(rng: random.Random) -> Callable[[], int]:
+    """A deterministic microsecond clock (from 2026-11-22T00:00Z, 1 ms–10 s steps), so record
+    keys, hence the tree's shape and the slices, are the same in every run."""
+    now = 1_795_305_600_000_000
+
+    def tick() -> int:
+        nonlocal now
+        now += rng.randint(1_000, 10_000_000)
+        return now
+
+    return tick
+
+
 def build_repo(records: int, rng: random.Random) -> Repo:
-    repo = Repo.create(DID, PrivateKey.generate_k256(), TidClock(clock_id=3))
+    clock = TidClock(clock_id=3, now_micros=fixed_clock(random.Random(rng.random())))
+    repo = Repo.create(DID, PrivateKey.generate_k256(), clock)
     made = 0
     while made < records:
         batch = min(200, records - made)
@@ -145,11 +163,49 @@ def verify_frame(frame: bytes, did_key: str) -> bool:
     return invert_ops(car.blocks, commit.data, ops) == body["prevData"]
 
 
+def stage_cost(fn: Callable[[int], object], n: int, rounds: int = 5) -> float:
+    """CPU microseconds per call of ``fn(i)`` over ``i in range(n)`` (best of ``rounds``)."""
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.process_time()
+        for i in range(n):
+            fn(i)
+        best = min(best, time.process_time() - start)
+    return best / n * 1e6
+
+
+def print_stages(frames: list[bytes], did_key: str) -> None:
+    """Cost of each step of :func:`verify_frame`, each measured on its own inputs."""
+    n = len(frames)
+    key = parse_did_key(did_key)
+    bodies = [cbor.decode(f[cbor.decode_prefix(f)[1] :]) for f in frames]
+    cars = [read_car(b["blocks"]) for b in bodies]
+    commits = [decode_commit(c.blocks[b["commit"]]) for c, b in zip(cars, bodies, strict=True)]
+    ops = [[RepoOp(o["action"], o["path"], o["cid"], o.get("prev")) for o in b["ops"]] for b in bodies]
+    stages = {
+        "frame_decode": lambda i: cbor.decode(frames[i][cbor.decode_prefix(frames[i])[1] :]),
+        "car_parse": lambda i: read_car(bodies[i]["blocks"]),
+        "commit_decode": lambda i: decode_commit(cars[i].blocks[bodies[i]["commit"]]),
+        "signature": lambda i: verify_commit_sig(commits[i], key),
+        "op_list": lambda i: [
+            RepoOp(o["action"], o["path"], o["cid"], o.get("prev")) for o in bodies[i]["ops"]
+        ],
+        "inversion": lambda i: invert_ops(cars[i].blocks, commits[i].data, ops[i]),
+    }
+    total = 0.0
+    for name, fn in stages.items():
+        us = stage_cost(fn, n)
+        total += us
+        print(f"# stage {name:14s} {us:7.1f} us/frame", file=sys.stderr)
+    print(f"# stages total         {total:7.1f} us/frame (= {1e6 / total:.0f}/s)", file=sys.stderr)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--records", type=int, default=10_000)
     ap.add_argument("--commits", type=int, default=300)
     ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--stages", action="store_true", help="also print per-stage CPU costs")
     args = ap.parse_args()
     rng = random.Random(1)
 
@@ -202,6 +258,8 @@ def main() -> int:
         "core_commit_verify_cold_per_s": rate(cold_verify, n, args.seconds),
         "core_producer_commits_per_s": producer,
     }
+    if args.stages:
+        print_stages(frames, did_key)
     avg_frame = sum(len(f) for f in frames) / n
     avg_blocks = sum(len(p[0]) for p in parsed) / n
     print(f"# {n} commits, avg frame {avg_frame:.0f} B, avg {avg_blocks:.1f} blocks", file=sys.stderr)

@@ -140,3 +140,41 @@ def test_car_limits() -> None:
         read_car(car_bytes, max_total_bytes=len(car_bytes) - 1)
     assert info.value.reason == "car_too_large"
     assert len(read_car(car_bytes, max_blocks=6).blocks) == 6
+
+
+def test_car_limits_at_their_boundaries() -> None:
+    """Limits hold exactly, including for the smallest possible block sections (an empty raw
+    block takes 37 bytes) and for one block that is the whole CAR."""
+    empty = (cid_for_raw(b""), b"")
+    for n in (1, 2, 5):
+        car_bytes = write_car([empty[0]], [empty] * n)  # duplicates count as blocks
+        assert len(read_car(car_bytes, max_blocks=n).blocks) == 1
+        with pytest.raises(CARError) as info:
+            read_car(car_bytes, max_blocks=n - 1)
+        assert info.value.reason == "car_too_many_blocks"
+    data = b"x" * 300
+    car_bytes = write_car([cid_for_raw(data)], [(cid_for_raw(data), data)])
+    assert read_car(car_bytes, max_block_bytes=300).blocks[cid_for_raw(data)] == data
+    with pytest.raises(CARError) as info:
+        read_car(car_bytes, max_block_bytes=299)
+    assert info.value.reason == "car_block_too_large"
+    # blocks on both sides of the hashing-implementation switch are verified alike
+    for size in (766, 767, 768, 769, 5000):
+        blob = bytes(range(256)) * (size // 256) + bytes(size % 256)
+        good = write_car([cid_for_raw(blob)], [(cid_for_raw(blob), blob)])
+        assert read_car(good).blocks[cid_for_raw(blob)] == blob
+        bad = good[:-1] + bytes([good[-1] ^ 1])
+        with pytest.raises(CARError) as info:
+            read_car(bad)
+        assert info.value.reason == "car_hash_mismatch"
+
+
+def test_hash_helpers_agree_with_hashlib_across_the_size_switch() -> None:
+    from mst.cid import SMALL_HASH_BYTES, sha256_digest
+
+    for size in (0, 1, 36, SMALL_HASH_BYTES - 1, SMALL_HASH_BYTES, SMALL_HASH_BYTES + 1, 4096):
+        data = bytes((i * 7) & 0xFF for i in range(size))
+        digest = hashlib.sha256(data).digest()
+        assert sha256_digest(data) == digest
+        assert cid_for_cbor(data).cid_bytes == b"\x01\x71\x12\x20" + digest
+        assert cid_for_raw(data).cid_bytes == b"\x01\x55\x12\x20" + digest
