@@ -465,8 +465,10 @@ class Ingest:
         if not isinstance(active, bool) or (status is not None and not isinstance(status, str)):
             self._count("reject", "bad_field_type")
             return None
-        ident = await self._resolve_for_host(did, hostname)
-        if ident is None:
+        # Status changes are rare and decisive: check the binding against a fresh DID document
+        # (a cached one would let a host the account just left deactivate it).
+        ident = await self.identity.resolve(did, fresh=True)
+        if ident.pds_hostname != hostname:
             self._count("reject", "wrong_host")
             return None
         stored = await self.account(did)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import Counter
 
 import httpx
@@ -133,5 +134,66 @@ async def test_accounts_over_limit_are_held_then_resynced(relay_factory) -> None
                     text = (await http.get("/metrics")).text
                     raise AssertionError([ln for ln in text.splitlines() if ln.startswith("relay_verdicts_total")]) from None
                 check_stream(consumer.events)
+    finally:
+        await fleet.stop()
+
+
+async def test_fault_mix_delivers_exactly_the_valid_events(relay_factory) -> None:  # type: ignore[no-untyped-def]
+    fleet = SimFleet(SimConfig(hosts=2, accounts_per_host=4, seed=13))
+    await fleet.start()
+    try:
+        for host in fleet.hosts:
+            # (key rotation is tested on its own below: replaying history generated before a
+            # rotation would check old commits against the new key)
+            for kind, rate in (("duplicate", 0.1), ("replay", 0.1), ("deactivate", 0.05),
+                               ("disconnect", 0.05), ("oversized", 0.03)):
+                host.set_fault(kind, rate)
+        async with relay_factory(**_relay_settings(fleet)) as relay:
+            async with Consumer(relay.ws_url, cursor=0) as consumer:
+                for host in fleet.hosts:
+                    await crawl(relay.url, host.hostname)
+                await fleet.generate(80)
+                valid = [t for t in fleet.ground_truth if t.verdict == "accept"]
+                faults = Counter(t.fault for t in fleet.ground_truth if t.fault)
+                assert len(faults) >= 3, faults
+                with contextlib.suppress(AssertionError):  # the comparison below says what is missing
+                    await consumer.wait_for(lambda evs: len(evs) >= len(valid), timeout=45)
+                await asyncio.sleep(0.5)
+            got = Counter(key_of(e.t, e.did, e.rev) for e in consumer.events)
+            expected = Counter(key_of(t.kind, t.did, t.rev) for t in valid)
+            missing = [(t.kind, t.did[-6:], t.rev, t.fault, t.host) for t in valid
+                       if got[key_of(t.kind, t.did, t.rev)] < expected[key_of(t.kind, t.did, t.rev)]]
+            assert got == expected, (missing, got - expected)
+            check_stream(consumer.events)
+    finally:
+        await fleet.stop()
+
+
+async def test_key_rotation_and_migration(relay_factory) -> None:  # type: ignore[no-untyped-def]
+    fleet = SimFleet(SimConfig(hosts=2, accounts_per_host=2, seed=17))
+    await fleet.start()
+    try:
+        async with relay_factory(**_relay_settings(fleet)) as relay:
+            async with Consumer(relay.ws_url, cursor=0) as consumer:
+                for host in fleet.hosts:
+                    await crawl(relay.url, host.hostname)
+                await fleet.generate(4)
+                n = len([t for t in fleet.ground_truth if t.verdict == "accept"])
+                await consumer.wait_for(lambda evs: len(evs) >= n)
+                rotated, moved = fleet.accounts[0], fleet.accounts[1]
+                fleet.inject("key_rotation", rotated)
+                fleet.inject("migration", moved)
+                await fleet.generate(0)
+                n = len([t for t in fleet.ground_truth if t.verdict == "accept"])
+                await consumer.wait_for(lambda evs: len(evs) >= n)
+                await fleet.generate(12)
+                valid = [t for t in fleet.ground_truth if t.verdict == "accept"]
+                with contextlib.suppress(AssertionError):
+                    await consumer.wait_for(lambda evs: len(evs) >= len(valid))
+                await asyncio.sleep(0.5)
+            got = Counter(key_of(e.t, e.did, e.rev) for e in consumer.events)
+            assert got == Counter(key_of(t.kind, t.did, t.rev) for t in valid)
+            assert any(e.t == "#identity" and e.did == rotated.did for e in consumer.events[4:])
+            check_stream(consumer.events)
     finally:
         await fleet.stop()
