@@ -94,6 +94,8 @@ class Ingest:
         self.metrics = metrics
         self.config = config
         self.pipeline = pipeline
+        #: first reconnect delay (seconds); doubles per failure up to 30 s
+        self.backoff_base = 1.0
         self.max_in_flight_per_host = max_in_flight_per_host
         self._queues: dict[str, asyncio.Queue[_Item]] = {}
         self._drainers: dict[str, asyncio.Task[None]] = {}
@@ -117,7 +119,7 @@ class Ingest:
                                                  (host.rate_limit_per_day, 86400.0))):
                 if value:
                     limits[i] = (float(value), window)
-        return SubscriberConfig(rate_limits=limits, backoff_max=30.0)
+        return SubscriberConfig(rate_limits=limits, backoff_base=self.backoff_base, backoff_max=30.0)
 
     async def start_host(self, host: HostState) -> None:
         """Start following ``host`` from its durable cursor (no-op when already running)."""

@@ -153,7 +153,8 @@ class RelayService:
                     await self.ingest.watch_hosts()
                 if ticks % 12 == 0:
                     await self.store.trim(older_than_seconds=self.config.replay_window)
-                await self._drain_outbox()
+                if ticks % 6 == 0:
+                    await self._drain_outbox()
             except asyncio.CancelledError:
                 raise
             except Exception:

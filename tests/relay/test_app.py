@@ -173,3 +173,67 @@ def _decode(frame: bytes) -> tuple[dict, dict]:
 async def _get(base: str, method: str, **params: str) -> dict:
     async with httpx.AsyncClient(base_url=base) as http:
         return (await http.get(f"/xrpc/{method}", params=params)).json()
+
+
+async def test_new_hosts_per_day_limit(relay_factory) -> None:  # type: ignore[no-untyped-def]
+    async with serve_asgi(_fake_pds()) as first, serve_asgi(_fake_pds()) as second:
+        async with relay_factory(allow_insecure_hosts=True, new_hosts_per_day=1) as relay:
+            async with httpx.AsyncClient(base_url=relay.url) as http:
+                r = await http.post("/xrpc/com.atproto.sync.requestCrawl",
+                                    json={"hostname": first.removeprefix("http://")})
+                assert r.status_code == 200
+                r = await http.post("/xrpc/com.atproto.sync.requestCrawl",
+                                    json={"hostname": second.removeprefix("http://")})
+                assert r.status_code == 400 and "new_host_limit" in r.json()["message"]
+                # asking again for a known host is not a new host
+                r = await http.post("/xrpc/com.atproto.sync.requestCrawl",
+                                    json={"hostname": first.removeprefix("http://")})
+                assert r.status_code == 200
+
+
+async def test_request_crawl_requires_describe_server(relay_factory) -> None:  # type: ignore[no-untyped-def]
+    async with serve_asgi(Starlette(routes=[])) as not_a_pds, relay_factory(allow_insecure_hosts=True) as relay:
+        async with httpx.AsyncClient(base_url=relay.url) as http:
+            r = await http.post("/xrpc/com.atproto.sync.requestCrawl",
+                                json={"hostname": not_a_pds.removeprefix("http://")})
+            assert r.status_code == 400 and "describe_server_failed" in r.json()["message"]
+            r = await http.post("/xrpc/com.atproto.sync.requestCrawl", content=b"not json")
+            assert r.status_code == 400 and r.json()["error"] == "InvalidRequest"
+
+
+def test_reported_status_precedence() -> None:
+    from relay.accounts import account_event_body, reported_status
+
+    base = AccountState(did=DID_A, rev="3lmxjza3nva27")
+    assert reported_status(base) == "active"
+    assert reported_status(AccountState(did=DID_A, sync_state="desynchronized")) == "desynchronized"
+    assert reported_status(AccountState(did=DID_A, sync_state="resyncing")) == "desynchronized"
+    assert reported_status(AccountState(did=DID_A, sync_state="throttled")) == "throttled"
+    assert reported_status(AccountState(did=DID_A, upstream_status="deactivated", sync_state="throttled")) == "deactivated"
+    taken = AccountState(did=DID_A, upstream_status="suspended", local_status="takendown")
+    assert reported_status(taken) == "takendown"
+    body = account_event_body(taken)
+    assert body["active"] is False and body["status"] == "takendown" and body["time"].endswith("Z")
+
+
+async def test_unreachable_host_goes_offline(relay_factory) -> None:  # type: ignore[no-untyped-def]
+    import socket
+
+    from backfill.types import HostState
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        hostname = f"127.0.0.1:{s.getsockname()[1]}"
+    async with relay_factory(allow_insecure_hosts=True) as relay:
+        ingest = relay.service.ingest
+        assert ingest is not None
+        ingest.backoff_base = 0.02
+        await relay.service.store.upsert_host(HostState(hostname=hostname, status="active"))
+        await ingest.start_host(await relay.service.store.get_host(hostname))
+        for _ in range(100):
+            await ingest.watch_hosts(offline_after=3)
+            if (await relay.service.store.get_host(hostname)).status == "offline":
+                break
+            await asyncio.sleep(0.05)
+        status = await _get(relay.url, "com.atproto.sync.getHostStatus", hostname=hostname)
+        assert status["status"] == "offline"
