@@ -184,6 +184,10 @@ async def relay(plc_url: str, *, database_url: str | None = None, extra: list[st
                 proc.kill()
                 await proc.wait()
         logf.close()
+        keep = Path(tempfile.gettempdir()) / "relay-bench-last.log"
+        with contextlib.suppress(OSError):
+            keep.write_bytes(log_path.read_bytes()[-2_000_000:])
+            note(f"relay log kept at {keep}")
         workdir.cleanup()
 
 

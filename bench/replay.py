@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import random
 import sys
 import time
@@ -92,7 +93,10 @@ async def run(events: int, schema: str) -> None:
         first = [0.0]
         stop = asyncio.Event()
 
+        last = [b""]
+
         def on_message(msg: bytes, t: float) -> None:
+            last[0] = msg
             if not count[0]:
                 first[0] = time.perf_counter()
             count[0] += 1
@@ -103,11 +107,11 @@ async def run(events: int, schema: str) -> None:
         cpu0 = r.cpu()
         t0 = time.perf_counter()
         task = asyncio.create_task(subscribe(r.ws_url + "?cursor=1", on_message, stop=stop))
-        last, last_t = 0, time.monotonic()
+        seen, last_t = 0, time.monotonic()
         while not stop.is_set() and not task.done():
             await asyncio.sleep(0.5)
-            if count[0] != last:
-                last, last_t = count[0], time.monotonic()
+            if count[0] != seen:
+                seen, last_t = count[0], time.monotonic()
             elif time.monotonic() - last_t > 20:
                 break
         wall = time.perf_counter() - t0
@@ -120,7 +124,15 @@ async def run(events: int, schema: str) -> None:
     result("replay_time_to_first_event_ms", (first[0] - t0) * 1000 if first[0] else float("nan"))
     result("replay_relay_cpu_cores", cpu / wall)
     result("replay_load_average", load_average())
-    note(f"replay: stream ended with {ended!r}")
+    end = str(ended)
+    if last[0] and count[0] < events:
+        from firehose.frames import decode_frame
+
+        with contextlib.suppress(Exception):
+            f = decode_frame(last[0])
+            if f.is_error:
+                end += ":" + str(f.body.get("error"))
+    result("replay_stream_end", "complete" if count[0] >= events else end)
 
 
 def main() -> int:
