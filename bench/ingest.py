@@ -119,6 +119,39 @@ async def run_ingest(*, hosts: int, accounts: int, commits: int, db: str, prefix
     return out
 
 
+async def sim_capacity(commits: int, hosts: int = 4) -> float:
+    """Frames/s the simulator pushes to plain consumers (one per host) from pre-generated commits."""
+    from bench._rawws import subscribe
+
+    fleet = SimFleet(SimConfig(hosts=hosts, accounts_per_host=100, seed=9, announce_accounts=False))
+    await fleet.start()
+    try:
+        fleet.prepare(commits)
+        stop = asyncio.Event()
+        got = [0]
+        connected = [0]
+
+        def on_message(msg: bytes, t: float) -> None:
+            got[0] += 1
+            if got[0] >= commits:
+                stop.set()
+
+        tasks = [asyncio.create_task(subscribe(h.url.replace("http", "ws") + "/xrpc/com.atproto.sync.subscribeRepos",
+                                               on_message, stop=stop,
+                                               connected=lambda: connected.__setitem__(0, connected[0] + 1)))
+                 for h in fleet.hosts]
+        await wait_until(lambda: connected[0] == hosts and all(h.subscriber_count for h in fleet.hosts), 30, 0.01)
+        t0 = time.perf_counter()
+        await fleet.release(None)
+        await asyncio.wait_for(stop.wait(), 120)
+        rate = commits / (time.perf_counter() - t0)
+        await asyncio.gather(*tasks, return_exceptions=True)
+    finally:
+        await fleet.stop()
+    result("sim_frames_per_s", rate)
+    return rate
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true")
@@ -127,7 +160,10 @@ def main() -> int:
     p.add_argument("--accounts", type=int, default=250, help="accounts per host")
     p.add_argument("--db", choices=["sqlite", "postgres"], default="sqlite")
     p.add_argument("--workers", type=int, default=None, help="relay --validation-workers")
+    p.add_argument("--skip-sim-capacity", action="store_true")
     a = p.parse_args()
+    if not a.skip_sim_capacity:
+        asyncio.run(sim_capacity(5_000 if a.quick else 20_000))
     commits = a.commits or (8_000 if a.quick else 60_000)
     asyncio.run(run_ingest(hosts=a.hosts, accounts=a.accounts, commits=commits, db=a.db, workers=a.workers))
     return 0
