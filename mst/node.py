@@ -22,7 +22,7 @@ from collections.abc import Iterator, Mapping
 from typing import Union
 
 from mst import cbor
-from mst.cid import CID, DAG_CBOR_PREFIX, RAW_PREFIX, cid_for_cbor, sha256_digest
+from mst.cid import CID, DAG_CBOR_PREFIX, RAW_PREFIX, cid_for_cbor, sha256_digest, sha256_small
 from mst.errors import CBORError, MissingBlockError, MSTError
 
 __all__ = [
@@ -38,6 +38,7 @@ Sub = Union["Node", CID, None]
 
 MAX_KEY_BYTES = 1024
 _MST_KEY_RE = re.compile(rb"[a-zA-Z0-9_~:.\-]+/[a-zA-Z0-9_~:.\-]+")
+_key_fullmatch = _MST_KEY_RE.fullmatch
 # height of recently seen *valid* keys (validity + height in one lookup); bounded, cleared when full
 _HEIGHTS: dict[bytes, int] = {}
 _HEIGHTS_MAX = 200_000
@@ -70,9 +71,11 @@ def checked_height(key: bytes) -> int:
     h = _HEIGHTS.get(key)
     if h is not None:
         return h
-    if not is_valid_mst_key(key):
+    if len(key) > MAX_KEY_BYTES or _key_fullmatch(key) is None:  # is_valid_mst_key, inlined
         return -1
-    h = key_height(key)
+    # key_height, inlined for the common case (a non-zero first 8 digest bytes)
+    n = int.from_bytes(sha256_small(key).digest()[:8], "big")
+    h = (64 - n.bit_length()) >> 1 if n else key_height(key)
     if len(_HEIGHTS) >= _HEIGHTS_MAX:
         _HEIGHTS.clear()
     _HEIGHTS[key] = h

@@ -203,3 +203,23 @@ def test_patched_encodings_equal_full_encodings() -> None:
     assert checked > 20
     # and a freshly built tree of the same content has the same root
     assert build({}, list(t2.items())) == t2.root
+
+
+def test_checked_height_matches_key_height_and_validity() -> None:
+    import random
+
+    from mst.node import checked_height, is_valid_mst_key
+
+    rng = random.Random(7)
+    alphabet = "abcdefghijklmnopqrstuvwxyz0123456789.-_~:"
+    seen = set()
+    for i in range(3000):
+        key = f"com.example.t{i}/{''.join(rng.choices(alphabet, k=rng.randint(1, 40)))}".encode()
+        h = checked_height(key)
+        assert h == key_height(key)
+        seen.add(h)
+        assert checked_height(key) == h  # cached
+    assert {0, 1, 2} <= seen
+    for bad in (b"", b"noslash", b"a/b/c", b"a/b c", b"a/" + b"x" * 1100, "ü/x".encode()):
+        assert not is_valid_mst_key(bad)
+        assert checked_height(bad) == -1
