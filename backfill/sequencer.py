@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -98,7 +99,12 @@ class Sequencer:
         self.lock_timeout = lock_timeout
         self.clock = clock
         self.stats = SequencerStats()
-        self._queue: asyncio.Queue[Any] = asyncio.Queue(max_pending)
+        # A plain deque with two flags: cheaper per event than asyncio.Queue.
+        self.max_pending = max_pending
+        self._pending: deque[Any] = deque()
+        self._has_items = asyncio.Event()
+        self._has_room = asyncio.Event()
+        self._has_room.set()
         self._lease: WriterLease | None = None
         self._task: asyncio.Task[None] | None = None
         self._start_lock = asyncio.Lock()
@@ -110,6 +116,7 @@ class Sequencer:
         self._numbering.set()
         self._last_time = 0.0
         self._closed = False
+        self._stopped = False  # the writer task has ended
         self._failure: BaseException | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -129,7 +136,8 @@ class Sequencer:
         self._closed = True
         if self._task is not None:
             if not self._task.done():
-                await self._queue.put(_STOP)
+                self._pending.append(_STOP)  # may exceed max_pending by one: never blocks
+                self._has_items.set()
             try:
                 await self._task
             finally:
@@ -157,7 +165,7 @@ class Sequencer:
         preserving its order."""
         await self._check_open()
         fut: asyncio.Future[SequencedEvent | None] = asyncio.get_running_loop().create_future()
-        await self._queue.put((event, fut))
+        await self._put((event, fut))
         return fut
 
     async def submit(self, event: PendingEvent) -> SequencedEvent | None:
@@ -170,8 +178,18 @@ class Sequencer:
         event). Returns once durable."""
         await self._check_open()
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        await self._queue.put((_CursorOnly(host, upstream_seq), fut))
+        await self._put((_CursorOnly(host, upstream_seq), fut))
         await fut
+
+    async def _put(self, item: tuple[Any, asyncio.Future[Any]]) -> None:
+        while len(self._pending) >= self.max_pending and not self._stopped:
+            self._has_room.clear()
+            await self._has_room.wait()
+        if self._stopped or self._closed:
+            raise SequencerClosedError(f"sequencer stopped: {self._failure or 'closed'}")
+        self._pending.append(item)
+        if not self._has_items.is_set():
+            self._has_items.set()
 
     async def _check_open(self) -> None:
         if self._failure is not None:
@@ -205,29 +223,31 @@ class Sequencer:
         finally:
             await ready.put(None)
             await committer
-            if self._failure is not None:
-                self._fail_pending(self._failure)
+            self._stopped = True
+            self._fail_pending(self._failure or SequencerClosedError("sequencer is closed"))
 
     async def _collect(self) -> tuple[list[tuple[Any, asyncio.Future[Any]]], bool]:
         """Up to ``max_batch`` queued items (waiting ``max_delay`` for a fuller batch)."""
-        first = await self._queue.get()
-        if first is _STOP:
-            return [], True
-        items = [first]
-        if self._queue.qsize() < self.max_batch - 1 and self.max_delay > 0:
+        pending = self._pending
+        while not pending:
+            self._has_items.clear()
+            await self._has_items.wait()
+        if len(pending) < self.max_batch and self.max_delay > 0 and pending[0] is not _STOP:
             await asyncio.sleep(self.max_delay)
-        while len(items) < self.max_batch:
-            try:
-                item = self._queue.get_nowait()
-            except asyncio.QueueEmpty:
-                break
+        items: list[tuple[Any, asyncio.Future[Any]]] = []
+        stop = False
+        while pending and len(items) < self.max_batch:
+            item = pending.popleft()
             if item is _STOP:
-                return items, True
+                stop = True
+                break
             items.append(item)
-        return items, False
+        if len(pending) < self.max_pending:
+            self._has_room.set()
+        return items, stop
 
     async def _prepare(self, items: list[tuple[Any, asyncio.Future[Any]]]) -> _Prepared | None:
-        """Dedupe, number and encode one batch (no writes)."""
+        """Dedupe, number and encode one batch (no writes). Returns None if the batch failed."""
         dids = {
             item.did for item, _ in items if isinstance(item, PendingEvent) and (item.rev or item.account)
         }
@@ -242,10 +262,20 @@ class Sequencer:
             except Exception as exc:  # database unreachable: nothing written, callers retry
                 self._batch_failed(items, exc)
                 return None
-            if epoch == self._epoch and self._numbering.is_set():
-                break
-        heads.update(overlay)
+            if epoch != self._epoch or not self._numbering.is_set():
+                continue
+            heads.update(overlay)
+            prepared = await self._number(items, heads, epoch)
+            if prepared is not None:
+                return prepared
+            # A commit failed while this batch was being numbered: number it afresh.
 
+    async def _number(
+        self,
+        items: list[tuple[Any, asyncio.Future[Any]]],
+        heads: dict[str, tuple[str | None, str | None]],
+        epoch: int,
+    ) -> _Prepared | None:
         now = max(self.clock(), self._last_time)
         base = self._next_high_water
         seq = base
@@ -256,9 +286,13 @@ class Sequencer:
         errors: list[tuple[asyncio.Future[Any], BaseException]] = []
         accounts: dict[str, AccountState] = {}
         cursors: dict[str, int] = {}
+        ignored = encode_errors = 0
         encode = self.frame_encoder
 
-        for item, fut in items:
+        for index, (item, fut) in enumerate(items):
+            if index % 128 == 127:
+                # Let the commit in flight keep streaming its COPY data while this batch encodes.
+                await asyncio.sleep(0)
             if isinstance(item, _CursorOnly):
                 cursors[item.host] = max(cursors.get(item.host, 0), item.upstream_seq)
                 results.append((fut, None))
@@ -269,7 +303,7 @@ class Sequencer:
             if event.rev is not None:
                 previous = last_rev.get(event.did)
                 if previous is not None and event.rev <= previous:
-                    self.stats.ignored += 1
+                    ignored += 1
                     results.append((fut, None))
                     continue
             if seq + 1 >= SEQ_LIMIT:
@@ -278,7 +312,7 @@ class Sequencer:
             try:
                 frame = encode(event.kind, {**event.body, "seq": seq + 1})
             except Exception as exc:  # a body the encoder refuses fails only its own submit
-                self.stats.encode_errors += 1
+                encode_errors += 1
                 errors.append((fut, exc))
                 continue
             seq += 1
@@ -293,6 +327,8 @@ class Sequencer:
                     event.account.updated_at = now
                 accounts[event.account.did] = event.account
 
+        if epoch != self._epoch or not self._numbering.is_set() or base != self._next_high_water:
+            return None
         host_updates: dict[str, list[Any]] = {h: [c, now, 0] for h, c in cursors.items()}
         entries: dict[str, tuple[str | None, str | None]] = {}
         for did, state in accounts.items():
@@ -309,6 +345,8 @@ class Sequencer:
         self._overlay.update(entries)
         self._next_high_water = seq
         self._last_time = now
+        self.stats.ignored += ignored
+        self.stats.encode_errors += encode_errors
         batch = BatchWrite(
             expected_high_water=base,
             new_high_water=seq,
@@ -317,7 +355,7 @@ class Sequencer:
             host_updates={h: (u[0], u[1], u[2]) for h, u in host_updates.items()},
         )
         return _Prepared(
-            epoch=self._epoch,
+            epoch=epoch,
             batch=batch,
             items=items,
             sequenced=sequenced,
@@ -383,13 +421,11 @@ class Sequencer:
                 fut.set_exception(exc)
 
     def _fail_pending(self, exc: BaseException) -> None:
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except asyncio.QueueEmpty:
-                return
+        while self._pending:
+            item = self._pending.popleft()
             if item is not _STOP and not item[1].done():
                 item[1].set_exception(SequencerClosedError(f"sequencer stopped: {exc}"))
+        self._has_room.set()  # wake blocked enqueuers: they see the sequencer stopped
 
     @staticmethod
     def _fail_items(items: list[tuple[Any, asyncio.Future[Any]]], exc: BaseException) -> None:

@@ -12,6 +12,9 @@ For each backend, on a fresh schema (Postgres) or file (SQLite):
   (2,000 per page) right after it was written; ``<b>_replay_warm_events_per_s``: a second pass;
 * ``<b>_retention_delete_per_s``: ``trim`` of the whole window (batches of 5,000).
 
+* ``<b>_sequence_client_cpu_us_per_event`` / ``pg_sequence_server_cpu_us_per_event``: CPU time per
+  sequenced event in this process and in the Postgres backends — unlike the rates, these hardly
+  depend on what else the shared machine is running;
 * ``pg_copy_only_events_per_s``: context only — bare binary COPY of the same frames into a scratch
   table, i.e. what this machine's Postgres can absorb at all at that moment.
 
@@ -95,12 +98,21 @@ async def bench_backend(name: str, store: Store, events: list[PendingEvent], bat
 
     seq = Sequencer(store, noop_publish, max_batch=batch, max_delay=0.002, max_pending=50_000)
     await seq.start()
+    backends = await backend_pids(store, seq)
+    cpu0, server0 = time.process_time(), sum(map(process_cpu, backends))
     t0 = time.perf_counter()
     futures = [await seq.enqueue(e) for e in events]
-    await asyncio.gather(*futures)
+    for future in futures:  # like an upstream subscriber awaiting its acks in order
+        await future
     elapsed = time.perf_counter() - t0
+    cpu1, server1 = time.process_time(), sum(map(process_cpu, backends))
     await seq.close()
     results[f"{name}_sequence_events_per_s"] = len(events) / elapsed
+    # CPU spent per event, independent of how busy the shared machine is: this process (batching,
+    # encoding, drivers; SQLite's own work included) and, on Postgres, the server backends.
+    results[f"{name}_sequence_client_cpu_us_per_event"] = (cpu1 - cpu0) / len(events) * 1e6
+    if backends:
+        results[f"{name}_sequence_server_cpu_us_per_event"] = (server1 - server0) / len(events) * 1e6
     print(f"# {name}: sequenced {len(events)} in {elapsed:.2f}s, {seq.stats.batches} batches", flush=True)
 
     # First replay right after writing (Postgres still sets hint bits), then a warm one.
@@ -126,6 +138,22 @@ async def bench_backend(name: str, store: Store, events: list[PendingEvent], bat
     assert deleted == len(events), deleted
     results[f"{name}_retention_delete_per_s"] = deleted / elapsed
     return results
+
+
+def process_cpu(pid: int) -> float:
+    """User + system CPU seconds of a local process (a Postgres backend), from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def backend_pids(store: Store, seq: Sequencer) -> list[int]:
+    """Server pids of the writer connection and the (single) pool connection, on Postgres."""
+    if not isinstance(store, PostgresStore):
+        return []
+    async with store._pool.acquire() as conn:
+        reader = conn.get_server_pid()
+    return [seq._lease._conn.get_server_pid(), reader]  # type: ignore[union-attr]
 
 
 async def copy_ceiling(store: PostgresStore, events: list[PendingEvent]) -> float:
@@ -168,7 +196,7 @@ async def main() -> None:
     results: dict[str, float] = {}
     if args.backend in ("pg", "both"):
         schema = f"bench_store_{os.getpid()}"
-        store = await open_store(args.pg_dsn, schema=schema)
+        store = await open_store(args.pg_dsn, schema=schema, pool_size=1)
         try:
             results |= await bench_backend("pg", store, events, args.batch)
         finally:

@@ -297,3 +297,46 @@ async def test_lost_postgres_connection_is_recovered(pg_target: StoreTarget) -> 
     stored = [e.seq for e in await store.read_after(0)]
     assert stored == list(range(1, len(stored) + 1)) and stored[-1] == later.seq
     await store.close()
+
+
+async def test_backpressure_keeps_order(store: Store) -> None:
+    published = Collector()
+    async with Sequencer(store, published, max_batch=4, max_pending=5) as seq:
+        futures = await asyncio.wait_for(
+            asyncio.gather(*(seq.enqueue(commit_event(n)) for n in range(1, 41))), 30
+        )
+        results = await asyncio.wait_for(asyncio.gather(*futures), 30)
+    assert [r.seq for r in results if r] == list(range(1, 41))
+    upstream = [decode_frame(e.frame)[1]["upstream"] for e in published.events]
+    assert upstream == list(range(1, 41))
+
+
+async def test_enqueuer_blocked_on_a_full_queue_is_released_by_close(store: Store) -> None:
+    gate = asyncio.Event()
+
+    async def slow_publish(events: list[SequencedEvent]) -> None:
+        await gate.wait()
+
+    seq = Sequencer(store, slow_publish, max_batch=1, max_pending=1, max_delay=0)
+    await seq.start()
+    try:
+        first = await seq.enqueue(commit_event(1))
+        # The writer is stuck publishing event 1; a few more fill the pipeline, then one blocks.
+        blocked = None
+        for n in range(2, 12):
+            task = asyncio.create_task(seq.enqueue(commit_event(n)))
+            await asyncio.sleep(0.05)
+            if not task.done():
+                blocked = task
+                break
+        assert blocked is not None, "max_pending did not hold enqueuers back"
+        closing = asyncio.create_task(seq.close())
+        await asyncio.sleep(0.05)
+        gate.set()
+        await asyncio.wait_for(closing, 10)
+        assert (await first) is not None
+        with pytest.raises(SequencerClosedError):
+            await asyncio.wait_for(blocked, 10)
+    finally:
+        gate.set()
+        await seq.close()
