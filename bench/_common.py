@@ -145,12 +145,16 @@ def metric_sum(text: str, name: str, **labels: str) -> float:
 
 @contextlib.asynccontextmanager
 async def relay(plc_url: str, *, database_url: str | None = None, extra: list[str] | None = None,
-                env: dict[str, str] | None = None) -> AsyncIterator[RelayProc]:
-    """Start ``relay serve`` on an ephemeral port (SQLite in a temp dir unless ``database_url``)."""
+                env: dict[str, str] | None = None, profile: str | None = None) -> AsyncIterator[RelayProc]:
+    """Start ``relay serve`` on an ephemeral port (SQLite in a temp dir unless ``database_url``).
+
+    With ``profile`` the relay's main process runs under cProfile and writes its stats there.
+    """
     workdir = tempfile.TemporaryDirectory(prefix="relay-bench-")
     db = database_url or str(Path(workdir.name) / "relay.sqlite")
     log_path = Path(workdir.name) / "relay.log"
-    args = [sys.executable, "-m", "relay.cli", "serve", "--bind", "127.0.0.1:0", "--database-url", db,
+    prof = ["-m", "cProfile", "-o", profile] if profile else []
+    args = [sys.executable, *prof, "-m", "relay.cli", "serve", "--bind", "127.0.0.1:0", "--database-url", db,
             "--plc-url", plc_url, "--handle-resolver-url", plc_url, "--allow-insecure-hosts", "true",
             "--default-account-limit", "10000000", "--new-hosts-per-day", "100000", "--log-level", "info",
             *(extra or [])]

@@ -35,7 +35,8 @@ from relay.sim import SimConfig, SimFleet  # noqa: E402
 
 
 async def run_ingest(*, hosts: int, accounts: int, commits: int, db: str, prefix: str = "ingest",
-                     workers: int | None = None, fleet_config: SimConfig | None = None) -> dict[str, float]:
+                     workers: int | None = None, fleet_config: SimConfig | None = None,
+                     profile: str | None = None) -> dict[str, float]:
     """One ingest measurement; returns the figures (also printed as RESULT lines)."""
     cfg = fleet_config or SimConfig(hosts=hosts, accounts_per_host=accounts, seed=1)
     fleet = SimFleet(cfg)
@@ -54,7 +55,7 @@ async def run_ingest(*, hosts: int, accounts: int, commits: int, db: str, prefix
         database_url = f"{PG_DSN}?schema={schema}"
     extra = [] if workers is None else ["--validation-workers", str(workers)]
     try:
-        async with relay(fleet.plc_url, database_url=database_url, extra=extra) as r:
+        async with relay(fleet.plc_url, database_url=database_url, extra=extra, profile=profile) as r:
             consumer = CountingConsumer(r.ws_url).start()
             await asyncio.wait_for(consumer.connected.wait(), 30)
             await r.crawl([h.hostname for h in fleet.hosts])
@@ -161,11 +162,18 @@ def main() -> int:
     p.add_argument("--db", choices=["sqlite", "postgres"], default="sqlite")
     p.add_argument("--workers", type=int, default=None, help="relay --validation-workers")
     p.add_argument("--skip-sim-capacity", action="store_true")
+    p.add_argument("--profile", default=None, help="run the relay's main process under cProfile, stats here")
     a = p.parse_args()
     if not a.skip_sim_capacity:
         asyncio.run(sim_capacity(5_000 if a.quick else 20_000))
     commits = a.commits or (8_000 if a.quick else 60_000)
-    asyncio.run(run_ingest(hosts=a.hosts, accounts=a.accounts, commits=commits, db=a.db, workers=a.workers))
+    asyncio.run(run_ingest(hosts=a.hosts, accounts=a.accounts, commits=commits, db=a.db, workers=a.workers,
+                           profile=a.profile))
+    if a.profile:
+        import pstats
+
+        print("# relay main process, top functions by own time:", file=sys.stderr)
+        pstats.Stats(a.profile, stream=sys.stderr).sort_stats("tottime").print_stats(25)
     return 0
 
 
