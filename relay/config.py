@@ -64,6 +64,8 @@ SETTINGS: tuple[Setting, ...] = (
             "processes verifying commits in parallel (0 = in the event loop)", "int"),
     Setting("resync_workers", "RELAY_RESYNC_WORKERS", "--resync-workers", "4",
             "parallel repository resyncs", "int"),
+    Setting("identity_rate", "RELAY_IDENTITY_RATE", "--identity-rate", "200",
+            "DID resolutions per second (PLC / did:web), bursts up to 2.5x", "int"),
     Setting("handle_resolver_url", "RELAY_HANDLE_RESOLVER_URL", "--handle-resolver-url", "",
             "resolve handles via this service's com.atproto.identity.resolveHandle instead of "
             "https://HANDLE/.well-known/atproto-did"),
@@ -133,6 +135,7 @@ class RelayConfig:
     crawling_enabled: bool = True
     validation_workers: int = 2
     resync_workers: int = 4
+    identity_rate: int = 200
     handle_resolver_url: str = ""
     log_level: str = "info"
 

@@ -222,7 +222,7 @@ class TokenBucket:
         self._stamp = time.monotonic()
         self._lock = asyncio.Lock()
 
-    async def acquire(self, max_wait: float = 10.0) -> None:
+    async def acquire(self, max_wait: float = 30.0) -> None:
         """Wait for a token; raise ``IdentityError('rate_limited')`` past ``max_wait`` seconds."""
         async with self._lock:
             now = time.monotonic()

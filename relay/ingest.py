@@ -142,12 +142,26 @@ class Ingest:
         log.info("subscribing", extra=fields(host=host.hostname, cursor=cursor))
 
     async def _run_host(self, hostname: str, subscriber: HostSubscriber) -> None:
-        try:
-            await subscriber.run()
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("subscriber crashed", extra=fields(host=hostname))
+        """Run the host's subscriber; after an unexpected error (e.g. the database is briefly
+        unreachable) start a new one from the durable cursor, so the failed frame is re-read."""
+        delay = 1.0
+        while not self._closed:
+            try:
+                await subscriber.run()
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                self._count("host", "subscriber_error")
+                log.exception("subscriber failed; restarting from the durable cursor", extra=fields(host=hostname))
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 60.0)
+            run = self._runs.get(hostname)
+            if run is None or run.subscriber is not subscriber or self._closed:
+                return
+            subscriber = HostSubscriber(subscriber.host, self._make_on_frame(hostname), cursor=subscriber.cursor,
+                                        config=subscriber.config, on_cursor_reset=self._make_on_reset(hostname))
+            run.subscriber = subscriber
 
     async def stop_host(self, hostname: str) -> None:
         run = self._runs.pop(hostname, None)

@@ -103,7 +103,9 @@ class RelayService:
             self.bus = InProcessBus()
             cache = MemoryIdentityCache()
         self.identity = IdentityResolver(plc_url=config.plc_url, safe_client=self.safe, cache=cache,
-                                         metrics=self.metrics, handle_resolver_url=config.handle_resolver_url)
+                                         metrics=self.metrics, handle_resolver_url=config.handle_resolver_url,
+                                         rate=max(1.0, float(config.identity_rate)),
+                                         burst=max(1, int(config.identity_rate * 2.5)))
         self.broadcaster = Broadcaster(self.store, self.bus)
         if self.role != "fanout":
             self.sequencer = Sequencer(self.store, self.bus.publish, wait_for_lock=self.role == "ingest")
