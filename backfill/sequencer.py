@@ -18,6 +18,16 @@ cursor still advances).
 Exactly one sequencer may run per database (schema): ``start()`` takes the store's writer lease
 (Postgres advisory lock / SQLite flock) and raises ``SequencerLockedError`` if another holds it
 (or waits, with ``wait_for_lock=True``).
+
+Batch k+1 is deduplicated, numbered and encoded while batch k commits. If a commit fails (the
+database refused it or the connection was lost), that batch's submitters get the error, batches
+already numbered behind it get ``BatchAbortedError``, nothing of them is stored, and numbering
+resumes from the stored high-water mark (re-taking the lease if the connection died): callers
+simply resubmit, as an upstream subscriber does by resuming from its durable cursor.
+
+Host cursors only move forward here (``GREATEST``): ``upstream_seq`` must be a value up to which
+every upstream event of that host is sequenced, ignored or rejected (``advance_cursor`` covers
+frames that produce no event); ``Store.set_host_cursor`` resets a cursor.
 """
 
 from __future__ import annotations
