@@ -23,6 +23,7 @@ import random
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -81,17 +82,40 @@ def make_workload(accounts: int, commits: int, seed: int = 1) -> tuple[list[tupl
     return out, states
 
 
-async def run_validation(workers: int, work, states, now: float) -> tuple[float, float]:
-    """Returns (events per wall second, events per parent CPU second)."""
+async def run_validation(workers: int, work, states, now: float) -> tuple[float, float, float]:
+    """Returns (events per wall second, events per validating CPU second, cores used)."""
     async with ValidationPipeline(workers, max_in_flight=4096) as p:
         t0, c0 = time.perf_counter(), time.process_time()
         futs = [await p.submit(did, raw, states[did], key, now) for did, raw, key in work]
         verdicts = [await f for f in futs]
         dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+        if workers:
+            cpu = p.worker_cpu_s
     bad = [v for v in verdicts if v.kind != "accept"]
     if bad:
         raise SystemExit(f"benchmark workload not accepted: {bad[0]}")
-    return len(work) / dt, len(work) / cpu
+    return len(work) / dt, len(work) / cpu, cpu / dt
+
+
+def _spin(n: int) -> float:
+    x = 0
+    for i in range(n):
+        x += i * i
+    return float(x & 1)
+
+
+def control_speedup(n: int = 3_000_000) -> float:
+    """The same pure-Python loop in 1 and then 2 processes: the speed-up this machine gives a
+    perfectly parallel job right now (2.0 on two idle cores)."""
+    with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("forkserver")) as ex:
+        list(ex.map(_spin, [1000, 1000]))
+        t0 = time.perf_counter()
+        list(ex.map(_spin, [n]))
+        one = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        list(ex.map(_spin, [n, n]))
+        two = time.perf_counter() - t0
+    return 2 * one / two
 
 
 def bench_validation(args: argparse.Namespace) -> None:
@@ -103,16 +127,22 @@ def bench_validation(args: argparse.Namespace) -> None:
     now = time.time()
     results = {}
     cpu_rates = {}
+    cores = {}
     for workers in (0, 1, 2):
         runs = [asyncio.run(run_validation(workers, work, states, now)) for _ in range(args.repeat)]
-        results[workers] = max(r[0] for r in runs)
-        cpu_rates[workers] = max(r[1] for r in runs)
+        best = max(runs)
+        results[workers], cpu_rates[workers], cores[workers] = best
     print(f"# load average at end: {os.getloadavg()[0]:.2f} (shared machine: wall rates depend on it)")
-    print(f"RESULT validate_per_cpu_s_inline={cpu_rates[0]:.0f}")
+    for w, name in ((0, "inline"), (1, "1worker"), (2, "2workers")):
+        print(f"# {name}: {cpu_rates[w]:.0f} events per validating CPU-second, {cores[w]:.2f} cores actually used")
+    print(f"RESULT validate_per_cpu_s={cpu_rates[2]:.0f}")
+    print(f"RESULT validate_cores_used_2workers={cores[2]:.2f}")
     print(f"RESULT validate_per_s_inline={results[0]:.0f}")
     print(f"RESULT validate_per_s_1worker={results[1]:.0f}")
     print(f"RESULT validate_per_s_2workers={results[2]:.0f}")
     print(f"RESULT validate_speedup_2v1={results[2] / results[1]:.2f}")
+    control = control_speedup()
+    print(f"RESULT control_spin_speedup_2v1={control:.2f}  # what the machine gives a perfectly parallel loop now")
 
 
 # ---------------------------------------------------------------------------------------------
