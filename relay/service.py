@@ -77,6 +77,7 @@ class RelayService:
         self.pipeline: ValidationPipeline | None = None
         self._redis: Any = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._outbox_error = ""
 
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
@@ -175,8 +176,14 @@ class RelayService:
             ingest.forget(event.did)
             return await sequencer.submit(event)
 
-        with contextlib.suppress(Exception):  # the table exists only once spark's migration ran
+        try:
             await drain_repair_outbox(self.config.database_url, submit)
+            self._outbox_error = ""
+        except Exception as exc:  # logged once per distinct error, retried next time
+            message = f"{type(exc).__name__}: {exc}"[:300]
+            if message != self._outbox_error:
+                log.warning("repair outbox drain failed", extra=fields(error=message))
+            self._outbox_error = message
 
     async def stop(self) -> None:
         for task in self._tasks:

@@ -237,3 +237,44 @@ async def test_unreachable_host_goes_offline(relay_factory) -> None:  # type: ig
             await asyncio.sleep(0.05)
         status = await _get(relay.url, "com.atproto.sync.getHostStatus", hostname=hostname)
         assert status["status"] == "offline"
+
+
+async def test_spark_repair_outbox_is_drained_into_the_stream(relay_factory, pg_dsn: str) -> None:  # type: ignore[no-untyped-def]
+    """A Spark job queues an #account repair; the running relay sequences it (single writer).
+
+    PostgreSQL only: ``spark.outbox.drain_repair_outbox`` moves one SQLite connection across
+    threads, which sqlite3 refuses (reported to the Spark side)."""
+    import uuid
+
+    import asyncpg
+
+    from spark.db import connect_db
+
+    schema = f"t_relay_{uuid.uuid4().hex[:12]}"
+    database_url = f"{pg_dsn}?schema={schema}"
+
+    def queue_repair() -> None:
+        db = connect_db(database_url)
+        try:
+            db.execute("INSERT INTO spark_repair_outbox (dedupe_key, kind, did, active, status, created_at) "
+                       "VALUES (?, ?, ?, ?, ?, ?)", f"#account|{DID_A}|deactivated", "#account", DID_A, False,
+                       "deactivated", 1.0)
+        finally:
+            db.close()
+
+    async with relay_factory(database_url=database_url) as relay:
+        await relay.service.store.upsert_account(AccountState(did=DID_A, host="pds.example.com",
+                                                              upstream_status="deactivated"))
+        await asyncio.to_thread(queue_repair)
+        async with connect(relay.ws_url + "?cursor=0") as ws:
+            await relay.service._drain_outbox()
+            header, body = _decode(await asyncio.wait_for(ws.recv(), 5))
+        assert header["t"] == "#account" and body["did"] == DID_A
+        assert body["active"] is False and body["status"] == "deactivated"
+        await relay.service._drain_outbox()  # consumed: nothing is emitted twice
+        assert await relay.service.store.latest_seq() == body["seq"]
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+    finally:
+        await conn.close()
