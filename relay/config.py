@@ -46,7 +46,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("admin_token", "RELAY_ADMIN_TOKEN", "--admin-token", "",
             "Bearer token for /admin/ (admin API is off when empty)"),
     Setting("allow_insecure_hosts", "RELAY_ALLOW_INSECURE_HOSTS", "--allow-insecure-hosts", "false",
-            "allow ws:// / http:// upstreams, host:port names and loopback/private addresses (testing)",
+            "allow ws:// / http:// upstreams, host:port names and loopback/private addresses; "
+            "loopback hosts are then not rate-limited (local testing only)",
             "bool"),
     Setting("replay_window", "RELAY_REPLAY_WINDOW", "--replay-window", "72h",
             "how long events are kept for cursor replay (e.g. 72h, 30m, 3d)", "duration"),
