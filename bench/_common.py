@@ -94,6 +94,20 @@ def rss_bytes(pids: list[int]) -> int:
     return total
 
 
+def pids_named(name: str) -> list[int]:
+    """Processes whose ``comm`` is ``name`` (e.g. the PostgreSQL backends)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/comm") as fh:
+                    if fh.read().strip() == name:
+                        out.append(int(d))
+            except OSError:
+                continue
+    return out
+
+
 def self_cpu() -> float:
     t = os.times()
     return t.user + t.system

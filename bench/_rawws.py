@@ -1,8 +1,8 @@
 """A minimal, cheap WebSocket *receiver* for benchmarks (many consumers in one process).
 
 Only what a firehose consumer needs: the client handshake, then unmasked server frames parsed
-straight from the TCP stream (no per-message objects beyond the payload). Control frames are
-skipped; a close frame ends the stream. This keeps the consumers' own CPU small so the figures
+straight from the TCP stream (no per-message objects beyond the payload). Pings are answered
+with pongs, other control frames skipped; a close frame ends the stream. This keeps the consumers' own CPU small so the figures
 describe the server, not the load generator.
 """
 
@@ -14,6 +14,12 @@ import os
 import time
 from collections.abc import Callable
 from urllib.parse import urlsplit
+
+
+def _pong(payload: bytes) -> bytes:
+    mask = os.urandom(4)
+    masked = bytes(b ^ mask[i % 4] for i, b in enumerate(payload[:125]))
+    return bytes([0x8A, 0x80 | len(masked)]) + mask + masked
 
 
 async def subscribe(url: str, on_message: Callable[[bytes, float], None], *,
@@ -75,7 +81,11 @@ async def subscribe(url: str, on_message: Callable[[bytes, float], None], *,
                 payload = buf[pos + hdr:pos + hdr + length]
                 pos += hdr + length
                 if opcode == 8:
-                    return "closed:" + str(int.from_bytes(payload[:2], "big") if len(payload) >= 2 else 0)
+                    code = int.from_bytes(payload[:2], "big") if len(payload) >= 2 else 0
+                    return f"closed:{code}:{payload[2:].decode(errors='replace')[:60]}"
+                if opcode == 9:  # ping: answer with a (masked, as a client must) pong
+                    writer.write(_pong(payload))
+                    continue
                 if opcode in (1, 2, 0):
                     frag.append(payload)
                     if b0 & 0x80:

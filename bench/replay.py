@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import PG_DSN, load_average, note, relay, result  # noqa: E402
+from bench._common import PG_DSN, cpu_seconds, load_average, note, pids_named, relay, result, self_cpu  # noqa: E402
 
 
 def template_bodies(n: int) -> list[tuple[str, dict]]:
@@ -105,6 +105,8 @@ async def run(events: int, schema: str) -> None:
                 stop.set()
 
         cpu0 = r.cpu()
+        pg = pids_named("postgres")
+        pg0, me0 = cpu_seconds(pg), self_cpu()
         t0 = time.perf_counter()
         task = asyncio.create_task(subscribe(r.ws_url + "?cursor=1", on_message, stop=stop))
         seen, last_t = 0, time.monotonic()
@@ -116,6 +118,7 @@ async def run(events: int, schema: str) -> None:
                 break
         wall = time.perf_counter() - t0
         cpu = r.cpu() - cpu0
+        pg_cpu, me_cpu = cpu_seconds(pg) - pg0, self_cpu() - me0
         stop.set()
         ended = await task
     result("replay_events", count[0])
@@ -123,6 +126,8 @@ async def run(events: int, schema: str) -> None:
     result("replay_mb_per_s", nbytes[0] / wall / 1e6)
     result("replay_time_to_first_event_ms", (first[0] - t0) * 1000 if first[0] else float("nan"))
     result("replay_relay_cpu_cores", cpu / wall)
+    result("replay_postgres_cpu_cores", pg_cpu / wall)
+    result("replay_consumer_cpu_cores", me_cpu / wall)
     result("replay_load_average", load_average())
     end = str(ended)
     if last[0] and count[0] < events:
