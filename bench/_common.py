@@ -144,8 +144,13 @@ class RelayProc:
                 r.raise_for_status()
 
     async def metrics(self) -> str:
-        async with httpx.AsyncClient(base_url=self.url, timeout=10) as http:
-            return (await http.get("/metrics")).text
+        """The relay's Prometheus text ("" if it does not answer within a minute)."""
+        try:
+            async with httpx.AsyncClient(base_url=self.url, timeout=60) as http:
+                return (await http.get("/metrics")).text
+        except httpx.HTTPError as exc:
+            note(f"metrics unavailable: {exc!r}")
+            return ""
 
 
 def metric_sum(text: str, name: str, **labels: str) -> float:
