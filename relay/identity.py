@@ -252,6 +252,10 @@ class IdentityResolver:
         self.handle_resolver_url = handle_resolver_url.rstrip("/")
         self._trusted = httpx.AsyncClient(timeout=timeout, headers={"user-agent": "atproto-relay (python)"})
         self._inflight: dict[str, asyncio.Future[Identity]] = {}
+        self._resolved_at: OrderedDict[str, float] = OrderedDict()
+        #: (handle, did) → expiry of a successful bidirectional check
+        self._handles_ok: OrderedDict[tuple[str, str], float] = OrderedDict()
+        self.handle_ttl = 60.0
 
     async def aclose(self) -> None:
         await self._trusted.aclose()
@@ -260,8 +264,16 @@ class IdentityResolver:
         if self.metrics is not None:
             getattr(self.metrics, metric).labels(result=result).inc()
 
-    async def resolve(self, did: str, *, fresh: bool = False) -> Identity:
-        """The identity of ``did``; ``fresh`` bypasses (and refreshes) the cache."""
+    async def resolve(self, did: str, *, fresh: bool = False, max_age: float = 0.0) -> Identity:
+        """The identity of ``did``; ``fresh`` bypasses (and refreshes) the cache, unless this
+        process resolved it from the network less than ``max_age`` seconds ago."""
+        if fresh and max_age > 0:
+            stamp = self._resolved_at.get(did)
+            if stamp is not None and time.monotonic() - stamp < max_age:
+                cached = await self.cache.get(did)
+                if cached is not None:
+                    self._count("identity_cache", "recent")
+                    return cached
         if not fresh:
             cached = await self.cache.get(did)
             if cached is not None:
@@ -282,6 +294,10 @@ class IdentityResolver:
         else:
             future.set_result(identity)
             await self.cache.put(identity)
+            self._resolved_at[did] = time.monotonic()
+            self._resolved_at.move_to_end(did)
+            while len(self._resolved_at) > 100_000:
+                self._resolved_at.popitem(last=False)
             return identity
         finally:
             self._inflight.pop(did, None)
@@ -336,7 +352,22 @@ class IdentityResolver:
             raise IdentityError("bad_did_document", f"{url}: not JSON") from None
 
     async def verify_handle(self, handle: str, did: str) -> bool:
-        """True when ``handle`` resolves back to ``did`` (bidirectional verification)."""
+        """True when ``handle`` resolves back to ``did`` (bidirectional verification).
+
+        Successful checks are remembered for ``handle_ttl`` seconds."""
+        key = (handle, did)
+        expiry = self._handles_ok.get(key)
+        if expiry is not None and expiry > time.monotonic():
+            return True
+        ok = await self._check_handle(handle, did)
+        if ok:
+            self._handles_ok[key] = time.monotonic() + self.handle_ttl
+            self._handles_ok.move_to_end(key)
+            while len(self._handles_ok) > 100_000:
+                self._handles_ok.popitem(last=False)
+        return ok
+
+    async def _check_handle(self, handle: str, did: str) -> bool:
         try:
             if self.handle_resolver_url:
                 resp = await self._trusted.get(

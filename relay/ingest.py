@@ -72,6 +72,7 @@ class _Item:
     signing_key: str | None = None
     verdict: asyncio.Future[Any] | None = None
     event: PendingEvent | None = None
+    prep: asyncio.Task[None] | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -99,6 +100,7 @@ class Ingest:
         self.backoff_base = 1.0
         self.max_in_flight_per_host = max_in_flight_per_host
         self._queues: dict[str, asyncio.Queue[_Item]] = {}
+        self._did_tails: dict[str, asyncio.Task[None]] = {}
         self._drainers: dict[str, asyncio.Task[None]] = {}
         self.resync: Callable[[str, str | None], Awaitable[None]] | None = None
         self._runs: dict[str, _HostRun] = {}
@@ -256,11 +258,6 @@ class Ingest:
         """Drop the in-memory state (after an out-of-band change, e.g. a Spark repair)."""
         self._states.pop(did, None)
 
-    async def _host_account_count(self, hostname: str) -> int:
-        if hostname not in self._host_counts:
-            self._host_counts[hostname] = await self.store.count_accounts(hostname)
-        return self._host_counts[hostname]
-
     # -- per frame ------------------------------------------------------------------------
     def _count(self, kind: str, reason: str) -> None:
         self.metrics.verdicts.labels(kind=kind, reason=reason).inc()
@@ -275,31 +272,52 @@ class Ingest:
         return queue
 
     async def handle(self, hostname: str, uf: UpstreamFrame) -> None:
-        """Judge one upstream frame; never raises for bad input (it is counted instead).
+        """Take one upstream frame; never raises for bad input (it is counted instead).
 
-        Identity, host binding and account admission happen here, in upstream order; the
-        cryptographic validation runs in the pipeline (other processes) and the results are
-        applied by the host's drainer in the same order.
+        Frames leave in upstream order (the host's reorder queue). The work before validation —
+        identity resolution, host binding, account admission, ``#identity``/``#account``
+        handling — runs as one task per frame, chained per account (an account's frames are
+        prepared in order; different accounts proceed concurrently, so a slow DID resolution
+        does not hold up the whole host). Validation itself runs in the pipeline.
         """
         kind = uf.frame.t or ""
         self.metrics.events_in.labels(host=hostname, type=kind).inc()
         item = _Item(hostname, uf, kind, time.monotonic())
-        body = uf.frame.body
-        did = _did_of(kind, body)
+        did = _did_of(kind, uf.frame.body)
+        if did is None:
+            self._count("reject", "bad_did")
+        elif kind not in ("#commit", "#sync", "#identity", "#account"):
+            self._count("ignore", "unknown_type")
+        else:
+            previous = self._did_tails.get(did)
+            task = asyncio.create_task(self._prepare(item, did, previous))
+            self._did_tails[did] = task
+            task.add_done_callback(self._release_tail(did))
+            item.prep = task
+        await self._queue_for(hostname).put(item)
+
+    def _release_tail(self, did: str) -> Callable[[asyncio.Task[None]], None]:
+        def done(task: asyncio.Task[None]) -> None:
+            if self._did_tails.get(did) is task:
+                del self._did_tails[did]
+
+        return done
+
+    async def _prepare(self, item: _Item, did: str, previous: asyncio.Task[None] | None) -> None:
+        if previous is not None:
+            await asyncio.wait([previous])
         try:
-            if did is None:
-                self._count("reject", "bad_did")
-            elif kind in ("#commit", "#sync"):
+            if item.kind in ("#commit", "#sync"):
                 await self._prepare_repo_event(item, did)
-            elif kind == "#identity":
-                item.event = await self._identity_event(hostname, did, uf)
-            elif kind == "#account":
-                item.event = await self._account_event(hostname, did, uf)
+            elif item.kind == "#identity":
+                item.event = await self._identity_event(item.hostname, did, item.uf)
             else:
-                self._count("ignore", "unknown_type")
+                item.event = await self._account_event(item.hostname, did, item.uf)
         except IdentityError as exc:
             self._count("reject", f"identity_{exc.reason}")
-        await self._queue_for(hostname).put(item)
+        except Exception:  # never let one frame stop the host; counted and logged
+            self._count("reject", "internal_error")
+            log.exception("preparing a frame failed", extra=fields(host=item.hostname, did=did))
 
     async def _prepare_repo_event(self, item: _Item, did: str) -> None:
         hostname = item.hostname
@@ -325,6 +343,8 @@ class Ingest:
         while True:
             item = await queue.get()
             try:
+                if item.prep is not None:
+                    await item.prep
                 event = item.event
                 if item.verdict is not None:
                     verdict = await item.verdict
@@ -393,7 +413,11 @@ class Ingest:
             return state
         host = await self.store.get_host(hostname)
         limit = self.hosts.account_limit(host) if host is not None else self.config.default_account_limit
-        count = await self._host_account_count(hostname)
+        if hostname not in self._host_counts:
+            loaded = await self.store.count_accounts(hostname)
+            self._host_counts.setdefault(hostname, loaded)
+        # check and count with no await in between: accounts are admitted concurrently
+        count = self._host_counts[hostname]
         self._host_counts[hostname] = count + 1
         if limit is not None and count >= limit:
             held = AccountState(did=did, host=hostname, sync_state="throttled", updated_at=time.time())
@@ -488,7 +512,7 @@ class Ingest:
             return None
         # Status changes are rare and decisive: check the binding against a fresh DID document
         # (a cached one would let a host the account just left deactivate it).
-        ident = await self.identity.resolve(did, fresh=True)
+        ident = await self.identity.resolve(did, fresh=True, max_age=5.0)
         if ident.pds_hostname != hostname:
             self._count("reject", "wrong_host")
             return None
