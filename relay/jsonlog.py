@@ -44,6 +44,8 @@ def setup_logging(level: str = "info") -> None:
         lg.handlers[:] = []
         lg.propagate = True
     logging.getLogger("uvicorn.access").setLevel("WARNING")
+    for noisy in ("httpx", "httpcore", "websockets.client", "websockets.server"):
+        logging.getLogger(noisy).setLevel("WARNING")  # one line per request/connection otherwise
 
 
 def fields(**kv: object) -> dict[str, dict[str, object]]:
