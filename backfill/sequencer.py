@@ -6,7 +6,8 @@ each batch, in one transaction:
 
 * assigns consecutive seq numbers after the stored high-water mark (strictly increasing, in
   [1, 2**53), never reused: the mark lives in ``relay_meta`` and the write is conditional on it);
-* stores each event's wire frame — ``frame_encoder(kind, {**body, "seq": seq})``, encoded once;
+* stores each event's wire frame — ``frame_encoder(kind, {**body, "seq": seq})``, encoded once
+  (or, for a ``PendingEvent`` carrying ``body_cbor``, ``seq`` spliced into those bytes);
 * upserts the accounts' state and advances the hosts' upstream cursors.
 
 Only after the commit does it ``await publish(events)`` (the bus) and resolve the submitters'
@@ -47,6 +48,7 @@ from backfill.errors import (
     SequencerConflictError,
     SequencerLockedError,
 )
+from backfill.framing import frame_header, splice_seq
 from backfill.store import SEQ_LIMIT, BatchWrite, Store, WriterLease, host_count_deltas
 from backfill.types import AccountState, PendingEvent, SequencedEvent
 
@@ -173,9 +175,16 @@ class Sequencer:
         """Queue ``event`` (waiting for room when ``max_pending`` are queued) and return the
         future that ``submit`` would await. Lets one caller keep many events in flight while
         preserving its order."""
-        await self._check_open()
+        if self._task is None or self._failure is not None or self._closed:
+            await self._check_open()
         fut: asyncio.Future[SequencedEvent | None] = asyncio.get_running_loop().create_future()
-        await self._put((event, fut))
+        pending = self._pending
+        if len(pending) < self.max_pending and not self._stopped:
+            pending.append((event, fut))  # fast path: no coroutine hop per event
+            if not self._has_items.is_set():
+                self._has_items.set()
+        else:
+            await self._put((event, fut))
         return fut
 
     async def submit(self, event: PendingEvent) -> SequencedEvent | None:
@@ -258,10 +267,17 @@ class Sequencer:
 
     async def _prepare(self, items: list[tuple[Any, asyncio.Future[Any]]]) -> _Prepared | None:
         """Dedupe, number and encode one batch (no writes). Returns None if the batch failed."""
-        dids = {
-            item.did for item, _ in items if isinstance(item, PendingEvent) and (item.rev or item.account)
-        }
-        dids |= {item.account.did for item, _ in items if isinstance(item, PendingEvent) and item.account}
+        dids: set[str] = set()
+        add = dids.add
+        for item, _ in items:
+            if item.__class__ is _CursorOnly:
+                continue
+            account = item.account
+            if account is not None:
+                add(account.did)
+                add(item.did)
+            elif item.rev:
+                add(item.did)
         while True:
             await self._numbering.wait()  # not while a failed commit is being recovered
             epoch = self._epoch
@@ -296,6 +312,7 @@ class Sequencer:
         errors: list[tuple[asyncio.Future[Any], BaseException]] = []
         accounts: dict[str, AccountState] = {}
         cursors: dict[str, int] = {}
+        revved: set[str] = set()  # dids whose rev advanced in this batch
         ignored = encode_errors = 0
         encode = self.frame_encoder
 
@@ -308,8 +325,10 @@ class Sequencer:
                 results.append((fut, None))
                 continue
             event: PendingEvent = item
-            if event.host is not None and event.upstream_seq is not None:
-                cursors[event.host] = max(cursors.get(event.host, 0), event.upstream_seq)
+            upstream_seq = event.upstream_seq
+            if upstream_seq is not None and event.host is not None:
+                if upstream_seq > cursors.get(event.host, 0):
+                    cursors[event.host] = upstream_seq
             if event.rev is not None:
                 previous = last_rev.get(event.did)
                 if previous is not None and event.rev <= previous:
@@ -320,7 +339,11 @@ class Sequencer:
                 errors.append((fut, SeqExhaustedError("seq would reach 2**53")))
                 continue
             try:
-                frame = encode(event.kind, {**event.body, "seq": seq + 1})
+                body_cbor = event.body_cbor
+                if body_cbor is None:
+                    frame = encode(event.kind, {**event.body, "seq": seq + 1})
+                else:  # pre-encoded by the producer: splice seq in, no re-encoding
+                    frame = splice_seq(body_cbor, seq + 1, frame_header(event.kind), event.seq_offset)
             except Exception as exc:  # a body the encoder refuses fails only its own submit
                 encode_errors += 1
                 errors.append((fut, exc))
@@ -328,6 +351,7 @@ class Sequencer:
             seq += 1
             if event.rev is not None:
                 last_rev[event.did] = event.rev
+                revved.add(event.did)
             rows.append((seq, event.did, event.kind, now, frame))
             done = SequencedEvent(seq, event.did, event.kind, now, frame)
             sequenced.append(done)
@@ -343,13 +367,15 @@ class Sequencer:
         entries: dict[str, tuple[str | None, str | None]] = {}
         for did, state in accounts.items():
             head = heads.get(did)
-            for host, delta in host_count_deltas(
-                head is not None, head[0] if head else None, state.host
-            ).items():
-                host_updates.setdefault(host, [None, None, 0])[2] += delta
+            if head is None or head[0] != state.host:  # new account, or it moved host
+                for host, delta in host_count_deltas(
+                    head is not None, head[0] if head else None, state.host
+                ).items():
+                    host_updates.setdefault(host, [None, None, 0])[2] += delta
             entries[did] = (state.host, state.rev if state.rev is not None else last_rev.get(did))
-        for did, rev in last_rev.items():
-            if did not in entries and rev is not None and (did not in heads or heads[did][1] != rev):
+        for did in revved:  # events with a rev but no account state
+            rev = last_rev[did]
+            if did not in entries and (did not in heads or heads[did][1] != rev):
                 entries[did] = (heads[did][0] if did in heads else None, rev)
         # Later batches must see this one's accounts before it is committed.
         self._overlay.update(entries)

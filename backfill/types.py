@@ -54,7 +54,12 @@ class PendingEvent:
     """A verified event waiting for a ``seq``.
 
     ``body`` is the message body without ``seq``; the sequencer adds ``seq`` and encodes the
-    frame exactly once. ``account`` (when given) is the account state to persist in the same
+    frame exactly once. Alternatively ``body_cbor`` carries that body already encoded as
+    canonical DAG-CBOR (without ``seq``), optionally with ``seq_offset``, the byte offset where
+    the ``seq`` entry belongs (both from ``backfill.framing.encode_unsequenced``); the sequencer
+    then splices ``seq`` into those bytes (``backfill.framing.splice_seq``) and does not read
+    ``body`` (which may be left empty); the frame header is the standard ``{op: 1, t: kind}``,
+    whatever ``frame_encoder`` the sequencer was given. ``account`` (when given) is the account state to persist in the same
     transaction. ``host``/``upstream_seq`` advance that host's upstream cursor in the same
     transaction. ``rev`` (with ``did``) identifies re-deliveries of an already sequenced commit.
     """
@@ -66,6 +71,8 @@ class PendingEvent:
     account: AccountState | None = None
     host: str | None = None
     upstream_seq: int | None = None
+    body_cbor: bytes | None = None
+    seq_offset: int | None = None
 
 
 @dataclass(slots=True)

@@ -1,0 +1,259 @@
+"""Byte-level framing for the sequencer: put ``seq`` into a body that is already encoded.
+
+A producer (e.g. a validation worker, in another process) can hand the sequencer a message body
+as canonical DAG-CBOR *without* ``seq`` (``PendingEvent.body_cbor``), ideally with the byte offset
+where ``seq`` belongs (``PendingEvent.seq_offset``, from ``encode_unsequenced``); the sequencer
+then only inserts the ``"seq": n`` entry — no re-encoding of the 2–4 KB body in the
+single-writer process.
+
+Canonical DAG-CBOR map keys are text strings sorted length-first, then bytewise, so ``seq`` goes
+after the keys shorter than three bytes and the three-byte keys below ``b"seq"`` (``ops``,
+``rev``, ``did``). Without an offset, ``splice_seq`` finds the spot by walking only those
+top-level entries (strings and scalars by their head; nested values such as ``ops`` by cbrrr's
+C decoder with CIDs left as plain bytes), then inserts ``63 73 65 71 <uint>`` and rewrites the
+map header's entry count. The result is byte-for-byte what encoding the body dict with ``seq``
+added gives (tested against ``cbrrr`` with hypothesis).
+
+``without_seq`` is the inverse (drop the ``seq`` entry of an upstream body), and ``frame_header``
+the DAG-CBOR header ``{op: 1, t}``, so ``splice_seq(body, n, frame_header(t))`` is the frame
+``firehose.frames.encode_frame(t, {**body, "seq": n})`` would produce.
+
+Contract: the input must be one complete canonical DAG-CBOR map with text keys (as produced by
+``cbrrr.encode_dag_cbor`` or accepted by a canonical decoder). Malformed input raises
+``FramingError`` with a snake_case ``reason`` (``body_not_map``, ``truncated_body``,
+``seq_present``, ``bad_seq``, ``bad_offset``); nothing beyond the walked keys is validated.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any
+
+import cbrrr
+from cbrrr import _cbrrr
+
+__all__ = [
+    "FramingError",
+    "encode_uint",
+    "encode_unsequenced",
+    "frame_header",
+    "seq_offset",
+    "splice_seq",
+    "without_seq",
+]
+
+_SEQ_KEY = b"\x63seq"  # text(3) "seq"
+_SEQ_LIMIT = 2**53
+
+
+class FramingError(ValueError):
+    """A pre-encoded body the splicer cannot handle; ``reason`` is snake_case."""
+
+    def __init__(self, reason: str, message: str = "") -> None:
+        super().__init__(f"{reason}: {message}" if message else reason)
+        self.reason = reason
+
+
+@lru_cache(maxsize=64)
+def frame_header(t: str) -> bytes:
+    """The DAG-CBOR frame header ``{op: 1, t: t}`` (same bytes as ``firehose.frames``)."""
+    return cbrrr.encode_dag_cbor({"op": 1, "t": t})
+
+
+def _head(major: int, value: int) -> bytes:
+    """A minimal-length CBOR item head (major type + argument)."""
+    mt = major << 5
+    if value < 24:
+        return bytes((mt | value,))
+    if value < 0x100:
+        return bytes((mt | 24, value))
+    if value < 0x10000:
+        return bytes((mt | 25,)) + value.to_bytes(2, "big")
+    if value < 0x100000000:
+        return bytes((mt | 26,)) + value.to_bytes(4, "big")
+    return bytes((mt | 27,)) + value.to_bytes(8, "big")
+
+
+def encode_uint(value: int) -> bytes:
+    """Canonical DAG-CBOR encoding of a non-negative integer."""
+    return _head(0, value)
+
+
+def _arg(buf: bytes | memoryview, pos: int) -> tuple[int, int, int]:
+    """Read the head at ``pos``: ``(major, argument, position after the head)``."""
+    ib = buf[pos]
+    info = ib & 31
+    if info < 24:
+        return ib >> 5, info, pos + 1
+    if info == 24:
+        return ib >> 5, buf[pos + 1], pos + 2
+    if info == 25:
+        return ib >> 5, int.from_bytes(buf[pos + 1 : pos + 3], "big"), pos + 3
+    if info == 26:
+        return ib >> 5, int.from_bytes(buf[pos + 1 : pos + 5], "big"), pos + 5
+    if info == 27:
+        return ib >> 5, int.from_bytes(buf[pos + 1 : pos + 9], "big"), pos + 9
+    raise FramingError("body_not_map", f"indefinite or reserved length at byte {pos}")
+
+
+def _map_entries(body: bytes | memoryview) -> tuple[int, int]:
+    """``(entry count, position of the first key)`` of the map ``body``."""
+    if not body:
+        raise FramingError("truncated_body", "empty")
+    if body[0] >> 5 != 5:
+        raise FramingError("body_not_map", f"major type {body[0] >> 5}")
+    _, count, pos = _arg(body, 0)
+    return count, pos
+
+
+def _skip_value(view: memoryview, pos: int) -> int:
+    """Position after the value item at ``pos``: strings and scalars by their head, nested
+    items (the ``ops`` array, CIDs) by cbrrr's C decoder with a trivial CID constructor."""
+    ib = view[pos]
+    major = ib >> 5
+    info = ib & 31
+    if major == 2 or major == 3:
+        if info < 24:
+            return pos + 1 + info
+        _, arg, after = _arg(view, pos)
+        return after + arg
+    if major <= 1 or major == 7:
+        return _arg(view, pos)[2]
+    try:
+        return pos + _cbrrr.decode_dag_cbor(view[pos:], bytes, False)[1]
+    except Exception as exc:  # cbrrr raises several types for malformed input
+        raise FramingError("truncated_body", type(exc).__name__) from None
+
+
+def _seq_position(view: memoryview, count: int, pos: int) -> tuple[int, int]:
+    """Walk top-level keys sorting before ``"seq"``: ``(entries passed, their end position)``.
+
+    Raises ``seq_present`` if the map already has a ``seq`` key."""
+    size = len(view)
+    for index in range(count):
+        kb = view[pos]
+        if kb >> 5 != 3:
+            raise FramingError("body_not_map", "non-text key")
+        length = kb & 31
+        if length > 3:  # longer keys sort after "seq" (and >= 24 means longer still)
+            return index, pos
+        key_end = pos + 1 + length
+        if length == 3:
+            key = view[pos:key_end].tobytes()
+            if key == _SEQ_KEY:
+                raise FramingError("seq_present")
+            if key > _SEQ_KEY:
+                return index, pos
+        pos = _skip_value(view, key_end)
+        if pos > size:
+            raise FramingError("truncated_body")
+    return count, pos
+
+
+def seq_offset(body: bytes | memoryview) -> int:
+    """Byte offset in ``body`` (a canonical DAG-CBOR map without ``seq``) where the ``seq``
+    entry belongs (after the keys sorting before it)."""
+    view = memoryview(body)
+    try:
+        count, start = _map_entries(view)
+        return _seq_position(view, count, start)[1]
+    except IndexError:
+        raise FramingError("truncated_body") from None
+
+
+def _sorts_before_seq(key: str) -> bool:
+    """Canonical order compares UTF-8 bytes: length first, then bytewise."""
+    raw = key.encode()
+    return len(raw) < 3 or (len(raw) == 3 and raw < b"seq")
+
+
+def encode_unsequenced(body: dict[str, Any]) -> tuple[bytes, int]:
+    """Encode ``body`` (without ``seq``) for ``PendingEvent.body_cbor``, with the offset of the
+    ``seq`` entry (``PendingEvent.seq_offset``), for a producer that holds the dict anyway (a
+    validation worker): two C-level encodes instead of a Python walk of the bytes."""
+    if "seq" in body:
+        raise FramingError("seq_present")
+    encoded = cbrrr.encode_dag_cbor(body)
+    before = {k: v for k, v in body.items() if _sorts_before_seq(k)}
+    head = len(_head(5, len(body)))
+    if not before:
+        return encoded, head
+    return encoded, head + len(cbrrr.encode_dag_cbor(before)) - len(_head(5, len(before)))
+
+
+#: One-byte map heads ``a0``..``b7`` (0..23 entries), indexed by entry count.
+_SMALL_MAP_HEADS = [bytes((0xA0 + n,)) for n in range(24)]
+
+
+def _seq_entry(seq: int) -> bytes:
+    """``"seq": seq`` as canonical map-entry bytes (key, then minimal uint)."""
+    if seq < 24:
+        return _SEQ_KEY + bytes((seq,))
+    if seq < 0x100:
+        return _SEQ_KEY + b"\x18" + bytes((seq,))
+    if seq < 0x10000:
+        return _SEQ_KEY + b"\x19" + seq.to_bytes(2, "big")
+    if seq < 0x100000000:
+        return _SEQ_KEY + b"\x1a" + seq.to_bytes(4, "big")
+    return _SEQ_KEY + b"\x1b" + seq.to_bytes(8, "big")
+
+
+def splice_seq(body: bytes | memoryview, seq: int, prefix: bytes = b"", at: int | None = None) -> bytes:
+    """``prefix`` + ``body`` (a canonical DAG-CBOR map without ``seq``) with ``"seq": seq``
+    inserted at its canonical position — equal to ``prefix + encode({**decode(body), "seq": seq})``.
+
+    ``at`` is the insertion offset when the producer already knows it (``encode_unsequenced``);
+    otherwise the keys before it are walked (``seq_offset``). A wrong ``at`` gives a wrong frame:
+    it must come from ``encode_unsequenced``/``seq_offset`` of these very bytes.
+    """
+    if type(seq) is not int or not 0 <= seq < _SEQ_LIMIT:
+        raise FramingError("bad_seq", repr(seq))
+    if not body:
+        raise FramingError("truncated_body", "empty")
+    first = body[0]
+    if 0xA0 <= first < 0xB7:  # fast path: fewer than 23 entries, a one-byte head either way
+        count, start, head = first - 0xA0, 1, _SMALL_MAP_HEADS[first - 0x9F]
+    else:
+        try:
+            count, start = _map_entries(memoryview(body))
+        except IndexError:
+            raise FramingError("truncated_body") from None
+        head = _head(5, count + 1)
+    if at is None:
+        try:
+            at = _seq_position(memoryview(body), count, start)[1]
+        except IndexError:
+            raise FramingError("truncated_body") from None
+    elif not start <= at <= len(body):
+        raise FramingError("bad_offset", str(at))
+    return b"".join((prefix, head, body[start:at], _seq_entry(seq), memoryview(body)[at:]))
+
+
+def without_seq(body: bytes | memoryview) -> bytes:
+    """``body`` (a canonical DAG-CBOR map) without its top-level ``seq`` entry (unchanged bytes
+    if it has none) — e.g. an upstream body, ready for ``splice_seq`` with the relay's seq."""
+    view = memoryview(body)
+    try:
+        count, start = _map_entries(view)
+        size = len(view)
+        pos = start
+        for _index in range(count):
+            kb = view[pos]
+            if kb >> 5 != 3:
+                raise FramingError("body_not_map", "non-text key")
+            length = kb & 31
+            if length > 3:
+                break
+            key_end = pos + 1 + length
+            key = view[pos:key_end].tobytes()
+            value_end = _skip_value(view, key_end)
+            if value_end > size:
+                raise FramingError("truncated_body")
+            if key == _SEQ_KEY:
+                return b"".join((_head(5, count - 1), view[start:pos], view[value_end:]))
+            if length == 3 and key > _SEQ_KEY:
+                break
+            pos = value_end
+    except IndexError:
+        raise FramingError("truncated_body") from None
+    return bytes(body)
