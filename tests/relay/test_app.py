@@ -278,3 +278,32 @@ async def test_spark_repair_outbox_is_drained_into_the_stream(relay_factory, pg_
         await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
     finally:
         await conn.close()
+
+
+async def test_repo_status_desynchronized_while_resync_pending(relay_factory) -> None:  # type: ignore[no-untyped-def]
+    """The PLC is unreachable, so the repair cannot finish: the account reports desynchronized
+    and the failed attempt is counted, and the account is retried (still pending)."""
+    async with relay_factory(plc_url="http://127.0.0.1:9") as relay:
+        service = relay.service
+        assert service.ingest is not None and service.resync is not None
+        service.resync.retry_base = 30.0  # keep it pending for the duration of the test
+        state = AccountState(did=DID_A, host="pds.example.com", rev="3lmxjza3nva27", commit_cid=CID, data_cid=CID)
+        await service.store.upsert_account(state)
+        await service.ingest.mark_desynchronized(state, "pds.example.com")
+        status = await _get(relay.url, "com.atproto.sync.getRepoStatus", did=DID_A)
+        assert status == {"did": DID_A, "active": False, "status": "desynchronized"}
+        for _ in range(100):
+            text = await _metrics(relay.url)
+            if 'relay_resyncs_total{result="identity_resolution_failed"}' in text:
+                break
+            await asyncio.sleep(0.05)
+        assert 'relay_resyncs_total{result="identity_resolution_failed"} 1.0' in text
+        assert "relay_resync_queue 1.0" in text
+        repos = (await _get(relay.url, "com.atproto.sync.listRepos"))["repos"]
+        assert repos == [{"did": DID_A, "head": CID, "rev": "3lmxjza3nva27", "active": False,
+                          "status": "desynchronized"}]
+
+
+async def _metrics(base: str) -> str:
+    async with httpx.AsyncClient(base_url=base) as http:
+        return (await http.get("/metrics")).text
