@@ -14,8 +14,15 @@ order. For each frame:
   an account is being resynchronized are buffered and judged after the resync (``finish_resync``).
 * ``#identity``: the identity cache entry is purged and re-resolved; the handle is passed on only
   when it resolves back to the DID.
-* ``#account``: the upstream status is stored; the relay emits ``#account`` with the combined
+* ``#account``: checked against a fresh DID document (a host the account left cannot change
+  its status); the upstream status is stored; the relay emits ``#account`` with the combined
   status (a local takedown wins).
+
+Ordering and concurrency: the preparation of a frame (the steps above that need the network or
+the store) is a task chained behind the previous frame *of the same account*, so different
+accounts proceed concurrently; ``firehose.pipeline`` validates in worker processes, again in
+order per account; a per-host drainer takes the results strictly in upstream order and hands
+them to the sequencer, so events leave in the order the host sent them.
 
 Account state is kept in a bounded in-memory map (write-through to the store via the sequencer)
 so consecutive commits of one account are judged against the newest state even before the
