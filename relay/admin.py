@@ -9,7 +9,7 @@ wrong one 403 ``InvalidToken``. Bodies are JSON; errors are ``{error, message}``
 | GET | /admin/hosts | ``?cursor&limit`` list hosts (with limits) |
 | POST | /admin/hosts | ``{hostname, account_limit?, trusted?}`` add (skips crawl switch/limit) |
 | POST | /admin/hosts/{hostname}/block · /unblock | ban / re-admit a host |
-| POST | /admin/hosts/{hostname}/limits | ``{account_limit?, trusted?}`` |
+| POST | /admin/hosts/{hostname}/limits | ``{account_limit?, trusted?, rate_limit_per_second?, …_per_hour?, …_per_day?}`` |
 | POST | /admin/hosts/{hostname}/reset-cursor | ``{cursor?: 0}`` resubscribe from there |
 | GET/POST | /admin/domain-bans | list / ``{domain}`` ban (blocks matching hosts) |
 | DELETE | /admin/domain-bans/{domain} | lift a ban |
@@ -102,6 +102,8 @@ def _admin_host_view(service: RelayService, host: Any) -> dict[str, Any]:
     return {"hostname": host.hostname, "status": host.status, "seq": host.cursor,
             "accountCount": host.account_count, "accountLimit": service.hosts.account_limit(host),
             "trusted": service.hosts.is_trusted(host), "lastSeen": host.last_seen,
+            "rateLimits": {"perSecond": host.rate_limit_per_second, "perHour": host.rate_limit_per_hour,
+                           "perDay": host.rate_limit_per_day},
             "createdAt": host.created_at}
 
 
@@ -149,9 +151,11 @@ async def unblock_host(request: Request, service: RelayService) -> Response:
 
 async def set_limits(request: Request, service: RelayService) -> Response:
     body = await _json(request)
+    rates = {w: v for w in ("per_second", "per_hour", "per_day")
+             if (v := _opt_int(body, f"rate_limit_{w}")) is not None}
     host = await service.hosts.set_limits(request.path_params["hostname"],
                                           account_limit=_opt_int(body, "account_limit"),
-                                          trusted=_opt_bool(body, "trusted"))
+                                          trusted=_opt_bool(body, "trusted"), rate_limits=rates)
     return JSONResponse(_admin_host_view(service, host))
 
 

@@ -3,7 +3,8 @@
     relay admin [--url URL] [--token TOKEN] hosts
     relay admin add-host HOSTNAME [--account-limit N] [--trusted]
     relay admin block HOSTNAME | unblock HOSTNAME
-    relay admin limits HOSTNAME [--account-limit N] [--trusted | --untrusted]
+    relay admin limits HOSTNAME [--account-limit N] [--per-second N] [--per-hour N] [--per-day N]
+                                [--trusted | --untrusted]
     relay admin reset-cursor HOSTNAME [--cursor N]
     relay admin bans | ban DOMAIN | unban DOMAIN
     relay admin takedown DID | reverse-takedown DID | account DID
@@ -41,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     limits = sub.add_parser("limits", help="change a host's account limit / trust")
     limits.add_argument("hostname")
     limits.add_argument("--account-limit", type=int, default=None)
+    for window in ("second", "hour", "day"):
+        limits.add_argument(f"--per-{window}", type=int, default=None, help=f"events per {window}")
     trust = limits.add_mutually_exclusive_group()
     trust.add_argument("--trusted", dest="trusted", action="store_const", const=True, default=None)
     trust.add_argument("--untrusted", dest="trusted", action="store_const", const=False)
@@ -70,7 +73,11 @@ def request_for(ns: argparse.Namespace) -> tuple[str, str, dict[str, Any] | None
     if c in ("block", "unblock"):
         return "POST", f"/admin/hosts/{host}/{c}", None
     if c == "limits":
-        return "POST", f"/admin/hosts/{host}/limits", {"account_limit": ns.account_limit, "trusted": ns.trusted}
+        body = {"account_limit": ns.account_limit, "trusted": ns.trusted}
+        for window in ("second", "hour", "day"):
+            if getattr(ns, f"per_{window}") is not None:
+                body[f"rate_limit_per_{window}"] = getattr(ns, f"per_{window}")
+        return "POST", f"/admin/hosts/{host}/limits", body
     if c == "reset-cursor":
         return "POST", f"/admin/hosts/{host}/reset-cursor", {"cursor": ns.cursor}
     if c == "bans":

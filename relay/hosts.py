@@ -228,17 +228,25 @@ class HostManager:
         return host
 
     async def set_limits(self, hostname: str, *, account_limit: int | None = None,
-                         trusted: bool | None = None) -> HostState:
-        """Change a host's account limit / trust; raising it releases throttled accounts."""
+                         trusted: bool | None = None, rate_limits: dict[str, int] | None = None) -> HostState:
+        """Change a host's account limit / trust / event rate limits (``per_second``,
+        ``per_hour``, ``per_day``). Raising the account limit releases throttled accounts; new
+        rate limits apply from the host's next connection (it is reconnected now)."""
         host = await self._require(hostname)
         before = self.account_limit(host)
         if account_limit is not None:
             host.account_limit = account_limit
         if trusted is not None:
             host.trusted = trusted
+        rate_limits = rate_limits or {}
+        for window, value in rate_limits.items():
+            setattr(host, f"rate_limit_{window}", value)
         await self.store.upsert_host(host)
         after = self.account_limit(host)
-        self._record("set_limits", host.hostname, account_limit=account_limit, trusted=trusted)
+        self._record("set_limits", host.hostname, account_limit=account_limit, trusted=trusted, **rate_limits)
+        if (rate_limits or trusted is not None) and host.status != "banned" and self.stop_host and self.start_host:
+            await self.stop_host(host.hostname)
+            await self.start_host(await self._require(host.hostname))
         raised = after is None or (before is not None and after > before)
         if raised and self.limit_raised is not None:
             await self.limit_raised(host.hostname)

@@ -117,6 +117,20 @@ async def test_request_crawl_insecure_mode_and_bans(relay_factory) -> None:  # t
             assert r.json()["status"] == "active"
             r = await http.post(f"/admin/hosts/{hostname}/limits", headers=auth, json={"account_limit": 7})
             assert r.json()["accountLimit"] == 7
+            r = await http.post(f"/admin/hosts/{hostname}/limits", headers=auth,
+                                json={"rate_limit_per_second": 20, "rate_limit_per_day": 1000})
+            assert r.json()["rateLimits"] == {"perSecond": 20, "perHour": None, "perDay": 1000}
+            host = await relay.service.store.get_host(hostname)
+            limits = relay.service.ingest.subscriber_config(host).rate_limits
+            assert limits == []  # loopback in insecure mode: never rate-limited
+            from backfill.types import HostState
+
+            remote = HostState(hostname="pds.example.com", rate_limit_per_second=20)
+            assert relay.service.ingest.subscriber_config(remote).rate_limits[0] == (20.0, 1.0)
+            remote.trusted = True
+            assert relay.service.ingest.subscriber_config(remote).rate_limits == []
+            r = await http.post(f"/admin/hosts/{hostname}/limits", headers=auth, json={"rate_limit_per_second": -1})
+            assert r.status_code == 400
             r = await http.post("/admin/crawling", headers=auth, json={"enabled": False})
             assert r.json() == {"enabled": False}
             r = await http.post("/xrpc/com.atproto.sync.requestCrawl", json={"hostname": "other.test:1"})
