@@ -56,11 +56,11 @@ async def test_valid_events_exactly_once_invalid_absent(relay_factory, database_
         await fleet.stop()
 
 
-async def test_desynchronized_account_is_resynced(relay_factory) -> None:  # type: ignore[no-untyped-def]
+async def test_desynchronized_account_is_resynced(relay_factory, database_url: str) -> None:  # type: ignore[no-untyped-def]
     fleet = SimFleet(SimConfig(hosts=1, accounts_per_host=3, seed=3))
     await fleet.start()
     try:
-        async with relay_factory(**_relay_settings(fleet)) as relay:
+        async with relay_factory(database_url=database_url, **_relay_settings(fleet)) as relay:
             async with Consumer(relay.ws_url, cursor=0) as consumer:
                 await crawl(relay.url, fleet.hosts[0].hostname)
                 await fleet.generate(6)
