@@ -325,41 +325,47 @@ class Sequencer:
                 results.append((fut, None))
                 continue
             event: PendingEvent = item
+            did = event.did
+            rev = event.rev
             upstream_seq = event.upstream_seq
             if upstream_seq is not None and event.host is not None:
                 if upstream_seq > cursors.get(event.host, 0):
                     cursors[event.host] = upstream_seq
-            if event.rev is not None:
-                previous = last_rev.get(event.did)
-                if previous is not None and event.rev <= previous:
+            if rev is not None:
+                previous = last_rev.get(did)
+                if previous is not None and rev <= previous:
                     ignored += 1
                     results.append((fut, None))
                     continue
-            if seq + 1 >= SEQ_LIMIT:
+            seq += 1
+            if seq >= SEQ_LIMIT:
+                seq -= 1
                 errors.append((fut, SeqExhaustedError("seq would reach 2**53")))
                 continue
+            kind = event.kind
             try:
                 body_cbor = event.body_cbor
                 if body_cbor is None:
-                    frame = encode(event.kind, {**event.body, "seq": seq + 1})
+                    frame = encode(kind, {**event.body, "seq": seq})
                 else:  # pre-encoded by the producer: splice seq in, no re-encoding
-                    frame = splice_seq(body_cbor, seq + 1, frame_header(event.kind), event.seq_offset)
+                    frame = splice_seq(body_cbor, seq, frame_header(kind), event.seq_offset)
             except Exception as exc:  # a body the encoder refuses fails only its own submit
+                seq -= 1
                 encode_errors += 1
                 errors.append((fut, exc))
                 continue
-            seq += 1
-            if event.rev is not None:
-                last_rev[event.did] = event.rev
-                revved.add(event.did)
-            rows.append((seq, event.did, event.kind, now, frame))
-            done = SequencedEvent(seq, event.did, event.kind, now, frame)
+            if rev is not None:
+                last_rev[did] = rev
+                revved.add(did)
+            rows.append((seq, did, kind, now, frame))
+            done = SequencedEvent(seq, did, kind, now, frame)
             sequenced.append(done)
             results.append((fut, done))
-            if event.account is not None:
-                if not event.account.updated_at:
-                    event.account.updated_at = now
-                accounts[event.account.did] = event.account
+            account = event.account
+            if account is not None:
+                if not account.updated_at:
+                    account.updated_at = now
+                accounts[account.did] = account
 
         if epoch != self._epoch or not self._numbering.is_set() or base != self._next_high_water:
             return None
