@@ -28,7 +28,7 @@ async def run(sizes: list[int], commits: int) -> None:
         cfg = SimConfig(hosts=hosts, accounts_per_host=n // hosts, seed=3, announce_accounts=False)
         note(f"growth: {n} accounts")
         out = await run_ingest(hosts=hosts, accounts=n // hosts, commits=commits, db="sqlite",
-                               prefix=f"growth_{n}", fleet_config=cfg)
+                               prefix=f"growth_{n}", fleet_config=cfg, stall_s=60.0)
         figures[n] = out
     first = sizes[0]
     for n in sizes[1:]:

@@ -36,7 +36,7 @@ from relay.sim import SimConfig, SimFleet  # noqa: E402
 
 async def run_ingest(*, hosts: int, accounts: int, commits: int, db: str, prefix: str = "ingest",
                      workers: int | None = None, fleet_config: SimConfig | None = None,
-                     profile: str | None = None) -> dict[str, float]:
+                     profile: str | None = None, stall_s: float = 20.0) -> dict[str, float]:
     """One ingest measurement; returns the figures (also printed as RESULT lines)."""
     cfg = fleet_config or SimConfig(hosts=hosts, accounts_per_host=accounts, seed=1)
     fleet = SimFleet(cfg)
@@ -83,7 +83,7 @@ async def run_ingest(*, hosts: int, accounts: int, commits: int, db: str, prefix
                 samples.append((time.time(), n, r.cpu(), self_cpu()))
                 if n != last_n:
                     last_n, last_progress = n, time.monotonic()
-                if n >= expected or time.monotonic() - last_progress > 20:
+                if n >= expected or time.monotonic() - last_progress > stall_s:
                     break
             t_end = consumer.last_at
             cpu_main = cpu_seconds([main_pid]) - cpu_main0
