@@ -243,14 +243,18 @@ class IdentityResolver:
 
     def __init__(self, *, plc_url: str, safe_client: SafeClient, cache: IdentityCache | None = None,
                  metrics: RelayMetrics | None = None, rate: float = 50.0, burst: int = 100,
-                 handle_resolver_url: str = "", timeout: float = 10.0) -> None:
+                 handle_resolver_url: str = "", timeout: float = 10.0, concurrency: int = 16) -> None:
         self.plc_url = plc_url.rstrip("/")
         self.safe = safe_client
         self.cache = cache if cache is not None else MemoryIdentityCache()
         self.metrics = metrics
         self.bucket = TokenBucket(rate, burst)
         self.handle_resolver_url = handle_resolver_url.rstrip("/")
-        self._trusted = httpx.AsyncClient(timeout=timeout, headers={"user-agent": "atproto-relay (python)"})
+        self._trusted = httpx.AsyncClient(timeout=timeout, headers={"user-agent": "atproto-relay (python)"},
+                                          limits=httpx.Limits(max_connections=concurrency,
+                                                              max_keepalive_connections=concurrency))
+        #: bounds requests in flight (httpx's pool does O(n²) work with many queued requests)
+        self._network = asyncio.Semaphore(concurrency)
         self._inflight: dict[str, asyncio.Future[Identity]] = {}
         self._resolved_at: OrderedDict[str, float] = OrderedDict()
         #: (handle, did) → expiry of a successful bidirectional check
@@ -307,6 +311,10 @@ class IdentityResolver:
 
     async def _resolve_network(self, did: str) -> Identity:
         await self.bucket.acquire()
+        async with self._network:
+            return await self._resolve_network_now(did)
+
+    async def _resolve_network_now(self, did: str) -> Identity:
         try:
             if did.startswith("did:plc:"):
                 doc = await self._fetch_trusted(f"{self.plc_url}/{quote(did, safe=':')}")
@@ -368,6 +376,10 @@ class IdentityResolver:
         return ok
 
     async def _check_handle(self, handle: str, did: str) -> bool:
+        async with self._network:
+            return await self._check_handle_now(handle, did)
+
+    async def _check_handle_now(self, handle: str, did: str) -> bool:
         try:
             if self.handle_resolver_url:
                 resp = await self._trusted.get(
