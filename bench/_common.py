@@ -138,7 +138,7 @@ class RelayProc:
         return rss_bytes(self.refresh_pids())
 
     async def crawl(self, hostnames: list[str]) -> None:
-        async with httpx.AsyncClient(base_url=self.url, timeout=10) as http:
+        async with httpx.AsyncClient(base_url=self.url, timeout=60) as http:
             for h in hostnames:
                 r = await http.post("/xrpc/com.atproto.sync.requestCrawl", json={"hostname": h})
                 r.raise_for_status()
