@@ -1,13 +1,14 @@
 """Benchmark of the event store and the sequencer, on PostgreSQL and SQLite.
 
-    .venv/bin/python bench/store.py [--backend pg|sqlite|both] [--events N] [--pg-dsn DSN]
+    .venv/bin/python bench/store.py [--backend pg|sqlite|both] [--events N] [--batch N]
+                                    [--body cbor|dict] [--pg-dsn DSN]
 
 For each backend, on a fresh schema (Postgres) or file (SQLite):
 
 * ``<b>_sequence_events_per_s``: ``#commit`` events with 2-4 KB bodies (incompressible CAR-like
   bytes, one op, CIDs), 10,000 accounts, submitted through ``Sequencer`` (batching, seq
-  assignment, frame encoding, COPY/insert, account upsert, host cursor, commit) — from first
-  enqueue to the last future resolved;
+  assignment, frame encoding or seq splicing, COPY/insert, account upsert, host cursor, commit)
+  — from first enqueue to the last acknowledgement awaited (in order, like a subscriber);
 * ``<b>_replay_events_per_s``: one reader paging through the whole window with ``read_after``
   (2,000 per page) right after it was written; ``<b>_replay_warm_events_per_s``: a second pass;
 * ``<b>_retention_delete_per_s``: ``trim`` of the whole window (batches of 5,000).
@@ -15,6 +16,12 @@ For each backend, on a fresh schema (Postgres) or file (SQLite):
 * ``<b>_sequence_client_cpu_us_per_event`` / ``pg_sequence_server_cpu_us_per_event``: CPU time per
   sequenced event in this process and in the Postgres backends — unlike the rates, these hardly
   depend on what else the shared machine is running;
+* ``<b>_sequence_cores_used_x100``: (client + server CPU) / wall time, in hundredths of a core —
+  how much of the shared machine the run got;
+* ``producer_encode_cpu_us_per_event`` (default ``--body cbor``): CPU to pre-encode each body the
+  way a validation worker would (``backfill.framing.encode_unsequenced``), spent outside the
+  sequencer and not included in the sequencing figures; ``--body dict`` makes the sequencer
+  encode every body itself instead;
 * ``pg_copy_only_events_per_s``: context only — bare binary COPY of the same frames into a scratch
   table, i.e. what this machine's Postgres can absorb at all at that moment.
 
@@ -142,6 +149,9 @@ async def bench_backend(name: str, store: Store, events: list[PendingEvent], bat
     results[f"{name}_sequence_client_cpu_us_per_event"] = (cpu1 - cpu0) / len(events) * 1e6
     if backends:
         results[f"{name}_sequence_server_cpu_us_per_event"] = (server1 - server0) / len(events) * 1e6
+    # How much of the 2-core machine the sequencing actually got (client + server CPU / wall):
+    # on an idle machine this approaches the pipeline's own limit, on a shared one it shows the share.
+    results[f"{name}_sequence_cores_used_x100"] = ((cpu1 - cpu0) + (server1 - server0)) / elapsed * 100
     print(f"# {name}: sequenced {len(events)} in {elapsed:.2f}s, {seq.stats.batches} batches", flush=True)
 
     # First replay right after writing (Postgres still sets hint bits), then a warm one.
