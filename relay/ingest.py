@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 from collections import OrderedDict
@@ -108,6 +109,9 @@ class Ingest:
         self.max_in_flight_per_host = max_in_flight_per_host
         self._queues: dict[str, asyncio.Queue[_Item]] = {}
         self._did_tails: dict[str, asyncio.Task[None]] = {}
+        self._verdict_counters: dict[tuple[str, str], Any] = {}
+        self._in_counters: dict[tuple[str, str], Any] = {}
+        self._out_counters: dict[str, Any] = {}
         self._drainers: dict[str, asyncio.Task[None]] = {}
         self.resync: Callable[[str, str | None], Awaitable[None]] | None = None
         self._runs: dict[str, _HostRun] = {}
@@ -115,7 +119,6 @@ class Ingest:
         self._state_cache_size = state_cache_size
         self._buffers: dict[str, list[_Item]] = {}
         self._host_counts: dict[str, int] = {}
-        self._acks: set[asyncio.Task[None]] = set()
         self._closed = False
 
     # -- subscribers ----------------------------------------------------------------------
@@ -203,7 +206,7 @@ class Ingest:
     async def close(self) -> None:
         self._closed = True
         await asyncio.gather(*(self.stop_host(h) for h in list(self._runs)), return_exceptions=True)
-        for task in list(self._drainers.values()) + list(self._acks):
+        for task in list(self._drainers.values()):
             task.cancel()
 
     def subscriber(self, hostname: str) -> HostSubscriber | None:
@@ -267,7 +270,10 @@ class Ingest:
 
     # -- per frame ------------------------------------------------------------------------
     def _count(self, kind: str, reason: str) -> None:
-        self.metrics.verdicts.labels(kind=kind, reason=reason).inc()
+        counter = self._verdict_counters.get((kind, reason))
+        if counter is None:  # labels() is costly: keep each labelled child once
+            counter = self._verdict_counters[(kind, reason)] = self.metrics.verdicts.labels(kind=kind, reason=reason)
+        counter.inc()
 
     def _queue_for(self, hostname: str) -> asyncio.Queue[_Item]:
         """The host's reorder queue and its drainer (frames leave in upstream order)."""
@@ -288,7 +294,10 @@ class Ingest:
         does not hold up the whole host). Validation itself runs in the pipeline.
         """
         kind = uf.frame.t or ""
-        self.metrics.events_in.labels(host=hostname, type=kind).inc()
+        counter = self._in_counters.get((hostname, kind))
+        if counter is None:
+            counter = self._in_counters[(hostname, kind)] = self.metrics.events_in.labels(host=hostname, type=kind)
+        counter.inc()
         item = _Item(hostname, uf, kind, time.monotonic())
         did = _did_of(kind, uf.frame.body)
         if did is None:
@@ -378,15 +387,15 @@ class Ingest:
         event.host = hostname
         event.upstream_seq = upstream_seq
         future = await self.sequencer.enqueue(event)
-        task = asyncio.create_task(self._await_durable(hostname, upstream_seq, event, future, received))
-        self._acks.add(task)
-        task.add_done_callback(self._acks.discard)
+        future.add_done_callback(functools.partial(self._durable, hostname, upstream_seq, event, received))
 
-    async def _await_durable(self, hostname: str, upstream_seq: int, event: PendingEvent,
-                             future: asyncio.Future[Any], received: float) -> None:
-        try:
-            result = await future
-        except Exception as exc:
+    def _durable(self, hostname: str, upstream_seq: int, event: PendingEvent, received: float,
+                 future: asyncio.Future[Any]) -> None:
+        """Done-callback of a sequencer future: ack the upstream cursor once the event is durable."""
+        if future.cancelled():
+            return
+        exc = future.exception()
+        if exc is not None:
             # Nothing of the batch was stored: drop our optimistic state so it is reloaded, and
             # do not ack (the frame is re-delivered after a reconnect/restart).
             self.forget(event.did)
@@ -395,10 +404,14 @@ class Ingest:
         sub = self.subscriber(hostname)
         if sub is not None:
             sub.ack(upstream_seq)
+        result = future.result()
         if result is None:
             self._count("ignore", "already_sequenced")
             return
-        self.metrics.events_out.labels(type=event.kind).inc()
+        counter = self._out_counters.get(event.kind)
+        if counter is None:
+            counter = self._out_counters[event.kind] = self.metrics.events_out.labels(type=event.kind)
+        counter.inc()
         self.metrics.current_seq.set(result.seq)
         self.metrics.lag.observe(time.monotonic() - received)
 
