@@ -229,9 +229,10 @@ def splice_seq(body: bytes | memoryview, seq: int, prefix: bytes = b"", at: int 
     return b"".join((prefix, head, body[start:at], _seq_entry(seq), memoryview(body)[at:]))
 
 
-def without_seq(body: bytes | memoryview) -> bytes:
+def without_seq(body: bytes | memoryview) -> tuple[bytes, int]:
     """``body`` (a canonical DAG-CBOR map) without its top-level ``seq`` entry (unchanged bytes
-    if it has none) — e.g. an upstream body, ready for ``splice_seq`` with the relay's seq."""
+    if it has none), and the offset where ``seq`` belongs in the result — e.g. an upstream body,
+    ready for ``splice_seq(data, relay_seq, header, offset)``."""
     view = memoryview(body)
     try:
         count, start = _map_entries(view)
@@ -250,10 +251,11 @@ def without_seq(body: bytes | memoryview) -> bytes:
             if value_end > size:
                 raise FramingError("truncated_body")
             if key == _SEQ_KEY:
-                return b"".join((_head(5, count - 1), view[start:pos], view[value_end:]))
+                head = _head(5, count - 1)
+                return b"".join((head, view[start:pos], view[value_end:])), len(head) + pos - start
             if length == 3 and key > _SEQ_KEY:
                 break
             pos = value_end
     except IndexError:
         raise FramingError("truncated_body") from None
-    return bytes(body)
+    return bytes(body), pos
