@@ -283,8 +283,10 @@ class Sequencer:
             epoch = self._epoch
             # Taken before the read: whatever commits meanwhile is in the database or in here.
             overlay = {did: self._overlay[did] for did in dids if did in self._overlay}
+            # In-flight heads win over stored ones anyway: only ask the database for the rest.
+            lookup = [did for did in dids if did not in overlay] if overlay else dids
             try:
-                heads = await self.store.account_heads(dids) if dids else {}
+                heads = await self.store.account_heads(lookup) if lookup else {}
             except Exception as exc:  # database unreachable: nothing written, callers retry
                 self._batch_failed(items, exc)
                 return None
