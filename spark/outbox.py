@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
@@ -72,16 +73,24 @@ async def drain_repair_outbox(db_url: str | None, submit: Submit, limit: int = 5
     (``db_url`` None → the embedded default database, as for ``backfill.store.open_store``)."""
     from spark.db import connect_db
 
-    db = await asyncio.to_thread(connect_db, db_url)
-    try:
-        rows = await asyncio.to_thread(db.fetch, PENDING_SQL, limit)
-        done = 0
-        for row in rows:
-            now = time.time()
-            event = event_for(row, now)
-            seq = _seq_of(await submit(event)) if event is not None else None
-            await asyncio.to_thread(db.execute, DONE_SQL, now, seq, row["id"])
-            done += 1
-        return done
-    finally:
-        await asyncio.to_thread(db.close)
+    # One thread owns the connection for its whole life: sqlite3 connections (and the private
+    # event loop of the PostgreSQL wrapper) must not move between threads.
+    loop = asyncio.get_running_loop()
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="repair-outbox") as owner:
+
+        def on_owner(fn: Callable[..., Any], *args: Any) -> Awaitable[Any]:
+            return loop.run_in_executor(owner, fn, *args)
+
+        db = await on_owner(connect_db, db_url)
+        try:
+            rows = await on_owner(db.fetch, PENDING_SQL, limit)
+            done = 0
+            for row in rows:
+                now = time.time()
+                event = event_for(row, now)
+                seq = _seq_of(await submit(event)) if event is not None else None
+                await on_owner(db.execute, DONE_SQL, now, seq, row["id"])
+                done += 1
+            return done
+        finally:
+            await on_owner(db.close)

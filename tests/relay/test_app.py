@@ -253,11 +253,10 @@ async def test_unreachable_host_goes_offline(relay_factory) -> None:  # type: ig
         assert status["status"] == "offline"
 
 
-async def test_spark_repair_outbox_is_drained_into_the_stream(relay_factory, pg_dsn: str) -> None:  # type: ignore[no-untyped-def]
-    """A Spark job queues an #account repair; the running relay sequences it (single writer).
-
-    PostgreSQL only: ``spark.outbox.drain_repair_outbox`` moves one SQLite connection across
-    threads, which sqlite3 refuses (reported to the Spark side)."""
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+async def test_spark_repair_outbox_is_drained_into_the_stream(relay_factory, pg_dsn: str, tmp_path,  # type: ignore[no-untyped-def]
+                                                              backend: str) -> None:
+    """A Spark job queues an #account repair; the running relay sequences it (single writer)."""
     import uuid
 
     import asyncpg
@@ -265,7 +264,7 @@ async def test_spark_repair_outbox_is_drained_into_the_stream(relay_factory, pg_
     from spark.db import connect_db
 
     schema = f"t_relay_{uuid.uuid4().hex[:12]}"
-    database_url = f"{pg_dsn}?schema={schema}"
+    database_url = f"{pg_dsn}?schema={schema}" if backend == "postgres" else str(tmp_path / "relay.sqlite")
 
     def queue_repair() -> None:
         db = connect_db(database_url)
@@ -287,11 +286,12 @@ async def test_spark_repair_outbox_is_drained_into_the_stream(relay_factory, pg_
         assert body["active"] is False and body["status"] == "deactivated"
         await relay.service._drain_outbox()  # consumed: nothing is emitted twice
         assert await relay.service.store.latest_seq() == body["seq"]
-    conn = await asyncpg.connect(pg_dsn)
-    try:
-        await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
-    finally:
-        await conn.close()
+    if backend == "postgres":
+        conn = await asyncpg.connect(pg_dsn)
+        try:
+            await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        finally:
+            await conn.close()
 
 
 async def test_repo_status_desynchronized_while_resync_pending(relay_factory) -> None:  # type: ignore[no-untyped-def]
