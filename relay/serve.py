@@ -52,6 +52,9 @@ async def run(config: RelayConfig, role: str) -> None:
     sock = _bind_socket(config.host, config.port)
     await service.start()
     server = uvicorn.Server(uvicorn.Config(service.build_app(), lifespan="off", ws="websockets-sansio",
+                                           # per-connection compression would encode every frame once
+                                           # per consumer and hide a stalled consumer's backlog
+                                           ws_per_message_deflate=False,
                                            log_config=None, access_log=False, ws_max_size=1 << 20,
                                            timeout_graceful_shutdown=5))
     host, port = sock.getsockname()[:2]

@@ -18,7 +18,8 @@ async def serve_asgi(app: ASGIApp) -> AsyncIterator[str]:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="warning", lifespan="off", ws="websockets-sansio")
+    config = uvicorn.Config(app, log_level="warning", lifespan="off", ws="websockets-sansio",
+                            ws_per_message_deflate=False)
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
