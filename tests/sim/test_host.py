@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 
 from firehose.frames import decode_frame
@@ -145,3 +147,18 @@ async def test_plc_resolves_simulated_handles() -> None:
             assert r.json() == {"did": acct.did}
             r = await http.get("/xrpc/com.atproto.identity.resolveHandle", params={"handle": "nobody.sim.test"})
             assert r.status_code == 400
+
+
+async def test_plc_keeps_connections_alive_and_refuses_bad_requests() -> None:
+    async with SimFleet(SimConfig(hosts=1, accounts_per_host=3, seed=13)) as fleet:
+        async with httpx.AsyncClient(base_url=fleet.plc_url) as http:
+            for acct in fleet.accounts:
+                assert (await http.get(f"/{acct.did}")).json()["id"] == acct.did
+            assert (await http.post(f"/{fleet.accounts[0].did}", content=b"{}")).status_code == 405
+        assert fleet.plc.requests == 4 and fleet.plc.connections == 1
+        reader, writer = await asyncio.open_connection("127.0.0.1", int(fleet.plc_url.rsplit(":", 1)[1]))
+        writer.write(b"garbage\r\n\r\n")
+        assert await asyncio.wait_for(reader.read(), 5) == b""  # closed, server still up
+        writer.close()
+        async with httpx.AsyncClient(base_url=fleet.plc_url) as http:
+            assert (await http.get(f"/{fleet.accounts[1].did}")).status_code == 200
