@@ -29,9 +29,10 @@ from concurrent.futures import Executor, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import replace
 
+from backfill.framing import FramingError, encode_unsequenced
 from backfill.types import AccountState
 from firehose.reasons import Reason
-from firehose.validate import Verdict, validate_frame
+from firehose.validate import OUTGOING_FIELDS, Verdict, judge_frame, outgoing_body
 
 RefreshKey = Callable[[str], Awaitable[str | None]]
 
@@ -39,16 +40,34 @@ RefreshKey = Callable[[str], Awaitable[str | None]]
 Job = tuple[bytes, AccountState | None, str | None, float]
 
 
+def validate_and_encode(
+    frame: bytes, state: AccountState | None, signing_key: str | None, now: float
+) -> Verdict:
+    """``validate_frame``, plus, for an accepted ``#commit``/``#sync``, the outgoing body
+    (``firehose.validate.outgoing_body``: lexicon fields only, no upstream ``seq``, ``blocks``
+    verbatim) encoded as canonical DAG-CBOR with the offset where ``seq`` belongs
+    (``Verdict.body_cbor``/``seq_offset``, for ``PendingEvent``). Runs in a worker process, so
+    the parent neither encodes the body nor receives it as a (large, slow to unpickle) dict."""
+    verdict, decoded = judge_frame(frame, state, signing_key, now)
+    if verdict.kind != "accept" or decoded is None or decoded.t not in OUTGOING_FIELDS:
+        return verdict
+    try:
+        body_cbor, offset = encode_unsequenced(outgoing_body(decoded.t, decoded.body))
+    except (FramingError, TypeError, ValueError):  # not expected after strict decoding
+        return verdict  # the caller falls back to building the body itself
+    return Verdict(verdict.kind, verdict.reason, verdict.new_state, verdict.detail, body_cbor, offset)
+
+
 def _validate_job(frame: bytes, state: AccountState | None, signing_key: str | None, now: float) -> Verdict:
-    """Runs in a worker process."""
-    return validate_frame(frame, state, signing_key, now)
+    """Inline (``workers=0``) validation."""
+    return validate_and_encode(frame, state, signing_key, now)
 
 
 def _validate_batch(jobs: list[Job]) -> tuple[list[Verdict], float]:
     """Runs in a worker process: one round trip for several independent events. Returns the
     verdicts and the worker CPU seconds they took (exported as a metric)."""
     t0 = time.process_time()
-    verdicts = [validate_frame(*job) for job in jobs]
+    verdicts = [validate_and_encode(*job) for job in jobs]
     return verdicts, time.process_time() - t0
 
 

@@ -28,7 +28,7 @@ signing key, now) returning a :class:`Verdict`. No I/O, no clocks, no globals.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Any, Literal
 
 import libipld
 
@@ -90,6 +90,12 @@ class Verdict:
     reason: str
     new_state: AccountState | None = None
     detail: str = ""
+    #: For an accepted ``#commit``/``#sync`` judged by ``firehose.pipeline``: the outgoing body
+    #: (``outgoing_body``) as canonical DAG-CBOR without ``seq``, and the offset where ``seq``
+    #: belongs (``backfill.framing.encode_unsequenced``) — ready for ``PendingEvent.body_cbor``/
+    #: ``seq_offset``. None otherwise (and always from ``validate_frame`` itself).
+    body_cbor: bytes | None = None
+    seq_offset: int | None = None
 
     @property
     def accepted(self) -> bool:
@@ -293,18 +299,60 @@ def validate_message(
     return Verdict("ignore", Reason.UNKNOWN_TYPE.value, None, "info")
 
 
-def validate_frame(
+def judge_frame(
     data: bytes | Frame, state: AccountState | None, signing_key: str | PublicKey | None, now: float
-) -> Verdict:
-    """Decode, parse and judge one raw frame. Never raises for bad input: a typed reject."""
+) -> tuple[Verdict, Frame | None]:
+    """``validate_frame`` that also returns the decoded frame (None when it did not decode)."""
+    frame: Frame | None = None
     try:
         frame = data if isinstance(data, Frame) else decode_frame(data)
         ignored = frame.ignored_reason
         if ignored is not None:
-            return Verdict("ignore", ignored)
+            return Verdict("ignore", ignored), frame
         if frame.is_error:
-            return Verdict("reject", Reason.ERROR_FRAME.value, None, str(frame.error)[:64])
+            return Verdict("reject", Reason.ERROR_FRAME.value, None, str(frame.error)[:64]), frame
         msg = parse_frame(frame)
     except (FrameError, MessageError) as exc:
-        return Verdict("reject", exc.reason, None, exc.message[:200])
-    return validate_message(msg, state, signing_key, now)
+        return Verdict("reject", exc.reason, None, exc.message[:200]), frame
+    return validate_message(msg, state, signing_key, now), frame
+
+
+def validate_frame(
+    data: bytes | Frame, state: AccountState | None, signing_key: str | PublicKey | None, now: float
+) -> Verdict:
+    """Decode, parse and judge one raw frame. Never raises for bad input: a typed reject."""
+    return judge_frame(data, state, signing_key, now)[0]
+
+
+#: Fields the relay re-emits per message type: the ``com.atproto.sync.subscribeRepos`` lexicon's
+#: properties, without ``seq`` (the relay assigns its own). Anything else an upstream sent is
+#: dropped. The deprecated ``rebase``/``tooBig``/``blobs`` are passed on as received (consumers
+#: must ignore them; indigo compares them verbatim).
+OUTGOING_FIELDS: dict[str, frozenset[str]] = {
+    "#commit": frozenset(
+        {"rebase", "tooBig", "repo", "commit", "rev", "since", "blocks", "ops", "blobs", "prevData", "time"}
+    ),
+    "#sync": frozenset({"did", "blocks", "rev", "time"}),
+}
+#: ``#repoOp`` lexicon properties.
+OP_FIELDS = frozenset({"action", "path", "cid", "prev"})
+
+
+def _outgoing_op(op: Any) -> Any:
+    if type(op) is dict and not op.keys() <= OP_FIELDS:
+        return {k: v for k, v in op.items() if k in OP_FIELDS}
+    return op
+
+
+def outgoing_body(t: str, body: dict[str, Any]) -> dict[str, Any]:
+    """The body the relay redistributes for an accepted ``#commit``/``#sync`` of type ``t``:
+    only its lexicon fields (``OUTGOING_FIELDS``, ops reduced to ``OP_FIELDS``), no ``seq``;
+    values (``blocks`` included) are passed on unchanged. Other types: ``body`` without ``seq``."""
+    fields = OUTGOING_FIELDS.get(t)
+    if fields is None:
+        return {k: v for k, v in body.items() if k != "seq"}
+    out = {k: v for k, v in body.items() if k in fields}
+    ops = out.get("ops")
+    if type(ops) is list:
+        out["ops"] = [_outgoing_op(op) for op in ops]
+    return out

@@ -46,6 +46,7 @@ from backfill.store import Store
 from backfill.types import AccountState, HostState, PendingEvent
 from firehose.pipeline import ValidationPipeline
 from firehose.subscriber import HostSubscriber, SubscriberConfig, UpstreamFrame
+from firehose.validate import outgoing_body
 from mst.syntax import is_valid_did
 from relay.accounts import account_event_body
 from relay.config import RelayConfig
@@ -59,6 +60,8 @@ log = logging.getLogger("relay.ingest")
 
 #: Frames buffered per account while it is being resynchronized (older ones are covered by it).
 MAX_BUFFER_PER_ACCOUNT = 1000
+#: ``PendingEvent.body`` of a pre-encoded event (the sequencer does not read it); never mutated.
+_NO_BODY: dict[str, Any] = {}
 UNTRUSTED_RATE_LIMITS = [(500.0, 1.0), (500_000.0, 3600.0), (5_000_000.0, 86400.0)]
 
 
@@ -481,7 +484,10 @@ class Ingest:
                 self._buffers.pop(did, None)
                 new_state.sync_state = "synced"
             self._remember(new_state)
-            body = {k: v for k, v in item.uf.frame.body.items() if k != "seq"}
+            if verdict.body_cbor is not None:  # encoded by the validation worker: seq is spliced in
+                return PendingEvent(item.kind, did, _NO_BODY, new_state.rev, new_state,
+                                    body_cbor=verdict.body_cbor, seq_offset=verdict.seq_offset)
+            body = outgoing_body(item.kind, item.uf.frame.body)
             return PendingEvent(kind=item.kind, did=did, body=body, rev=new_state.rev, account=new_state)
         if verdict.kind == "desync":
             await self.mark_desynchronized(current, item.hostname)
