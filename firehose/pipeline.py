@@ -21,6 +21,7 @@ be a recent key rotation).
 from __future__ import annotations
 
 import asyncio
+import functools
 import multiprocessing
 import time
 from collections import OrderedDict
@@ -38,6 +39,8 @@ RefreshKey = Callable[[str], Awaitable[str | None]]
 
 
 Job = tuple[bytes, AccountState | None, str | None, float]
+#: Completion of one queued job: ``(verdict, None)`` or ``(None, exception)``.
+Done = Callable[[Verdict | None, BaseException | None], None]
 
 
 def validate_and_encode(
@@ -102,7 +105,7 @@ class ValidationPipeline:
         self.clock = clock
         self.identity_refreshes = 0
         self.max_batch = max_batch
-        self._ready: list[tuple[Job, asyncio.Future[Verdict]]] = []
+        self._ready: list[tuple[Job, Done]] = []
         self._busy = 0  # batches in the executor
         self.pool_restarts = 0
         #: CPU seconds spent validating in worker processes (not counting inline mode)
@@ -155,6 +158,10 @@ class ValidationPipeline:
             self._states.popitem(last=False)
 
     # -- submission -----------------------------------------------------------------------------
+    # Per event there is no task: ``submit`` queues the job at once (or, when an earlier event of
+    # the same account is still in flight, one small task waits for it first), the batch runner
+    # calls ``_judged`` with the verdict, and ``_finish`` resolves the caller's future. Only the
+    # rare identity-refresh retry runs as a task.
     async def submit(
         self,
         did: str,
@@ -165,11 +172,14 @@ class ValidationPipeline:
     ) -> asyncio.Future[Verdict]:
         """Queue one raw frame for ``did``; waits only when ``max_in_flight`` are queued."""
         await self._sem.acquire()
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[Verdict] = loop.create_future()
-        prev = self._tails.get(did)
-        self._tails[did] = fut
-        asyncio.create_task(self._run(did, frame, state, signing_key, now, prev, fut))
+        fut: asyncio.Future[Verdict] = asyncio.get_running_loop().create_future()
+        tails = self._tails
+        prev = tails.get(did)
+        tails[did] = fut
+        if prev is None or prev.done():
+            self._start(did, frame, state, signing_key, now, fut)
+        else:
+            asyncio.create_task(self._start_after(prev, did, frame, state, signing_key, now, fut))
         return fut
 
     async def validate(
@@ -178,13 +188,94 @@ class ValidationPipeline:
         """Submit and wait for the verdict."""
         return await (await self.submit(did, frame, state, signing_key, now))
 
+    async def _start_after(
+        self,
+        prev: asyncio.Future[Verdict],
+        did: str,
+        frame: bytes,
+        state: AccountState | None,
+        key: str | None,
+        now: float | None,
+        fut: asyncio.Future[Verdict],
+    ) -> None:
+        try:
+            await asyncio.wait([prev])
+        except BaseException as exc:
+            self._finish(did, fut, None, exc)
+            raise
+        self._start(did, frame, state, key, now, fut)
+
+    def _start(
+        self,
+        did: str,
+        frame: bytes,
+        state: AccountState | None,
+        key: str | None,
+        now: float | None,
+        fut: asyncio.Future[Verdict],
+    ) -> None:
+        """Judge against the merged state: inline now, or queued for the next batch."""
+        try:
+            job: Job = (frame, self._merge(did, state), key, self.clock() if now is None else now)
+            if self._executor is None:
+                self._judged(did, fut, job, _validate_job(*job), None)
+                return
+        except Exception as exc:
+            self._finish(did, fut, None, exc)
+            return
+        self._ready.append((job, functools.partial(self._judged, did, fut, job)))
+        self._dispatch()
+
+    def _judged(
+        self, did: str, fut: asyncio.Future[Verdict], job: Job, verdict: Verdict | None, exc: BaseException | None
+    ) -> None:
+        if verdict is not None and verdict.reason == Reason.BAD_SIGNATURE and self.refresh_key is not None:
+            asyncio.get_running_loop().create_task(self._retry_with_fresh_key(did, fut, job, verdict))
+            return
+        self._finish(did, fut, verdict, exc)
+
+    async def _retry_with_fresh_key(self, did: str, fut: asyncio.Future[Verdict], job: Job, verdict: Verdict) -> None:
+        """I-D §4.5: a failing signature may be a recent key rotation — refresh once and retry."""
+        assert self.refresh_key is not None
+        try:
+            self.identity_refreshes += 1
+            try:
+                fresh = await self.refresh_key(did)
+            except Exception:  # resolution failed: the verdict stands
+                fresh = None
+            frame, effective, key, t = job
+            if fresh is not None and fresh != key:
+                verdict = await self._call(frame, effective, fresh, t)
+        except BaseException as exc:  # never leave a waiter hanging
+            self._finish(did, fut, None, exc)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        self._finish(did, fut, verdict, None)
+
+    def _finish(
+        self, did: str, fut: asyncio.Future[Verdict], verdict: Verdict | None, exc: BaseException | None
+    ) -> None:
+        try:
+            if not fut.done():
+                if verdict is None:
+                    fut.set_exception(exc if exc is not None else RuntimeError("no verdict"))
+                else:
+                    if verdict.new_state is not None:
+                        self._remember(did, verdict.new_state)
+                    fut.set_result(verdict)
+        finally:
+            if self._tails.get(did) is fut:
+                del self._tails[did]
+            self._sem.release()
+
     async def _call(self, frame: bytes, state: AccountState | None, key: str | None, now: float) -> Verdict:
         """Validate one event, batched with whatever else is ready (one IPC round trip each)."""
         job: Job = (frame, state, key, now)
         if self._executor is None:
             return _validate_job(*job)
         fut: asyncio.Future[Verdict] = asyncio.get_running_loop().create_future()
-        self._ready.append((job, fut))
+        self._ready.append((job, functools.partial(_settle, fut)))
         self._dispatch()
         return await fut
 
@@ -208,7 +299,7 @@ class ValidationPipeline:
             ctx = multiprocessing.get_context("forkserver")
             self._executor = ProcessPoolExecutor(max_workers=self.workers, mp_context=ctx)
 
-    async def _run_batch(self, batch: list[tuple[Job, asyncio.Future[Verdict]]]) -> None:
+    async def _run_batch(self, batch: list[tuple[Job, Done]]) -> None:
         loop = asyncio.get_running_loop()
         executor = self._executor
         try:
@@ -228,52 +319,23 @@ class ValidationPipeline:
                     except BrokenProcessPool:
                         self._replace_broken_pool(self._executor)
                         verdicts.append(Verdict("reject", Reason.VALIDATOR_CRASHED.value, None, "worker process died"))
-            for (_, fut), v in zip(batch, verdicts, strict=True):
-                if not fut.done():
-                    fut.set_result(v)
         except BaseException as exc:
-            for _, fut in batch:
-                if not fut.done():
-                    fut.set_exception(exc)
+            for _, done in batch:
+                done(None, exc)
             if not isinstance(exc, Exception):
                 raise
+        else:
+            for (_, done), v in zip(batch, verdicts, strict=True):
+                done(v, None)
         finally:
             self._busy -= 1
             self._dispatch()
 
-    async def _run(
-        self,
-        did: str,
-        frame: bytes,
-        state: AccountState | None,
-        key: str | None,
-        now: float | None,
-        prev: asyncio.Future[Verdict] | None,
-        fut: asyncio.Future[Verdict],
-    ) -> None:
-        try:
-            if prev is not None:
-                await asyncio.wait([prev])
-            effective = self._merge(did, state)
-            t = self.clock() if now is None else now
-            verdict = await self._call(frame, effective, key, t)
-            if verdict.reason == Reason.BAD_SIGNATURE and self.refresh_key is not None:
-                self.identity_refreshes += 1
-                try:
-                    fresh = await self.refresh_key(did)
-                except Exception:  # resolution failed: the verdict stands
-                    fresh = None
-                if fresh is not None and fresh != key:
-                    verdict = await self._call(frame, effective, fresh, t)
-            if verdict.new_state is not None:
-                self._remember(did, verdict.new_state)
-            fut.set_result(verdict)
-        except BaseException as exc:  # never leave a waiter hanging
-            if not fut.done():
-                fut.set_exception(exc)
-            if not isinstance(exc, Exception):
-                raise
-        finally:
-            if self._tails.get(did) is fut:
-                del self._tails[did]
-            self._sem.release()
+
+def _settle(fut: asyncio.Future[Verdict], verdict: Verdict | None, exc: BaseException | None) -> None:
+    if fut.done():
+        return
+    if verdict is None:
+        fut.set_exception(exc if exc is not None else RuntimeError("no verdict"))
+    else:
+        fut.set_result(verdict)

@@ -311,20 +311,20 @@ class Ingest:
             previous = self._did_tails.get(did)
             task = asyncio.create_task(self._prepare(item, did, previous))
             self._did_tails[did] = task
-            task.add_done_callback(self._release_tail(did))
-            item.prep = task
-        await self._queue_for(hostname).put(item)
-
-    def _release_tail(self, did: str) -> Callable[[asyncio.Task[None]], None]:
-        def done(task: asyncio.Task[None]) -> None:
-            if self._did_tails.get(did) is task:
-                del self._did_tails[did]
-
-        return done
+            item.prep = task  # set before the task first runs; its ``finally`` compares it
+        queue = self._queues.get(hostname)
+        await (queue if queue is not None else self._queue_for(hostname)).put(item)
 
     async def _prepare(self, item: _Item, did: str, previous: asyncio.Task[None] | None) -> None:
-        if previous is not None:
-            await asyncio.wait([previous])
+        try:
+            if previous is not None and not previous.done():
+                await asyncio.wait([previous])
+            await self._prepare_now(item, did)
+        finally:
+            if self._did_tails.get(did) is item.prep:
+                del self._did_tails[did]
+
+    async def _prepare_now(self, item: _Item, did: str) -> None:
         try:
             if item.kind in ("#commit", "#sync"):
                 await self._prepare_repo_event(item, did)
@@ -477,9 +477,14 @@ class Ingest:
                                              rev=item.uf.frame.body.get("rev"), since=item.uf.frame.body.get("since"),
                                              stored_rev=current.rev, host=item.hostname))
         if verdict.kind == "accept" and verdict.new_state is not None:
-            new_state = dataclasses.replace(verdict.new_state, host=item.hostname,
-                                            upstream_status=current.upstream_status,
-                                            local_status=current.local_status, updated_at=time.time())
+            # The verdict's state is a fresh object (unpickled, or built by the validator); the
+            # pipeline caches it but reads only rev/commit_cid/data_cid/sync_state from it, so it
+            # is completed in place rather than copied.
+            new_state = verdict.new_state
+            new_state.host = item.hostname
+            new_state.upstream_status = current.upstream_status
+            new_state.local_status = current.local_status
+            new_state.updated_at = time.time()
             if item.kind == "#sync":
                 self._buffers.pop(did, None)
                 new_state.sync_state = "synced"
