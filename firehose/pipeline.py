@@ -107,6 +107,7 @@ class ValidationPipeline:
         self.max_batch = max_batch
         self._ready: list[tuple[Job, Done]] = []
         self._busy = 0  # batches in the executor
+        self._dispatch_pending = False
         self.pool_restarts = 0
         #: CPU seconds spent validating in worker processes (not counting inline mode)
         self.worker_cpu_s = 0.0
@@ -178,8 +179,8 @@ class ValidationPipeline:
         tails[did] = fut
         if prev is None or prev.done():
             self._start(did, frame, state, signing_key, now, fut)
-        else:
-            asyncio.create_task(self._start_after(prev, did, frame, state, signing_key, now, fut))
+        else:  # judged once the predecessor's verdict (and state) is in
+            prev.add_done_callback(functools.partial(self._start_after, did, frame, state, signing_key, now, fut))
         return fut
 
     async def validate(
@@ -188,21 +189,16 @@ class ValidationPipeline:
         """Submit and wait for the verdict."""
         return await (await self.submit(did, frame, state, signing_key, now))
 
-    async def _start_after(
+    def _start_after(
         self,
-        prev: asyncio.Future[Verdict],
         did: str,
         frame: bytes,
         state: AccountState | None,
         key: str | None,
         now: float | None,
         fut: asyncio.Future[Verdict],
+        prev: asyncio.Future[Verdict],
     ) -> None:
-        try:
-            await asyncio.wait([prev])
-        except BaseException as exc:
-            self._finish(did, fut, None, exc)
-            raise
         self._start(did, frame, state, key, now, fut)
 
     def _start(
@@ -224,7 +220,14 @@ class ValidationPipeline:
             self._finish(did, fut, None, exc)
             return
         self._ready.append((job, functools.partial(self._judged, did, fut, job)))
-        self._dispatch()
+        self._dispatch_soon()
+
+    def _dispatch_soon(self) -> None:
+        """Dispatch at the end of this loop iteration, so the events submitted together (e.g. a
+        burst read from one socket) leave in one batch rather than the first one alone."""
+        if not self._dispatch_pending:
+            self._dispatch_pending = True
+            asyncio.get_running_loop().call_soon(self._dispatch)
 
     def _judged(
         self, did: str, fut: asyncio.Future[Verdict], job: Job, verdict: Verdict | None, exc: BaseException | None
@@ -283,6 +286,7 @@ class ValidationPipeline:
         # One batch per worker; a second one per worker only when it is full. While a worker is
         # busy, newly ready events accumulate, so batches grow with load (fewer IPC round trips)
         # and stay small (low latency) when the stream is quiet.
+        self._dispatch_pending = False
         workers = max(1, self.workers)
         while self._ready and (
             self._busy < workers or (self._busy < 2 * workers and len(self._ready) >= self.max_batch)

@@ -70,6 +70,11 @@ def _did_of(kind: str, body: dict[str, Any]) -> str | None:
     return did if isinstance(did, str) and is_valid_did(did) else None
 
 
+def _wake(waiter: asyncio.Future[None], _done: object) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
 @dataclasses.dataclass(slots=True)
 class _Item:
     """One upstream frame on its way through a host's reorder queue."""
@@ -318,7 +323,11 @@ class Ingest:
     async def _prepare(self, item: _Item, did: str, previous: asyncio.Task[None] | None) -> None:
         try:
             if previous is not None and not previous.done():
-                await asyncio.wait([previous])
+                # wait for the account's previous frame, but never cancel it (cheaper than
+                # asyncio.wait, which builds a set, a future and checks each awaitable)
+                waiter = asyncio.get_running_loop().create_future()
+                previous.add_done_callback(functools.partial(_wake, waiter))
+                await waiter
             await self._prepare_now(item, did)
         finally:
             if self._did_tails.get(did) is item.prep:
