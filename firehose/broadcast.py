@@ -89,6 +89,8 @@ class ConsumerSession:
         self.close_frame: bytes | None = None
         self.last_seq: int | None = None
         self.sent = 0
+        #: Bytes of the frames handed to the transport (``sent`` counts them).
+        self.bytes_sent = 0
         #: Optional synchronous writer (see :class:`DirectWriter`); once the live queue is drained
         #: the fan-out calls it directly, skipping the per-frame task switch.
         self.direct_writer: DirectWriter | None = None
@@ -125,11 +127,13 @@ class ConsumerSession:
             if not batch:
                 return
         assert self.direct_writer is not None
-        if not self.direct_writer.write([e.frame for e in batch]):
+        frames = [e.frame for e in batch]
+        if not self.direct_writer.write(frames):
             self._overflowed_live()
             return
         self.last_seq = batch[-1].seq
         self.sent += len(batch)
+        self.bytes_sent += sum(map(len, frames))
 
     def _overflowed_live(self) -> None:
         self.close_frame = encode_error_frame(CONSUMER_TOO_SLOW, "live queue overflowed")
@@ -168,6 +172,7 @@ class ConsumerSession:
                     continue  # replayed from the store before the bus delivered it
                 self.last_seq = ev.seq
                 self.sent += 1
+                self.bytes_sent += len(ev.frame)
                 yield ev.frame
             # ConsumerTooSlow is sent by ``pump`` (the transport may be stalled mid-send).
         finally:
@@ -212,6 +217,7 @@ class ConsumerSession:
                 last = ev.seq
                 self.last_seq = ev.seq
                 self.sent += 1
+                self.bytes_sent += len(ev.frame)
                 yield ev.frame
             if len(events) >= read_limit:
                 continue

@@ -9,7 +9,11 @@ broadcaster is at capacity.
 
 from __future__ import annotations
 
+import contextlib
 import http
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
+from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from websockets.asyncio.server import Server, ServerConnection, serve
@@ -18,7 +22,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 from websockets.protocol import State
 
-from firehose.broadcast import Broadcaster, pump
+from firehose.broadcast import Broadcaster, ConsumerSession, pump
 from firehose.frames import MAX_FRAME_BYTES
 from firehose.serve_asgi import SUBSCRIBE_REPOS_PATH, CursorError, error_json, parse_cursor
 
@@ -64,12 +68,15 @@ async def serve_subscribe_repos(
     ping_interval: float | None = 20.0,
     ping_timeout: float | None = 20.0,
     direct: bool = True,
+    track: Callable[[ServerConnection, ConsumerSession], AbstractAsyncContextManager[Any]] | None = None,
 ) -> Server:
     """Start the server (``async with`` it or call ``.close()``); ``port=0`` picks a free port.
 
     With ``direct`` (default) a caught-up consumer is written to synchronously by the fan-out
     (frames written straight into its transport; the consumer is too slow when the connection's
     write buffer exceeds ``broadcaster.live_queue_bytes``). Replay always goes through ``pump``.
+    ``track(connection, session)``, when given, is entered for the life of each consumer's
+    connection (the relay keeps its registry of connected consumers with it).
     """
 
     def process_request(connection: ServerConnection, request: Request) -> Response | None:
@@ -94,11 +101,12 @@ async def serve_subscribe_repos(
         session = broadcaster.session(_cursor_of(connection.request.path))
         if direct:
             session.direct_writer = _DirectWriter(connection, broadcaster.live_queue_bytes)
-        try:
-            await pump(session, connection.send, connection.wait_closed())
-        except ConnectionClosed:
-            return
-        await connection.close()
+        async with track(connection, session) if track is not None else contextlib.nullcontext():
+            try:
+                await pump(session, connection.send, connection.wait_closed())
+            except ConnectionClosed:
+                return
+            await connection.close()
 
     return await serve(
         handler,

@@ -7,14 +7,22 @@ bytes sent to it. It never touches the frames themselves.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qs, urlsplit
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from relay.metrics import RelayMetrics
+
+if TYPE_CHECKING:
+    from websockets.asyncio.server import ServerConnection
+
+    from firehose.broadcast import ConsumerSession
 
 
 @dataclass(slots=True)
@@ -49,6 +57,27 @@ class ConsumerRegistry:
     def close(self, info: ConsumerInfo) -> None:
         self._open.pop(info.id, None)
         self.metrics.consumers.set(len(self._open))
+
+    @contextlib.asynccontextmanager
+    async def tracking(self, connection: ServerConnection, session: ConsumerSession) -> AsyncIterator[None]:
+        """Registry entry for a consumer of the plain-websockets listener (``RELAY_FIREHOSE_BIND``).
+
+        Frames there go straight into the connection's transport, so the count comes from the
+        session when the connection ends; bytes are the frames' sizes as the session reports them.
+        """
+        request = connection.request
+        headers = request.headers if request is not None else {}
+        query = parse_qs(urlsplit(request.path).query) if request is not None else {}
+        remote = connection.remote_address or ("?", 0)
+        info = self.open(f"{remote[0]}:{remote[1]}", headers.get("User-Agent", ""),
+                         (query.get("cursor") or [None])[-1])
+        try:
+            yield
+        finally:
+            info.frames_sent = session.sent
+            info.bytes_sent = session.bytes_sent
+            self.metrics.bytes_out.inc(session.bytes_sent)
+            self.close(info)
 
     def list(self) -> list[dict[str, Any]]:
         return [c.view() for c in self._open.values()]

@@ -77,6 +77,9 @@ class RelayService:
         self.pipeline: ValidationPipeline | None = None
         self._redis: Any = None
         self._tasks: list[asyncio.Task[None]] = []
+        #: The ``RELAY_FIREHOSE_BIND`` listener (a ``websockets`` server) and its ws:// base URL.
+        self.firehose_server: Any = None
+        self.firehose_url: str | None = None
         self._outbox_error = ""
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -112,6 +115,8 @@ class RelayService:
             self.sequencer = Sequencer(self.store, self.bus.publish, wait_for_lock=self.role == "ingest")
             await self.sequencer.start()
         await self.broadcaster.start()
+        if config.firehose_bind:
+            await self._start_firehose_listener(config.firehose_bind)
         if self.role == "fanout":
             return
         assert self.sequencer is not None
@@ -140,6 +145,18 @@ class RelayService:
         await self.ingest.start_all()
         self._tasks.append(asyncio.create_task(self._housekeeping(), name="housekeeping"))
         log.info("relay started", extra=fields(role=self.role, **config.describe()))
+
+    async def _start_firehose_listener(self, bind: str) -> None:
+        """The optional plain-websockets listener for subscribeRepos (``RELAY_FIREHOSE_BIND``)."""
+        from firehose.serve_websockets import serve_subscribe_repos
+        from relay.config import parse_bind
+
+        host, port = parse_bind(bind, "RELAY_FIREHOSE_BIND")
+        self.firehose_server = await serve_subscribe_repos(self.broadcaster, host, port,
+                                                           track=self.consumers.tracking)
+        bound = next(iter(self.firehose_server.sockets)).getsockname()
+        self.firehose_url = f"ws://{bound[0]}:{bound[1]}"
+        log.info("firehose listening", extra=fields(url=self.firehose_url))
 
     async def _limit_raised(self, hostname: str) -> None:
         assert self.resync is not None
@@ -201,6 +218,11 @@ class RelayService:
         if self.sequencer is not None:
             with contextlib.suppress(Exception):
                 await self.sequencer.close()
+        if self.firehose_server is not None:
+            self.firehose_server.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.firehose_server.wait_closed(), 5)
+            self.firehose_server = None
         if self.broadcaster is not None:
             await self.broadcaster.close()
         if self.bus is not None:

@@ -160,3 +160,13 @@ async def test_body_size_limit() -> None:
         assert err.value.reason == "too_large"
     finally:
         await client.aclose()
+
+
+def test_readme_configuration_table_matches_settings() -> None:
+    """The README's configuration table is the one ``settings_table()`` writes (kept true)."""
+    from pathlib import Path
+
+    from relay.config import settings_table
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert settings_table() in readme
