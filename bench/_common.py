@@ -122,10 +122,14 @@ class RelayProc:
     log_path: Path
     workdir: tempfile.TemporaryDirectory[str] | None = None
     pids: list[int] = field(default_factory=list)
+    #: ws:// base of the plain-websockets listener when started with ``--firehose-bind``.
+    firehose_url: str | None = None
 
     @property
     def ws_url(self) -> str:
-        return self.url.replace("http://", "ws://") + "/xrpc/com.atproto.sync.subscribeRepos"
+        """The subscribeRepos URL consumers use: the fast listener when there is one."""
+        base = self.firehose_url or self.url.replace("http://", "ws://")
+        return base + "/xrpc/com.atproto.sync.subscribeRepos"
 
     def refresh_pids(self) -> list[int]:
         self.pids = tree(self.proc.pid)
@@ -180,7 +184,7 @@ async def relay(plc_url: str, *, database_url: str | None = None, extra: list[st
     logf = open(log_path, "wb")  # noqa: SIM115 - closed below
     proc = await asyncio.create_subprocess_exec(*args, cwd=ROOT, stdout=logf, stderr=logf,
                                                 env={**os.environ, **(env or {})})
-    url = None
+    url = firehose_url = None
     deadline = time.monotonic() + 60
     while url is None and time.monotonic() < deadline:
         await asyncio.sleep(0.1)
@@ -191,10 +195,12 @@ async def relay(plc_url: str, *, database_url: str | None = None, extra: list[st
                 rec = json.loads(line)
                 if rec.get("msg") == "listening":
                     url = rec.get("url")
+                elif rec.get("msg") == "firehose listening":
+                    firehose_url = rec.get("url")
     if url is None:
         proc.kill()
         raise RuntimeError("relay did not start:\n" + log_path.read_text(errors="replace")[-3000:])
-    rp = RelayProc(proc, url, log_path, workdir)
+    rp = RelayProc(proc, url, log_path, workdir, firehose_url=firehose_url)
     rp.refresh_pids()
     try:
         yield rp
@@ -288,3 +294,11 @@ async def wait_until(pred, timeout: float, step: float = 0.1) -> bool:  # type: 
             return True
         await asyncio.sleep(step)
     return bool(pred())
+
+
+def listener_extra(name: str) -> list[str]:
+    """``relay serve`` flags for the subscribeRepos listener a benchmark's consumers use:
+    ``asgi`` = the main port (Starlette route); ``websockets`` = ``--firehose-bind`` (plain
+    ``websockets`` server beside it)."""
+    return ["--firehose-bind", "127.0.0.1:0"] if name == "websockets" else []
+

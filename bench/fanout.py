@@ -28,7 +28,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import load_average, note, relay, result, self_cpu, wait_until  # noqa: E402
+from bench._common import listener_extra, load_average, note, relay, result, self_cpu, wait_until  # noqa: E402
+
+#: extra ``relay serve`` flags chosen by --listener
+LISTENER: list[str] = []
 
 RECORDING = 5
 
@@ -203,7 +206,7 @@ async def run(rate: float, consumers: int, seconds: float) -> None:
     fleet.prepare(2 * count)
     note(f"fanout: pre-generated {2 * count} commits in {time.perf_counter() - t:.1f}s")
     try:
-        async with relay(fleet.plc_url) as r:
+        async with relay(fleet.plc_url, extra=LISTENER) as r:
             await r.crawl([h.hostname for h in fleet.hosts])
             # announcements must be through before measuring
             warm = await Child.spawn("--child-consumers", r.ws_url + "?cursor=0", "1", "0")
@@ -278,7 +281,10 @@ def main() -> int:
     p.add_argument("--rate", type=float, default=2000.0)
     p.add_argument("--consumers", type=int, default=50)
     p.add_argument("--seconds", type=float, default=None)
+    p.add_argument("--listener", choices=["asgi", "websockets"], default="asgi",
+                   help="consumers connect to the main port (asgi) or to a --firehose-bind listener")
     a = p.parse_args()
+    LISTENER[:] = listener_extra(a.listener)
     seconds = a.seconds or (2.0 if a.quick else 30.0)
     asyncio.run(run(a.rate, a.consumers, seconds))
     return 0

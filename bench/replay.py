@@ -20,7 +20,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import PG_DSN, cpu_seconds, load_average, note, pids_named, relay, result, self_cpu  # noqa: E402
+from bench._common import (  # noqa: E402
+    PG_DSN,
+    cpu_seconds,
+    listener_extra,
+    load_average,
+    note,
+    pids_named,
+    relay,
+    result,
+    self_cpu,
+)
+
+#: extra ``relay serve`` flags chosen by --listener
+LISTENER: list[str] = []
 
 
 def template_bodies(n: int) -> list[tuple[str, dict]]:
@@ -87,7 +100,7 @@ async def run(events: int, schema: str) -> None:
     url = f"{PG_DSN}?schema={schema}"
     have = await load(url, events)
     note(f"replay: {have} events stored")
-    async with relay("http://127.0.0.1:9", database_url=url) as r:
+    async with relay("http://127.0.0.1:9", database_url=url, extra=LISTENER) as r:
         count = [0]
         nbytes = [0]
         first = [0.0]
@@ -145,7 +158,10 @@ def main() -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--events", type=int, default=None)
     p.add_argument("--schema", default="bench_replay")
+    p.add_argument("--listener", choices=["asgi", "websockets"], default="asgi",
+                   help="consumers connect to the main port (asgi) or to a --firehose-bind listener")
     a = p.parse_args()
+    LISTENER[:] = listener_extra(a.listener)
     events = a.events or (100_000 if a.quick else 1_000_000)
     asyncio.run(run(events, a.schema))
     return 0
