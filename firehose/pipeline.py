@@ -21,14 +21,17 @@ be a recent key rotation).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import multiprocessing
+import operator
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import replace
+from typing import Any
 
 from backfill.framing import FramingError, encode_unsequenced
 from backfill.types import AccountState
@@ -66,12 +69,37 @@ def _validate_job(frame: bytes, state: AccountState | None, signing_key: str | N
     return validate_and_encode(frame, state, signing_key, now)
 
 
-def _validate_batch(jobs: list[Job]) -> tuple[list[Verdict], float]:
+#: ``AccountState`` as a plain tuple on the pipe to the workers and back: pickling slotted
+#: dataclasses runs Python-level ``__getstate__``/``__setstate__`` per object (in the parent's
+#: queue threads), a tuple is pickled in C.
+_STATE_FIELDS = tuple(f.name for f in dataclasses.fields(AccountState))
+_state_tuple = operator.attrgetter(*_STATE_FIELDS)
+WireJob = tuple[bytes, tuple[Any, ...] | None, str | None, float]
+WireVerdict = tuple[str, str, tuple[Any, ...] | None, str, bytes | None, int | None]
+
+
+def _to_wire(job: Job) -> WireJob:
+    frame, state, key, now = job
+    return frame, None if state is None else _state_tuple(state), key, now
+
+
+def _verdict_from_wire(w: WireVerdict) -> Verdict:
+    kind, reason, state, detail, body_cbor, offset = w
+    return Verdict(kind, reason, None if state is None else AccountState(*state), detail,  # type: ignore[arg-type]
+                   body_cbor, offset)
+
+
+def _validate_batch(jobs: list[WireJob]) -> tuple[list[WireVerdict], float]:
     """Runs in a worker process: one round trip for several independent events. Returns the
-    verdicts and the worker CPU seconds they took (exported as a metric)."""
+    verdicts (as tuples) and the worker CPU seconds they took (exported as a metric)."""
     t0 = time.process_time()
-    verdicts = [validate_and_encode(*job) for job in jobs]
-    return verdicts, time.process_time() - t0
+    out: list[WireVerdict] = []
+    for frame, state, key, now in jobs:
+        v = validate_and_encode(frame, None if state is None else AccountState(*state), key, now)
+        new_state = v.new_state
+        out.append((v.kind, v.reason, None if new_state is None else _state_tuple(new_state), v.detail,
+                    v.body_cbor, v.seq_offset))
+    return out, time.process_time() - t0
 
 
 def _warm() -> int:
@@ -308,8 +336,9 @@ class ValidationPipeline:
         executor = self._executor
         try:
             try:
-                verdicts, cpu = await loop.run_in_executor(executor, _validate_batch, [j for j, _ in batch])
+                wire, cpu = await loop.run_in_executor(executor, _validate_batch, [_to_wire(j) for j, _ in batch])
                 self.worker_cpu_s += cpu
+                verdicts = [_verdict_from_wire(w) for w in wire]
             except BrokenProcessPool:
                 # A worker died (a poison frame or an outside kill): restart the pool, then give
                 # each event of the batch its own attempt so only the culprit is rejected.
@@ -317,8 +346,8 @@ class ValidationPipeline:
                 verdicts = []
                 for job, _ in batch:
                     try:
-                        one, cpu = await loop.run_in_executor(self._executor, _validate_batch, [job])
-                        verdicts.extend(one)
+                        one, cpu = await loop.run_in_executor(self._executor, _validate_batch, [_to_wire(job)])
+                        verdicts.extend(_verdict_from_wire(w) for w in one)
                         self.worker_cpu_s += cpu
                     except BrokenProcessPool:
                         self._replace_broken_pool(self._executor)
