@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import CountingConsumer, load_average, note, relay, result  # noqa: E402
+from bench._common import CountingConsumer, load_average, metric_sum, note, relay, result  # noqa: E402
 from relay.sim import SimConfig, SimFleet  # noqa: E402
 
 
@@ -49,6 +49,11 @@ async def run(seconds: float, rate: float, slow_delay: float, *, stalled_on: boo
                 await asyncio.sleep(1.0)
             made = await producer
             normal_commits = normal.commits
+            # A consumer that never reads cannot see its own disconnect (its socket is not read):
+            # the relay's own counters say whether it was cut off.
+            text = await r.metrics()
+            relay_cut = metric_sum(text, "relay_broadcast_events_total", event="too_slow")
+            consumers_left = metric_sum(text, "relay_consumers")
             for c in clients:
                 await c.stop()
     finally:
@@ -68,6 +73,8 @@ async def run(seconds: float, rate: float, slow_delay: float, *, stalled_on: boo
     if stalled_on:
         result("memory_stalled_consumer_cut_after_s", stalled_cut if stalled_cut is not None else "never")
         result("memory_stalled_consumer_end", stalled.closed_reason or "still_connected")
+        result("memory_relay_consumers_cut_too_slow", relay_cut)
+        result("memory_relay_consumers_connected_at_end", consumers_left)
     if slow_on:
         result("memory_slow_consumer_frames", slow.frames)
         result("memory_slow_consumer_end", slow.closed_reason or "still_connected")

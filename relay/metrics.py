@@ -7,8 +7,16 @@ process (tests). ``/metrics`` renders this registry followed by the process-wide
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from typing import Any
+
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import CounterMetricFamily
+
+#: Fields of ``firehose.broadcast.BroadcastStats`` exported as ``relay_broadcast_events_total{event}``.
+BROADCAST_EVENTS = ("too_slow", "future_cursor", "outdated_cursor", "replay_overflows", "bus_gaps_filled",
+                    "bus_errors")
 
 __all__ = ["CONTENT_TYPE_LATEST", "RelayMetrics"]
 
@@ -45,6 +53,32 @@ class RelayMetrics:
         self.admin_requests = Counter("relay_admin_requests_total", "Admin API requests",
                                       ["result"], registry=r)
 
+    def watch_broadcast(self, stats: Callable[[], Any]) -> None:
+        """Export the broadcaster's counters (read at scrape time from ``stats()``); calling it
+        again (a restarted service) replaces the source."""
+        collector = getattr(self, "_broadcast_collector", None)
+        if collector is None:
+            collector = self._broadcast_collector = _BroadcastCollector(stats)
+            self.registry.register(collector)
+        collector.stats = stats
+
     def render(self) -> bytes:
         """Text exposition of this relay's registry plus the process default registry."""
         return generate_latest(self.registry) + generate_latest(REGISTRY)
+
+
+class _BroadcastCollector:
+    """``relay_broadcast_events_total{event}``: consumers cut off as too slow, future and
+    outdated cursors, replay buffers discarded, bus gaps filled from the store, bus errors."""
+
+    def __init__(self, stats: Callable[[], Any]) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily("relay_broadcast_events", "Downstream stream events by kind",
+                                     labels=["event"])
+        stats = self.stats()
+        for event in BROADCAST_EVENTS:
+            family.add_metric([event], getattr(stats, event, 0) if stats is not None else 0)
+        yield family
+

@@ -111,6 +111,7 @@ class RelayService:
                                          rate=max(1.0, float(config.identity_rate)),
                                          burst=max(1, int(config.identity_rate * 2.5)))
         self.broadcaster = Broadcaster(self.store, self.bus)
+        self.metrics.watch_broadcast(lambda: self.broadcaster.stats if self.broadcaster is not None else None)
         if self.role != "fanout":
             self.sequencer = Sequencer(self.store, self.bus.publish, wait_for_lock=self.role == "ingest")
             await self.sequencer.start()

@@ -63,6 +63,10 @@ async def test_fast_listener_refuses_other_paths_and_future_cursor(relay_factory
         async with connect(base + "/xrpc/com.atproto.sync.subscribeRepos?cursor=999") as ws:
             frame = await asyncio.wait_for(ws.recv(), 5)
         assert b"FutureCursor" in frame
+        async with httpx.AsyncClient() as http:
+            text = (await http.get(relay.url + "/metrics")).text
+        assert 'relay_broadcast_events_total{event="future_cursor"} 1.0' in text
+        assert 'relay_broadcast_events_total{event="too_slow"} 0.0' in text
 
 
 def test_fast_listener_bind_is_validated() -> None:
