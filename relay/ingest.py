@@ -19,7 +19,7 @@ order. For each frame:
   status (a local takedown wins).
 
 Ordering and concurrency: the preparation of a frame (the steps above that need the network or
-the store) is a task chained behind the previous frame *of the same account*, so different
+the store) runs in a per-account task that takes that account's frames in order, so different
 accounts proceed concurrently; ``firehose.pipeline`` validates in worker processes, again in
 order per account; a per-host drainer takes the results strictly in upstream order and hands
 them to the sequencer, so events leave in the order the host sent them.
@@ -33,6 +33,7 @@ frame's effects durable (``HostSubscriber.ack`` after the sequencer resolves).
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import functools
 import logging
@@ -70,11 +71,6 @@ def _did_of(kind: str, body: dict[str, Any]) -> str | None:
     return did if isinstance(did, str) and is_valid_did(did) else None
 
 
-def _wake(waiter: asyncio.Future[None], _done: object) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
-
-
 @dataclasses.dataclass(slots=True)
 class _Item:
     """One upstream frame on its way through a host's reorder queue."""
@@ -88,7 +84,7 @@ class _Item:
     signing_key: str | None = None
     verdict: asyncio.Future[Any] | None = None
     event: PendingEvent | None = None
-    prep: asyncio.Task[None] | None = None
+    prep: asyncio.Future[None] | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -116,7 +112,9 @@ class Ingest:
         self.backoff_base = 1.0
         self.max_in_flight_per_host = max_in_flight_per_host
         self._queues: dict[str, asyncio.Queue[_Item]] = {}
-        self._did_tails: dict[str, asyncio.Task[None]] = {}
+        #: frames waiting for preparation, per account with a running preparer
+        self._did_work: dict[str, collections.deque[_Item]] = {}
+        self._preparers: dict[str, asyncio.Task[None]] = {}  # (a task must be referenced)
         self._verdict_counters: dict[tuple[str, str], Any] = {}
         self._in_counters: dict[tuple[str, str], Any] = {}
         self._out_counters: dict[str, Any] = {}
@@ -297,7 +295,7 @@ class Ingest:
 
         Frames leave in upstream order (the host's reorder queue). The work before validation —
         identity resolution, host binding, account admission, ``#identity``/``#account``
-        handling — runs as one task per frame, chained per account (an account's frames are
+        handling — runs in one task per account with frames waiting (an account's frames are
         prepared in order; different accounts proceed concurrently, so a slow DID resolution
         does not hold up the whole host). Validation itself runs in the pipeline.
         """
@@ -313,25 +311,35 @@ class Ingest:
         elif kind not in ("#commit", "#sync", "#identity", "#account"):
             self._count("ignore", "unknown_type")
         else:
-            previous = self._did_tails.get(did)
-            task = asyncio.create_task(self._prepare(item, did, previous))
-            self._did_tails[did] = task
-            item.prep = task  # set before the task first runs; its ``finally`` compares it
+            item.prep = asyncio.get_running_loop().create_future()
+            work = self._did_work.get(did)
+            if work is not None:  # the account's preparer is running: it takes this one next
+                work.append(item)
+            else:
+                work = self._did_work[did] = collections.deque((item,))
+                self._preparers[did] = asyncio.create_task(self._prepare_account(did, work))
         queue = self._queues.get(hostname)
         await (queue if queue is not None else self._queue_for(hostname)).put(item)
 
-    async def _prepare(self, item: _Item, did: str, previous: asyncio.Task[None] | None) -> None:
+    async def _prepare_account(self, did: str, work: collections.deque[_Item]) -> None:
+        """Prepare the account's queued frames in order (one task per burst of an account, not
+        per frame), resolving each frame's ``prep`` future as it is done."""
         try:
-            if previous is not None and not previous.done():
-                # wait for the account's previous frame, but never cancel it (cheaper than
-                # asyncio.wait, which builds a set, a future and checks each awaitable)
-                waiter = asyncio.get_running_loop().create_future()
-                previous.add_done_callback(functools.partial(_wake, waiter))
-                await waiter
-            await self._prepare_now(item, did)
+            while work:
+                item = work[0]
+                try:
+                    await self._prepare_now(item, did)
+                finally:
+                    work.popleft()
+                    if item.prep is not None and not item.prep.done():
+                        item.prep.set_result(None)
         finally:
-            if self._did_tails.get(did) is item.prep:
-                del self._did_tails[did]
+            if self._did_work.get(did) is work:
+                del self._did_work[did]
+                self._preparers.pop(did, None)
+            for left in work:  # only when cancelled (shutdown): never report them as prepared
+                if left.prep is not None:
+                    left.prep.cancel()
 
     async def _prepare_now(self, item: _Item, did: str) -> None:
         try:

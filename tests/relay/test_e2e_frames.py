@@ -36,6 +36,8 @@ def _upstream_commits(repo: Repo, n: int) -> list[dict[str, Any]]:
                                         "createdAt": "2026-01-01T00:00:00.000Z"})])
         bodies.append(commit_body(repo, res, seq=1001 + i))
     for i, body in enumerate(bodies):
+        if i % 2:
+            continue  # every other commit is plain lexicon
         body["zzUnknown"] = {"nested": [1, 2, 3]}  # sorts after every lexicon field
         body["aa"] = "x"  # sorts before seq
         body["unknownField"] = i
