@@ -4,7 +4,8 @@ Transport-agnostic core. :class:`Broadcaster` owns one bus subscription and fans
 (its stored ``frame`` bytes: encoded once, shared by every consumer) out to the registered
 :class:`ConsumerSession` objects. A transport adapter (``firehose.serve_asgi`` for Starlette,
 ``firehose.serve_websockets`` for a plain ``websockets`` server) pulls frames from
-:meth:`ConsumerSession.frames` and sends them.
+:meth:`ConsumerSession.frame_batches` (lists: one per replay store read, or what is queued live)
+or :meth:`ConsumerSession.frames` (one at a time) and sends them.
 
 Cursor rules (inclusive, as the I-D states: "seq greater than or equal to the cursor"):
 
@@ -24,8 +25,10 @@ buffer; every event published before it was durable before it, hence visible to 
 A catching-up consumer is never dropped: if its buffer overflows during replay the buffer is
 discarded and replay simply continues from the store (which has everything). Only a consumer
 whose *live* queue overflows (count or bytes) gets ``ConsumerTooSlow`` and is closed.
-Memory per consumer is bounded by ``live_queue_max`` frames / ``live_queue_bytes`` bytes plus one
-replay batch.
+Memory per consumer is bounded by ``live_queue_max`` frames / ``live_queue_bytes`` bytes plus two
+replay batches (the one being sent and the next store read, done ahead while it is sent).
+Replay is sent one store read at a time (:meth:`ConsumerSession.frame_batches`), so a transport
+can write a whole batch at once.
 """
 
 from __future__ import annotations
@@ -145,16 +148,29 @@ class ConsumerSession:
         self._wake.set()
 
     async def frames(self) -> AsyncIterator[bytes]:
-        """Yield the frames to send, in order. Ends after an error frame or on close."""
+        """Yield the frames to send, in order, one at a time (see :meth:`frame_batches`)."""
+        batches = self.frame_batches()
+        try:
+            async for batch in batches:
+                for frame in batch:
+                    yield frame
+        finally:
+            await batches.aclose()
+
+    async def frame_batches(self) -> AsyncIterator[list[bytes]]:
+        """Yield the frames to send, in order, as non-empty lists: during replay one list per
+        store read (bounded by ``replay_batch`` / ``replay_bytes``), live whatever is queued
+        (at most ``replay_batch`` frames / ``replay_bytes`` bytes per list). Ends after an
+        error frame or on close. The session counts a list as sent when it is yielded."""
         b = self._b
         b._sessions.add(self)
         b.stats.consumers += 1
         try:
             if self.cursor is not None:
-                async for frame in self._replay():
-                    yield frame
+                async for batch in self._replay():
+                    yield batch
                 if self.close_frame is not None:
-                    yield self.close_frame
+                    yield [self.close_frame]
                     return
             while True:
                 while not self._queue:
@@ -166,20 +182,37 @@ class ConsumerSession:
                     await self._wake.wait()
                 if self.too_slow.is_set() or (b._closed and not self._queue):
                     break
-                ev = self._queue.popleft()
-                self._queued_bytes -= len(ev.frame)
-                if self.last_seq is not None and ev.seq <= self.last_seq:
-                    continue  # replayed from the store before the bus delivered it
-                self.last_seq = ev.seq
-                self.sent += 1
-                self.bytes_sent += len(ev.frame)
-                yield ev.frame
+                batch = self._take_queued()
+                if batch:
+                    yield batch
             # ConsumerTooSlow is sent by ``pump`` (the transport may be stalled mid-send).
         finally:
             b._sessions.discard(self)
             b.stats.consumers -= 1
 
-    async def _replay(self) -> AsyncIterator[bytes]:
+    def _take_queued(self) -> list[bytes]:
+        """Pop queued live events (bounded like one replay batch), skipping any already sent."""
+        b = self._b
+        queue = self._queue
+        last = self.last_seq
+        out: list[bytes] = []
+        size = 0
+        while queue and len(out) < b.replay_batch and size < b.replay_bytes:
+            ev = queue.popleft()
+            n = len(ev.frame)
+            self._queued_bytes -= n
+            if last is not None and ev.seq <= last:
+                continue  # replayed from the store before the bus delivered it
+            last = ev.seq
+            out.append(ev.frame)
+            size += n
+        if out:
+            self.last_seq = last
+            self.sent += len(out)
+            self.bytes_sent += size
+        return out
+
+    async def _replay(self) -> AsyncIterator[list[bytes]]:
         b = self._b
         cursor = self.cursor
         assert cursor is not None
@@ -193,42 +226,65 @@ class ConsumerSession:
             last = 0
         elif oldest is None or cursor < oldest:
             b.stats.outdated_cursor += 1
-            yield encode_info_frame(OUTDATED_CURSOR, "cursor is older than the backfill window")
+            yield [encode_info_frame(OUTDATED_CURSOR, "cursor is older than the backfill window")]
             last = 0
         else:
             last = cursor - 1
         limit = b.replay_batch
-        while True:
-            events = await b.store.read_after(last, limit)
-            read_limit = limit
-            if events and last > 0 and events[0].seq > last + 1:
-                # Did retention trim the window past this (slow) consumer? Say so, never a
-                # silent gap: the same #info a too-old cursor gets at connection time.
-                oldest = await b.store.oldest_seq()
-                if oldest is not None and oldest > last + 1:
-                    b.stats.outdated_cursor += 1
-                    yield encode_info_frame(OUTDATED_CURSOR, "events were trimmed while replaying")
-            if events:  # keep one batch near ``replay_bytes`` whatever the frame sizes
-                avg = max(1, sum(len(e.frame) for e in events) // len(events))
-                limit = max(1, min(b.replay_batch, b.replay_bytes // avg))
-            for ev in events:
-                if ev.seq <= last:
+        # The next store read runs while the current batch is being sent (at most two batches
+        # in memory): the transport and the store work in parallel instead of taking turns.
+        read: asyncio.Future[list[SequencedEvent]] | None = asyncio.ensure_future(b.store.read_after(last, limit))
+        try:
+            while True:
+                assert read is not None
+                events = await read
+                read = None
+                read_limit = limit
+                out: list[bytes] = []
+                if events and last > 0 and events[0].seq > last + 1:
+                    # Did retention trim the window past this (slow) consumer? Say so, never a
+                    # silent gap: the same #info a too-old cursor gets at connection time.
+                    oldest = await b.store.oldest_seq()
+                    if oldest is not None and oldest > last + 1:
+                        b.stats.outdated_cursor += 1
+                        out.append(encode_info_frame(OUTDATED_CURSOR, "events were trimmed while replaying"))
+                if events:  # keep one batch near ``replay_bytes`` whatever the frame sizes
+                    avg = max(1, sum(len(e.frame) for e in events) // len(events))
+                    limit = max(1, min(b.replay_batch, b.replay_bytes // avg))
+                size = 0
+                count = 0
+                for ev in events:
+                    if ev.seq <= last:
+                        continue
+                    last = ev.seq
+                    out.append(ev.frame)
+                    size += len(ev.frame)
+                    count += 1
+                if count:
+                    self.last_seq = last
+                    self.sent += count
+                    self.bytes_sent += size
+                full = len(events) >= read_limit
+                if full:
+                    read = asyncio.ensure_future(b.store.read_after(last, limit))
+                if out:
+                    yield out
+                if full:
                     continue
-                last = ev.seq
-                self.last_seq = ev.seq
-                self.sent += 1
-                self.bytes_sent += len(ev.frame)
-                yield ev.frame
-            if len(events) >= read_limit:
-                continue
-            # Caught up. No await between this check and the switch to live.
-            if self._replay_overflow:
-                self._replay_overflow = False
-                continue
-            while self._queue and self._queue[0].seq <= last:
-                self._queued_bytes -= len(self._queue.popleft().frame)
-            self._live = True
-            return
+                # Caught up. No await between this check and the switch to live.
+                if self._replay_overflow:
+                    self._replay_overflow = False
+                    read = asyncio.ensure_future(b.store.read_after(last, limit))
+                    continue
+                while self._queue and self._queue[0].seq <= last:
+                    self._queued_bytes -= len(self._queue.popleft().frame)
+                self._live = True
+                return
+        finally:
+            if read is not None and not read.done():  # closed mid-replay: drop the read ahead
+                read.cancel()
+            elif read is not None and not read.cancelled():
+                read.exception()  # retrieved, so a failed read ahead is not reported as lost
 
 
 class DirectWriter(Protocol):
@@ -362,6 +418,7 @@ class Broadcaster:
 
 
 SendFn = Callable[[bytes], Awaitable[None]]
+SendManyFn = Callable[[list[bytes]], Awaitable[None]]
 
 
 async def pump(
@@ -369,16 +426,28 @@ async def pump(
     send: SendFn,
     closed: Awaitable[object] | None = None,
     *,
+    send_many: SendManyFn | None = None,
     error_send_timeout: float = 2.0,
 ) -> None:
     """Drive one session over a transport: send every frame; stop at once when the peer goes
     away (``closed`` completes) or on ``ConsumerTooSlow`` (even if a send is stuck on a stalled
     peer: the error frame is then tried briefly). The caller closes the transport afterwards.
+
+    ``send_many(frames)``, when given, sends a list of frames in order (one transport write and
+    one wait for backpressure per list); otherwise ``send`` is awaited per frame.
     """
 
     async def run() -> None:
-        async for frame in session.frames():
-            await send(frame)
+        batches = session.frame_batches()
+        try:
+            async for batch in batches:
+                if send_many is not None:
+                    await send_many(batch)
+                else:
+                    for frame in batch:
+                        await send(frame)
+        finally:
+            await batches.aclose()
 
     task = asyncio.create_task(run())
     slow = asyncio.create_task(session.too_slow.wait())
