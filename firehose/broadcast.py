@@ -167,8 +167,12 @@ class ConsumerSession:
         b.stats.consumers += 1
         try:
             if self.cursor is not None:
-                async for batch in self._replay():
-                    yield batch
+                replay = self._replay()
+                try:
+                    async for batch in replay:
+                        yield batch
+                finally:
+                    await replay.aclose()  # closed mid-replay: cancels the read ahead now
                 if self.close_frame is not None:
                     yield [self.close_frame]
                     return

@@ -67,3 +67,22 @@ def test_binary_frame_header_matches_websockets_framing(n: int) -> None:
     payload = b"\x07" * n
     expected = Frame(Opcode.BINARY, payload).serialize(mask=False, extensions=[])
     assert _binary_frame_header(n) + payload == expected
+
+
+async def test_closing_mid_replay_deregisters_and_drops_the_read_ahead(ingest: Ingest) -> None:
+    b = Broadcaster(ingest.store, ingest.bus, replay_batch=20)
+    await ingest.add(200, batch=50)
+    await b.start()
+    batches = b.session(0).frame_batches()
+    try:
+        async with asyncio.timeout(10):
+            assert len(await anext(batches)) == 20
+            assert b.consumer_count == 1
+            reads = [t for t in asyncio.all_tasks() if "read_after" in repr(t.get_coro())]
+            assert reads  # the next read was started while this batch was out
+            await batches.aclose()
+            assert b.consumer_count == 0
+            await asyncio.sleep(0.05)
+        assert all(t.done() for t in reads)
+    finally:
+        await b.close()
