@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from urllib.parse import parse_qs, urlsplit
 
@@ -28,6 +29,8 @@ class Upstream:
     def __init__(self, scripts: list[Script]) -> None:
         self.scripts = scripts
         self.cursors: list[int | None] = []
+        #: monotonic time of each connection
+        self.connected_at: list[float] = []
         self.server = None
 
     async def __aenter__(self) -> str:
@@ -35,6 +38,7 @@ class Upstream:
             q = parse_qs(urlsplit(conn.request.path).query).get("cursor")
             cursor = int(q[0]) if q else None
             self.cursors.append(cursor)
+            self.connected_at.append(time.monotonic())
             script = self.scripts[min(len(self.cursors) - 1, len(self.scripts) - 1)]
             await script(conn, cursor)
 
@@ -254,7 +258,11 @@ async def test_future_cursor_without_a_cursor_backs_off_instead_of_spinning() ->
         await asyncio.sleep(0.5)
         await sub.stop()
         await asyncio.wait_for(task, 5)
-    assert 1 <= len(upstream.cursors) <= 4  # backed off (~0.1-0.2 s apart), not a tight loop
+    # Backed off, not a tight loop: "equal jitter" puts reconnects 0.1-0.2 s apart (cap 0.2 s),
+    # so at most 6 fit in the 0.5 s window, and no two come closer than the jitter's floor.
+    assert 1 <= len(upstream.cursors) <= 6
+    gaps = [b - a for a, b in zip(upstream.connected_at, upstream.connected_at[1:], strict=False)]
+    assert all(g >= 0.095 for g in gaps), gaps
     assert sub.resets == 0 and sub.counters[Reason.FUTURE_CURSOR] >= 1
 
 
