@@ -266,7 +266,7 @@ class IdentityResolver:
 
     def _count(self, metric: str, result: str) -> None:
         if self.metrics is not None:
-            getattr(self.metrics, metric).labels(result=result).inc()
+            self.metrics.child(getattr(self.metrics, metric), result).inc()
 
     async def resolve(self, did: str, *, fresh: bool = False, max_age: float = 0.0) -> Identity:
         """The identity of ``did``; ``fresh`` bypasses (and refreshes) the cache, unless this

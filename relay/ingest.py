@@ -115,9 +115,6 @@ class Ingest:
         #: frames waiting for preparation, per account with a running preparer
         self._did_work: dict[str, collections.deque[_Item]] = {}
         self._preparers: dict[str, asyncio.Task[None]] = {}  # (a task must be referenced)
-        self._verdict_counters: dict[tuple[str, str], Any] = {}
-        self._in_counters: dict[tuple[str, str], Any] = {}
-        self._out_counters: dict[str, Any] = {}
         self._drainers: dict[str, asyncio.Task[None]] = {}
         self.resync: Callable[[str, str | None], Awaitable[None]] | None = None
         self._runs: dict[str, _HostRun] = {}
@@ -276,10 +273,7 @@ class Ingest:
 
     # -- per frame ------------------------------------------------------------------------
     def _count(self, kind: str, reason: str) -> None:
-        counter = self._verdict_counters.get((kind, reason))
-        if counter is None:  # labels() is costly: keep each labelled child once
-            counter = self._verdict_counters[(kind, reason)] = self.metrics.verdicts.labels(kind=kind, reason=reason)
-        counter.inc()
+        self.metrics.child(self.metrics.verdicts, kind, reason).inc()
 
     def _queue_for(self, hostname: str) -> asyncio.Queue[_Item]:
         """The host's reorder queue and its drainer (frames leave in upstream order)."""
@@ -300,10 +294,7 @@ class Ingest:
         does not hold up the whole host). Validation itself runs in the pipeline.
         """
         kind = uf.frame.t or ""
-        counter = self._in_counters.get((hostname, kind))
-        if counter is None:
-            counter = self._in_counters[(hostname, kind)] = self.metrics.events_in.labels(host=hostname, type=kind)
-        counter.inc()
+        self.metrics.child(self.metrics.events_in, hostname, kind).inc()
         item = _Item(hostname, uf, kind, time.monotonic())
         did = _did_of(kind, uf.frame.body)
         if did is None:
@@ -428,10 +419,7 @@ class Ingest:
         if result is None:
             self._count("ignore", "already_sequenced")
             return
-        counter = self._out_counters.get(event.kind)
-        if counter is None:
-            counter = self._out_counters[event.kind] = self.metrics.events_out.labels(type=event.kind)
-        counter.inc()
+        self.metrics.child(self.metrics.events_out, event.kind).inc()
         self.metrics.current_seq.set(result.seq)
         self.metrics.lag.observe(time.monotonic() - received)
 

@@ -26,6 +26,7 @@ class RelayMetrics:
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self.events_in = Counter("relay_events_in_total", "Frames received from upstream hosts",
                                  ["host", "type"], registry=r)
         self.verdicts = Counter("relay_verdicts_total", "Judgements on upstream events",
@@ -52,6 +53,15 @@ class RelayMetrics:
                                       ["result"], registry=r)
         self.admin_requests = Counter("relay_admin_requests_total", "Admin API requests",
                                       ["result"], registry=r)
+
+    def child(self, metric: Any, *values: str) -> Any:
+        """``metric.labels(*values)``, kept once per label tuple: ``labels()`` costs a lock and a
+        tuple build per call, too much for per-event counters on the ingest path."""
+        key = (id(metric), values)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*values)
+        return found
 
     def watch_broadcast(self, stats: Callable[[], Any]) -> None:
         """Export the broadcaster's counters (read at scrape time from ``stats()``); calling it
