@@ -124,7 +124,7 @@ def decode_prefix(data: bytes | bytearray | memoryview) -> tuple[object, int]:
     firehose frames, which are two concatenated objects). Raises ``CBORError``.
     """
     try:
-        obj, n = _c.decode_dag_cbor(data, _strict_cid, False)
+        obj, n = _c.decode_dag_cbor(data, _strict_cid, False)  # type: ignore[arg-type]  # any buffer
     except CBORError:
         raise
     except (ValueError, TypeError, RecursionError, OverflowError, cbrrr.CbrrrDecodeError) as exc:
@@ -158,7 +158,7 @@ def encode(obj: object) -> bytes:
     t = type(obj)
     if t is dict or t is list:
         _check_values(obj)
-    elif t is int and (obj > _INT64_MAX or obj < _INT64_MIN):
+    elif t is int and (obj > _INT64_MAX or obj < _INT64_MIN):  # type: ignore[operator]
         raise CBORError("cbor_integer_out_of_range", "integer does not fit in int64")
     return out
 
@@ -168,7 +168,7 @@ def decode_schema_checked(data: bytes | bytearray | memoryview) -> object:
     CID's form itself (MST nodes, commits): no int64 walk, CIDs are not checked here.
     The CBOR itself is exactly as strict as :func:`decode`."""
     try:
-        obj, n = _c.decode_dag_cbor(data, CID, False)
+        obj, n = _c.decode_dag_cbor(data, CID, False)  # type: ignore[arg-type]  # any buffer
     except (ValueError, TypeError, RecursionError, OverflowError, cbrrr.CbrrrDecodeError) as exc:
         raise CBORError(_classify(exc), str(exc)[:200]) from None
     if n != len(data):

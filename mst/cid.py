@@ -32,10 +32,10 @@ RAW_PREFIX = b"\x01\x55\x12\x20"
 _BLESSED_PREFIXES = (DAG_CBOR_PREFIX, RAW_PREFIX)
 _sha256 = hashlib.sha256
 try:  # CPython's own SHA-256: ~1 us less per call than OpenSSL 3's (whose setup dominates small inputs)
-    from _sha256 import sha256 as sha256_small  # Python <= 3.11
+    from _sha256 import sha256 as sha256_small  # type: ignore[import-not-found]  # Python <= 3.11
 except ImportError:  # pragma: no cover - depends on the interpreter build
     try:
-        from _sha2 import sha256 as sha256_small  # Python >= 3.12
+        from _sha2 import sha256 as sha256_small  # type: ignore[import-not-found]  # Python >= 3.12
     except ImportError:
         sha256_small = hashlib.sha256
 # below this size the builtin implementation is faster; above it OpenSSL's faster compression wins

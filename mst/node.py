@@ -433,7 +433,8 @@ def split(store: BlockMap, node: Node | None, key: bytes) -> tuple[Node | None, 
     lo, hi = split(store, child(store, node, i), key)
     layer = node.layer
     left = Node(layer, keys[:i], node.vals[:i], node.subs[:i] + [lo])
-    right = Node(layer, keys[i:], node.vals[i:], [hi] + node.subs[i + 1 :])
+    first: list[Sub] = [hi]
+    right = Node(layer, keys[i:], node.vals[i:], first + node.subs[i + 1 :])
     return _prune(left), _prune(right)
 
 

@@ -145,7 +145,9 @@ class RelayService:
         await self.resync.start()
         await self.ingest.start_all()
         self._tasks.append(asyncio.create_task(self._housekeeping(), name="housekeeping"))
-        log.info("relay started", extra=fields(role=self.role, **config.describe()))
+        from mst import native
+
+        log.info("relay started", extra=fields(role=self.role, mst=native.STATUS, **config.describe()))
 
     async def _start_firehose_listener(self, bind: str) -> None:
         """The optional plain-websockets listener for subscribeRepos (``RELAY_FIREHOSE_BIND``)."""
