@@ -208,6 +208,11 @@ def main() -> int:
     ap.add_argument("--stages", action="store_true", help="also print per-stage CPU costs")
     args = ap.parse_args()
     rng = random.Random(1)
+    from mst import native
+
+    # which build of mst.node/invert/car ran (``RELAY_PURE_PYTHON=1`` measures the Python sources)
+    print(f"# mst: {native.STATUS}", file=sys.stderr)
+    print(f"RESULT core_compiled={int(native.active())}")
 
     t0 = time.perf_counter()
     repo = build_repo(args.records, rng)
