@@ -115,6 +115,7 @@ async def bench_backend(name: str, store: Store, events: list[PendingEvent], bat
     seq = Sequencer(store, noop_publish, max_batch=batch, max_delay=0.002, max_pending=50_000)
     await seq.start()
     backends = await backend_pids(store, seq)
+    wal0 = await wal_position(store)
     cpu0, server0 = time.process_time(), sum(map(process_cpu, backends))
     t0 = time.perf_counter()
     # Like an upstream subscriber: keep events in flight and await their acks in order, dropping
@@ -142,6 +143,7 @@ async def bench_backend(name: str, store: Store, events: list[PendingEvent], bat
     await acker
     elapsed = time.perf_counter() - t0
     cpu1, server1 = time.process_time(), sum(map(process_cpu, backends))
+    wal1 = await wal_position(store)
     await seq.close()
     results[f"{name}_sequence_events_per_s"] = len(events) / elapsed
     # CPU spent per event, independent of how busy the shared machine is: this process (batching,
@@ -152,6 +154,11 @@ async def bench_backend(name: str, store: Store, events: list[PendingEvent], bat
     # How much of the 2-core machine the sequencing actually got (client + server CPU / wall):
     # on an idle machine this approaches the pipeline's own limit, on a shared one it shows the share.
     results[f"{name}_sequence_cores_used_x100"] = ((cpu1 - cpu0) + (server1 - server0)) / elapsed * 100
+    if wal0 is not None and wal1 is not None:
+        # Checkpoints that ran meanwhile explain most run-to-run spread (each one makes the server
+        # write full page images and flush dirty buffers while the sequencer is writing).
+        results[f"{name}_sequence_checkpoints"] = wal1[0] - wal0[0]
+        results[f"{name}_sequence_wal_bytes_per_event"] = (wal1[1] - wal0[1]) / len(events)
     print(f"# {name}: sequenced {len(events)} in {elapsed:.2f}s, {seq.stats.batches} batches", flush=True)
 
     # First replay right after writing (Postgres still sets hint bits), then a warm one.
@@ -177,6 +184,17 @@ async def bench_backend(name: str, store: Store, events: list[PendingEvent], bat
     assert deleted == len(events), deleted
     results[f"{name}_retention_delete_per_s"] = deleted / elapsed
     return results
+
+
+async def wal_position(store: Store) -> tuple[int, int] | None:
+    """(checkpoints so far, WAL bytes so far) of the Postgres server; None on SQLite."""
+    if not isinstance(store, PostgresStore):
+        return None
+    row = await store._pool.fetchrow(
+        "SELECT checkpoints_timed + checkpoints_req, pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::int8"
+        " FROM pg_stat_bgwriter"
+    )
+    return int(row[0]), int(row[1])
 
 
 def process_cpu(pid: int) -> float:
