@@ -90,6 +90,10 @@ class UpstreamFrame:
     raw: bytes
 
 
+class DestinationRefused(OSError):
+    """``resolve`` refused the host's address (e.g. it now points somewhere private)."""
+
+
 class _Reset(Exception):
     def __init__(self, reason: Reason) -> None:
         self.reason = reason
@@ -128,8 +132,14 @@ class HostSubscriber:
         config: SubscriberConfig | None = None,
         on_cursor_reset: Callable[[int | None, str], Awaitable[None] | None] | None = None,
         rng: random.Random | None = None,
+        resolve: Callable[[str], Awaitable[str]] | None = None,
     ) -> None:
+        """``resolve(name) -> address``: the caller's destination policy, asked before every
+        connection; the socket then goes to exactly that address (TLS and the Host header still
+        use the name) and no proxy, so DNS cannot move the connection after the check. An
+        exception from it refuses that attempt (counted as ``connection_failed``, then backoff)."""
         self.host = host
+        self.resolve = resolve
         self.on_frame = on_frame
         self.config = config or SubscriberConfig()
         self.on_cursor_reset = on_cursor_reset
@@ -225,8 +235,23 @@ class HostSubscriber:
         asked = self._acked
         url = stream_url(self.host, asked)
         delivered = 0
+        pin: dict[str, object] = {}
+        if self.resolve is not None:
+            parts = urlsplit(url)
+            try:
+                address = await self.resolve(parts.hostname or "")
+            except Exception as exc:
+                reason = getattr(exc, "reason", type(exc).__name__)
+                log.warning("upstream destination refused", extra={"host": self.host, "reason": reason})
+                raise DestinationRefused(f"{self.host}: {reason}") from exc
+            pin = {
+                "host": address,
+                "port": parts.port or (443 if parts.scheme == "wss" else 80),
+                "proxy": None,
+            }
         async with connect(
             url,
+            **pin,  # type: ignore[arg-type]
             ping_interval=self.config.ping_interval,
             ping_timeout=self.config.ping_timeout,
             open_timeout=self.config.open_timeout,

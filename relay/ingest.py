@@ -154,7 +154,8 @@ class Ingest:
         # emitted before it was added is missed; later runs resume from the durable cursor.
         subscriber = HostSubscriber(url, self._make_on_frame(host.hostname), cursor=cursor or 0,
                                     config=self.subscriber_config(host),
-                                    on_cursor_reset=self._make_on_reset(host.hostname))
+                                    on_cursor_reset=self._make_on_reset(host.hostname),
+                                    resolve=self.hosts.guard.connect_address)
         task = asyncio.create_task(self._run_host(host.hostname, subscriber), name=f"host:{host.hostname}")
         self._runs[host.hostname] = _HostRun(subscriber, task)
         if host.status not in ("active", "throttled"):
@@ -180,7 +181,8 @@ class Ingest:
             if run is None or run.subscriber is not subscriber or self._closed:
                 return
             subscriber = HostSubscriber(subscriber.host, self._make_on_frame(hostname), cursor=subscriber.cursor,
-                                        config=subscriber.config, on_cursor_reset=self._make_on_reset(hostname))
+                                        config=subscriber.config, on_cursor_reset=self._make_on_reset(hostname),
+                                        resolve=subscriber.resolve)
             run.subscriber = subscriber
 
     async def stop_host(self, hostname: str) -> None:

@@ -6,6 +6,12 @@ https/wss, the name must resolve only to public addresses, and the check is repe
 redirect hop (httpx calls the transport once per hop). With ``allow_insecure`` (local testing)
 http/ws, ``host:port`` names and loopback/private addresses are accepted.
 
+DNS rebinding is closed by resolving once: ``SafeClient`` opens each TCP connection to an address
+the guard has just vetted (``_GuardedBackend``), never re-resolving the name (TLS still verifies
+the certificate for the name), and upstream WebSocket subscriptions connect to
+``AddressGuard.connect_address(host)`` the same way. A name that answers a public address to the
+check and a private one to the connection therefore cannot reach the private one.
+
 Rejections raise ``SSRFError`` with a snake_case ``reason`` from ``REASONS``.
 """
 
@@ -18,6 +24,7 @@ import socket
 from collections.abc import Awaitable, Callable, Mapping
 from urllib.parse import urlsplit
 
+import httpcore
 import httpx
 
 REASONS = (
@@ -189,8 +196,16 @@ class AddressGuard:
                     raise SSRFError("non_public_address", f"{host} resolves to non-public {addr}")
         return addrs
 
-    async def check_url(self, url: str) -> None:
-        """Scheme, port and destination checks for one request URL."""
+    async def connect_address(self, host: str) -> str:
+        """The one address to connect to for ``host``: checked like :meth:`check_host` (raises
+        ``SSRFError``), IPv4 preferred. Connect to it, not to the name, so the name cannot be
+        re-resolved somewhere else between check and connection."""
+        addrs = await self.check_host(host)
+        return next((a for a in addrs if ":" not in a), addrs[0])
+
+    async def check_url(self, url: str, *, resolve: bool = True) -> None:
+        """Scheme, port and destination checks for one request URL (the destination only when
+        ``resolve``: a pinned connection checks it when it connects)."""
         parts = urlsplit(url)
         if parts.scheme not in ("https", "wss", "http", "ws") or not parts.hostname:
             raise SSRFError("bad_url", f"unsupported URL {url!r}")
@@ -198,18 +213,67 @@ class AddressGuard:
             raise SSRFError("insecure_scheme", f"{parts.scheme}:// needs RELAY_ALLOW_INSECURE_HOSTS")
         if parts.username or parts.password:
             raise SSRFError("bad_url", "credentials in URL")
-        await self.check_host(parts.hostname)
+        if resolve:
+            await self.check_host(parts.hostname)
+
+
+class _GuardedBackend(httpcore.AsyncNetworkBackend):
+    """httpcore network backend that connects only to addresses the guard vetted at that moment."""
+
+    def __init__(self, guard: AddressGuard, inner: httpcore.AsyncNetworkBackend | None = None) -> None:
+        self._guard = guard
+        self._inner = inner or httpcore.AnyIOBackend()
+
+    async def connect_tcp(self, host: str, port: int, timeout: float | None = None,
+                          local_address: str | None = None,
+                          socket_options: object = None) -> httpcore.AsyncNetworkStream:
+        addrs = await self._guard.check_host(host)
+        addrs = sorted(addrs, key=lambda a: ":" in a)[:4]  # IPv4 first; a few tries at most
+        error: Exception | None = None
+        for addr in addrs:
+            try:
+                return await self._inner.connect_tcp(addr, port, timeout=timeout, local_address=local_address,
+                                                      socket_options=socket_options)  # type: ignore[arg-type]
+            except (httpcore.ConnectError, httpcore.ConnectTimeout) as exc:
+                error = exc
+        assert error is not None
+        raise error
+
+    async def connect_unix_socket(self, path: str, timeout: float | None = None,
+                                  socket_options: object = None) -> httpcore.AsyncNetworkStream:
+        raise SSRFError("bad_url", "unix sockets are not allowed")
+
+    async def sleep(self, seconds: float) -> None:
+        await self._inner.sleep(seconds)
+
+
+class _PinnedTransport(httpx.AsyncHTTPTransport):
+    """httpx's transport over :class:`_GuardedBackend`: no proxies from the environment (they
+    would bypass the address check), TLS verified against the request's host name."""
+
+    def __init__(self, guard: AddressGuard, backend: httpcore.AsyncNetworkBackend | None = None) -> None:
+        super().__init__(retries=0, trust_env=False)
+        limits = httpx.Limits()
+        self._pool = httpcore.AsyncConnectionPool(
+            ssl_context=httpx.create_ssl_context(trust_env=False),
+            max_connections=limits.max_connections,
+            max_keepalive_connections=limits.max_keepalive_connections,
+            keepalive_expiry=limits.keepalive_expiry,
+            network_backend=_GuardedBackend(guard, backend),
+        )
 
 
 class _GuardedTransport(httpx.AsyncBaseTransport):
-    """Checks each request's URL (so every redirect hop) before handing it to the real transport."""
+    """Checks each request's URL (so every redirect hop) before handing it to the real transport;
+    when that transport pins its connections (``pinned``), the address check happens there."""
 
-    def __init__(self, guard: AddressGuard, inner: httpx.AsyncBaseTransport) -> None:
+    def __init__(self, guard: AddressGuard, inner: httpx.AsyncBaseTransport, *, pinned: bool) -> None:
         self._guard = guard
         self._inner = inner
+        self._pinned = pinned
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        await self._guard.check_url(str(request.url))
+        await self._guard.check_url(str(request.url), resolve=not self._pinned)
         return await self._inner.handle_async_request(request)
 
     async def aclose(self) -> None:
@@ -221,12 +285,17 @@ class SafeClient:
 
     def __init__(self, guard: AddressGuard, *, timeout: float = 10.0, max_redirects: int = 3,
                  user_agent: str = "atproto-relay (python)",
-                 inner_transport: httpx.AsyncBaseTransport | None = None) -> None:
-        """``inner_transport`` replaces the network (tests stand in for the public internet)."""
+                 inner_transport: httpx.AsyncBaseTransport | None = None,
+                 network_backend: httpcore.AsyncNetworkBackend | None = None) -> None:
+        """``inner_transport`` replaces the network (tests stand in for the public internet; the
+        guard then checks each URL's addresses up front); ``network_backend`` replaces only the
+        sockets under the pinned transport."""
         self.guard = guard
-        inner = inner_transport or httpx.AsyncHTTPTransport(retries=0)
+        pinned = inner_transport is None
+        inner = inner_transport or _PinnedTransport(guard, network_backend)
         self._client = httpx.AsyncClient(
-            transport=_GuardedTransport(guard, inner),
+            transport=_GuardedTransport(guard, inner, pinned=pinned),
+            trust_env=False,  # no proxy from the environment: it would connect in our place
             timeout=httpx.Timeout(timeout, connect=min(timeout, 5.0)),
             follow_redirects=True,
             max_redirects=max_redirects,

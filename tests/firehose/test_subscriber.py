@@ -330,3 +330,37 @@ async def test_a_replayed_poison_frame_resets_the_cursor() -> None:
         await run_until(sub, lambda: got[-1:] == [4], timeout=20)
     assert got == [1, 2, 4]
     assert resets == [(2, "bad_header_cbor")] and upstream.cursors == [None, 2, None]
+
+
+async def test_resolve_pins_the_connection_to_the_vetted_address() -> None:
+    """The host name does not resolve at all here (.invalid): frames arriving prove the socket went to
+    the address ``resolve`` returned, and ``resolve`` is asked again before every reconnect."""
+    asked: list[str] = []
+
+    async def resolve(name: str) -> str:
+        asked.append(name)
+        return "127.0.0.1"
+
+    got: list[int] = []
+    async with Upstream([sends(msg(1), msg(2), hold=False), sends(msg(3))]) as url:
+        port = urlsplit(url).port
+        sub = HostSubscriber(f"http://pds.invalid:{port}", lambda f: _append(got, f), config=fast_config(),
+                             resolve=resolve)
+        await run_until(sub, lambda: got == [1, 2, 3])
+    assert asked[:2] == ["pds.invalid", "pds.invalid"]
+
+
+async def test_refused_destination_is_counted_and_never_connected() -> None:
+    class Refused(Exception):
+        reason = "non_public_address"
+
+    async def resolve(name: str) -> str:
+        raise Refused(name)
+
+    upstream = Upstream([sends(msg(1))])
+    async with upstream as url:
+        port = urlsplit(url).port
+        sub = HostSubscriber(f"http://pds.invalid:{port}", lambda f: _append([], f), config=fast_config(),
+                             resolve=resolve)
+        await run_until(sub, lambda: sub.counters[Reason.CONNECTION_FAILED] >= 2)
+    assert sub.connections == 0 and upstream.cursors == []  # the server never saw a connection

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 
+import httpcore
 import httpx
 import pytest
 
@@ -170,3 +172,73 @@ def test_readme_configuration_table_matches_settings() -> None:
 
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     assert settings_table() in readme
+
+
+class _RecordingNetwork(httpcore.AsyncNetworkBackend):
+    """Stands in for the public internet below the pinned transport: records where each socket
+    would go and refuses it (no public address is reachable from the test machine)."""
+
+    def __init__(self) -> None:
+        self.connects: list[tuple[str, int]] = []
+
+    async def connect_tcp(self, host, port, timeout=None, local_address=None, socket_options=None):
+        self.connects.append((host, port))
+        raise httpcore.ConnectError("no internet here")
+
+    async def connect_unix_socket(self, path, timeout=None, socket_options=None):
+        raise AssertionError("unix socket")
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
+
+async def test_connection_goes_to_the_address_vetted_at_connect_time() -> None:
+    """DNS rebinding: the name answers a public address once, then loopback. One lookup per
+    connection, and the socket goes to the address that lookup vetted — never to the name."""
+    answers = [["93.184.216.34"], ["127.0.0.1"]]
+    lookups: list[str] = []
+
+    async def rebinding(host: str) -> list[str]:
+        lookups.append(host)
+        return answers[min(len(lookups) - 1, 1)]
+
+    net = _RecordingNetwork()
+    client = SafeClient(AddressGuard(resolver=rebinding), network_backend=net)
+    try:
+        with pytest.raises(httpx.ConnectError):
+            await client.get("https://pds.example.com/xrpc/_health")
+        assert lookups == ["pds.example.com"]
+        assert net.connects == [("93.184.216.34", 443)]
+        with pytest.raises(SSRFError) as err:  # the next connection's lookup says loopback
+            await client.get("https://pds.example.com/xrpc/_health")
+        assert err.value.reason == "non_public_address"
+        assert net.connects == [("93.184.216.34", 443)]  # nothing was opened for it
+    finally:
+        await client.aclose()
+
+
+async def test_safe_client_connects_to_the_resolved_address_not_the_name() -> None:
+    """A real server on 127.0.0.1 answers for a name the system cannot resolve (.invalid): the
+    request only succeeds because the socket goes to the guard's address; Host stays the name."""
+    seen: list[bytes] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        seen.append(head)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    guard = AddressGuard(allow_insecure=True, resolver=static_resolver({"pds.invalid": ["127.0.0.1"]}))
+    client = SafeClient(guard)
+    try:
+        status, body, _ = await client.get(f"http://pds.invalid:{port}/xrpc/_health")
+        assert (status, body) == (200, b"ok")
+        assert f"host: pds.invalid:{port}".encode() in seen[0].lower()
+        assert await guard.connect_address("pds.invalid") == "127.0.0.1"
+    finally:
+        await client.aclose()
+        server.close()
+        await server.wait_closed()
