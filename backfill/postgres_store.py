@@ -11,12 +11,13 @@ import asyncio
 import re
 import time
 from collections.abc import Iterable
+from typing import Any
 
 import asyncpg
 
 from backfill.errors import MigrationError, SequencerConflictError, SequencerLockedError
 from backfill.migrations import discover
-from backfill.store import BatchWrite, Store, WriterLease, host_count_deltas, retention_prefix
+from backfill.store import BatchWrite, Store, WriterLease, audit_entry, host_count_deltas, retention_prefix
 from backfill.types import AccountState, HostState, SequencedEvent
 
 _SCHEMA_RE = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
@@ -373,6 +374,38 @@ class PostgresStore(Store):
             time.time(),
         )
         return result == "INSERT 0 1"
+
+    # -- operator state ----------------------------------------------------------------------
+    async def get_setting(self, key: str) -> str | None:
+        return await self._pool.fetchval("SELECT value FROM relay_settings WHERE key = $1", key)
+
+    async def set_setting(self, key: str, value: str) -> None:
+        await self._pool.execute(
+            "INSERT INTO relay_settings (key, value) VALUES ($1, $2) ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value",
+            key,
+            value,
+        )
+
+    async def record_crawl_admission(self, hostname: str, at: float) -> None:
+        await self._pool.execute(
+            "INSERT INTO crawl_requests (hostname, result, requested_at) VALUES ($1, 'accepted', $2)", hostname, at
+        )
+
+    async def count_crawl_admissions(self, since: float) -> int:
+        return await self._pool.fetchval(
+            "SELECT count(*) FROM crawl_requests WHERE result = 'accepted' AND requested_at >= $1", since
+        )
+
+    async def record_admin_action(self, at: float, action: str, target: str, detail: str) -> None:
+        await self._pool.execute(
+            "INSERT INTO admin_audit (time, action, target, detail) VALUES ($1, $2, $3, $4)", at, action, target, detail
+        )
+
+    async def list_admin_actions(self, limit: int = 200) -> list[dict[str, Any]]:
+        rows = await self._pool.fetch(
+            "SELECT time, action, target, detail FROM admin_audit ORDER BY id DESC LIMIT $1", limit
+        )
+        return [audit_entry(*row) for row in reversed(rows)]
 
     async def remove_domain_ban(self, domain: str) -> bool:
         result = await self._pool.execute("DELETE FROM domain_bans WHERE domain = $1", domain.strip().lower())

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 from backfill.errors import MigrationError, SequencerConflictError, SequencerLockedError
 from backfill.migrations import discover, split_sqlite_statements
 from backfill.sqlite_conn import SqliteConn, Tx, fetchall, fetchval
-from backfill.store import BatchWrite, Store, WriterLease, host_count_deltas, retention_prefix
+from backfill.store import BatchWrite, Store, WriterLease, audit_entry, host_count_deltas, retention_prefix
 from backfill.types import AccountState, HostState, SequencedEvent
 
 T = TypeVar("T")
@@ -376,6 +376,37 @@ class SqliteStore(Store):
 
     async def remove_domain_ban(self, domain: str) -> bool:
         return await self._update_one("DELETE FROM domain_bans WHERE domain = ?", (domain.strip().lower(),))
+
+    # -- operator state ----------------------------------------------------------------------
+    async def get_setting(self, key: str) -> str | None:
+        return await self._read(fetchval, "SELECT value FROM relay_settings WHERE key = ?", (key,))
+
+    async def set_setting(self, key: str, value: str) -> None:
+        await self._update_one(
+            "INSERT INTO relay_settings (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+            (key, value),
+        )
+
+    async def record_crawl_admission(self, hostname: str, at: float) -> None:
+        await self._update_one(
+            "INSERT INTO crawl_requests (hostname, result, requested_at) VALUES (?, 'accepted', ?)", (hostname, at)
+        )
+
+    async def count_crawl_admissions(self, since: float) -> int:
+        return await self._read(
+            fetchval, "SELECT count(*) FROM crawl_requests WHERE result = 'accepted' AND requested_at >= ?", (since,)
+        )
+
+    async def record_admin_action(self, at: float, action: str, target: str, detail: str) -> None:
+        await self._update_one(
+            "INSERT INTO admin_audit (time, action, target, detail) VALUES (?, ?, ?, ?)", (at, action, target, detail)
+        )
+
+    async def list_admin_actions(self, limit: int = 200) -> list[dict[str, Any]]:
+        rows = await self._read(
+            fetchall, "SELECT time, action, target, detail FROM admin_audit ORDER BY id DESC LIMIT ?", (limit,)
+        )
+        return [audit_entry(*row) for row in reversed(rows)]
 
 
 def _advance_high_water(conn: sqlite3.Connection, batch: BatchWrite) -> None:

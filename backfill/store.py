@@ -14,9 +14,11 @@ call from any task, process or replica.
 from __future__ import annotations
 
 import asyncio
+import json
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from backfill.types import AccountState, HostState, SequencedEvent
@@ -258,6 +260,42 @@ class Store(ABC):
     @abstractmethod
     async def remove_domain_ban(self, domain: str) -> bool:
         """Lift a ban; False when there was none."""
+
+    # -- operator state that survives restarts (migration 0050: relay_settings, crawl_requests,
+    # admin_audit) ------------------------------------------------------------------------------
+    @abstractmethod
+    async def get_setting(self, key: str) -> str | None:
+        """A stored operator setting, or None."""
+
+    @abstractmethod
+    async def set_setting(self, key: str, value: str) -> None:
+        """Store (insert or replace) an operator setting."""
+
+    @abstractmethod
+    async def record_crawl_admission(self, hostname: str, at: float) -> None:
+        """Note that a public ``requestCrawl`` admitted the new host ``hostname`` at ``at``."""
+
+    @abstractmethod
+    async def count_crawl_admissions(self, since: float) -> int:
+        """Public admissions of new hosts at or after ``since`` (the new-hosts-per-day window)."""
+
+    @abstractmethod
+    async def record_admin_action(self, at: float, action: str, target: str, detail: str) -> None:
+        """Append one audit entry (``detail`` is a JSON object as text)."""
+
+    @abstractmethod
+    async def list_admin_actions(self, limit: int = 200) -> list[dict[str, Any]]:
+        """The most recent ``limit`` audit entries, oldest first: ``{time, action, target, detail}``
+        with ``detail`` decoded."""
+
+
+def audit_entry(at: float, action: str, target: str, detail: str) -> dict[str, Any]:
+    """One ``admin_audit`` row as the API shows it (``detail`` decoded; kept as text if it is not JSON)."""
+    try:
+        decoded: Any = json.loads(detail)
+    except ValueError:
+        decoded = detail
+    return {"time": at, "action": action, "target": target, "detail": decoded}
 
 
 def _split_schema(url: str) -> tuple[str, str | None]:

@@ -217,11 +217,11 @@ async def crawling(request: Request, service: RelayService) -> Response:
         if enabled is None:
             raise invalid("enabled (true/false) required")
         await service.hosts.set_crawling(enabled)
-    return JSONResponse({"enabled": service.hosts.crawling_enabled})
+    return JSONResponse({"enabled": service.hosts.crawling_enabled, "source": service.hosts.crawling_source})
 
 
 async def audit(request: Request, service: RelayService) -> Response:
-    return JSONResponse({"actions": service.hosts.audit[-200:]})
+    return JSONResponse({"actions": await service.store.list_admin_actions(200)})
 
 
 def admin_routes() -> list[BaseRoute]:

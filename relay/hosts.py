@@ -26,7 +26,6 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import httpx
 
@@ -95,8 +94,25 @@ class HostManager:
         self.stop_host = stop_host
         self.limit_raised = limit_raised
         self.crawling_enabled = config.crawling_enabled
-        self._admitted: list[float] = []  # times of public admissions (new-hosts-per-day window)
-        self.audit: list[dict[str, Any]] = []
+        #: where ``crawling_enabled`` came from: "config" or "admin" (see :meth:`load_settings`)
+        self.crawling_source = "config"
+
+    async def load_settings(self) -> None:
+        """Restore the public-crawling switch. An admin's ``/admin/subs/setEnabled`` survives
+        restarts; a *changed* ``RELAY_CRAWLING`` (differing from the value seen at the previous
+        start) is the newer decision and wins over it."""
+        configured = "true" if self.config.crawling_enabled else "false"
+        stored = await self.store.get_setting("crawling_enabled")
+        previous = await self.store.get_setting("crawling_configured")
+        if stored is not None and previous == configured:
+            self.crawling_enabled = stored == "true"
+            self.crawling_source = "admin" if stored != configured else "config"
+        else:
+            self.crawling_enabled = self.config.crawling_enabled
+            self.crawling_source = "config"
+            await self.store.set_setting("crawling_enabled", configured)
+        await self.store.set_setting("crawling_configured", configured)
+        log.info("public crawling", extra=fields(enabled=self.crawling_enabled, source=self.crawling_source))
 
     # -- policy ---------------------------------------------------------------------------
     def is_trusted(self, host: HostState) -> bool:
@@ -111,11 +127,11 @@ class HostManager:
     async def is_domain_banned(self, hostname: str) -> bool:
         return matches_domain(hostname, await self.store.list_domain_bans())
 
-    def _record(self, action: str, target: str, **detail: object) -> None:
-        entry = {"time": time.time(), "action": action, "target": target, "detail": detail}
-        self.audit.append(entry)
-        del self.audit[:-1000]
-        log.info("admin action", extra=fields(action=action, target=target, detail=json.dumps(detail)))
+    async def record_action(self, action: str, target: str, **detail: object) -> None:
+        """Log an admin action and append it to the stored audit trail (``/admin/audit``)."""
+        text = json.dumps(detail, default=str)
+        log.info("admin action", extra=fields(action=action, target=target, detail=text))
+        await self.store.record_admin_action(time.time(), action, target, text)
 
     # -- admission ------------------------------------------------------------------------
     async def request_crawl(self, raw_hostname: str) -> HostState:
@@ -133,7 +149,7 @@ class HostManager:
                        trusted: bool = False) -> HostState:
         """Operator add: skips the crawling switch and the daily limit, not the safety checks."""
         host = await self._admit(raw_hostname, public=False, account_limit=account_limit, trusted=trusted)
-        self._record("add_host", host.hostname, account_limit=account_limit, trusted=trusted)
+        await self.record_action("add_host", host.hostname, account_limit=account_limit, trusted=trusted)
         return host
 
     async def _admit(self, raw_hostname: str, *, public: bool, account_limit: int | None = None,
@@ -163,9 +179,8 @@ class HostManager:
                 await self.start_host(existing)
             return existing
         if public:
-            now = time.time()
-            self._admitted = [t for t in self._admitted if t > now - 86400]
-            if len(self._admitted) >= self.config.new_hosts_per_day:
+            admitted = await self.store.count_crawl_admissions(time.time() - 86400)
+            if admitted >= self.config.new_hosts_per_day:
                 raise CrawlRefused("new_host_limit", "too many new hosts today; try again later")
         name, _ = split_host_port(hostname)
         try:
@@ -177,7 +192,7 @@ class HostManager:
                          created_at=time.time())
         await self.store.upsert_host(host)
         if public:
-            self._admitted.append(time.time())
+            await self.store.record_crawl_admission(hostname, time.time())
         log.info("host added", extra=fields(hostname=hostname, public=public))
         stored = await self.store.get_host(hostname) or host
         if self.start_host is not None:
@@ -215,13 +230,13 @@ class HostManager:
         await self.store.set_host_status(host.hostname, "banned")
         if self.stop_host is not None:
             await self.stop_host(host.hostname)
-        self._record("block_host", host.hostname)
+        await self.record_action("block_host", host.hostname)
         return await self._require(host.hostname)
 
     async def unblock(self, hostname: str) -> HostState:
         host = await self._require(hostname)
         await self.store.set_host_status(host.hostname, "active")
-        self._record("unblock_host", host.hostname)
+        await self.record_action("unblock_host", host.hostname)
         host = await self._require(host.hostname)
         if self.start_host is not None:
             await self.start_host(host)
@@ -243,7 +258,7 @@ class HostManager:
             setattr(host, f"rate_limit_{window}", value)
         await self.store.upsert_host(host)
         after = self.account_limit(host)
-        self._record("set_limits", host.hostname, account_limit=account_limit, trusted=trusted, **rate_limits)
+        await self.record_action("set_limits", host.hostname, account_limit=account_limit, trusted=trusted, **rate_limits)
         if (rate_limits or trusted is not None) and host.status != "banned" and self.stop_host and self.start_host:
             await self.stop_host(host.hostname)
             await self.start_host(await self._require(host.hostname))
@@ -257,7 +272,7 @@ class HostManager:
         if self.stop_host is not None:
             await self.stop_host(host.hostname)
         await self.store.set_host_cursor(host.hostname, cursor)
-        self._record("reset_cursor", host.hostname, cursor=cursor)
+        await self.record_action("reset_cursor", host.hostname, cursor=cursor)
         host = await self._require(host.hostname)
         if host.status != "banned" and self.start_host is not None:
             await self.start_host(host)
@@ -280,17 +295,20 @@ class HostManager:
             if len(page) < 500:
                 break
             after = page[-1].hostname
-        self._record("ban_domain", domain, blocked=blocked)
+        await self.record_action("ban_domain", domain, blocked=blocked)
         return blocked
 
     async def unban_domain(self, domain: str) -> bool:
         removed = await self.store.remove_domain_ban(domain.strip().lower().strip("."))
-        self._record("unban_domain", domain)
+        await self.record_action("unban_domain", domain)
         return removed
 
     async def set_crawling(self, enabled: bool) -> None:
+        """Switch public crawling; stored, so it survives restarts (see :meth:`load_settings`)."""
         self.crawling_enabled = enabled
-        self._record("set_crawling", "relay", enabled=enabled)
+        self.crawling_source = "admin"
+        await self.store.set_setting("crawling_enabled", "true" if enabled else "false")
+        await self.record_action("set_crawling", "relay", enabled=enabled)
 
     async def refresh_status_gauge(self) -> None:
         counts = dict.fromkeys(HOST_STATUSES, 0)

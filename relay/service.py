@@ -125,6 +125,7 @@ class RelayService:
                                     metrics=self.metrics, config=config, workers=config.resync_workers)
         self.hosts = HostManager(store=self.store, config=config, metrics=self.metrics, guard=self.guard,
                                  safe=self.safe)
+        await self.hosts.load_settings()
         identity = self.identity
 
         async def refresh_key(did: str) -> str | None:
@@ -264,9 +265,11 @@ class RelayService:
             self.metrics.resync_queue.set(self.resync.pending)
 
     async def set_local_status(self, did: str, local_status: str) -> AccountState:
-        if self.ingest is None:
+        if self.ingest is None or self.hosts is None:
             raise RuntimeError("takedowns are handled by the ingest process")
-        return await self.ingest.set_local_status(did, local_status)
+        state = await self.ingest.set_local_status(did, local_status)
+        await self.hosts.record_action("set_local_status", did, local_status=local_status)
+        return state
 
     def build_app(self):  # type: ignore[no-untyped-def]
         from relay.app import build_app

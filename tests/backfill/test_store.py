@@ -1,6 +1,8 @@
-"""Accounts, hosts and domain bans on both backends (the ``store`` fixture is parametrized)."""
+"""Accounts, hosts, domain bans and operator state on both backends (the ``store`` fixture is parametrized)."""
 
 from __future__ import annotations
+
+import json
 
 from backfill.store import Store, sqlite_path_from_url
 from backfill.types import AccountState, HostState
@@ -122,6 +124,25 @@ async def test_list_hosts_paging(store: Store) -> None:
     first = await store.list_hosts(limit=4)
     rest = await store.list_hosts(after=first[-1].hostname, limit=4)
     assert [h.hostname for h in first + rest] == names
+
+
+async def test_operator_state_round_trips(store: Store) -> None:
+    assert await store.get_setting("crawling_enabled") is None
+    await store.set_setting("crawling_enabled", "false")
+    await store.set_setting("crawling_enabled", "true")  # replaces
+    assert await store.get_setting("crawling_enabled") == "true"
+    assert await store.count_crawl_admissions(0) == 0
+    for hostname, at in (("a.example", 100.0), ("b.example", 200.0), ("c.example", 300.0)):
+        await store.record_crawl_admission(hostname, at)
+    assert await store.count_crawl_admissions(200.0) == 2  # inclusive lower bound
+    assert await store.count_crawl_admissions(300.5) == 0
+    for n in range(5):
+        await store.record_admin_action(1000.0 + n, "block_host", f"h{n}.example", json.dumps({"n": n}))
+    await store.record_admin_action(2000.0, "odd", "x", "not json")
+    recent = await store.list_admin_actions(3)
+    assert [a["target"] for a in recent] == ["h3.example", "h4.example", "x"]  # newest three, oldest first
+    assert recent[0] == {"time": 1003.0, "action": "block_host", "target": "h3.example", "detail": {"n": 3}}
+    assert recent[2]["detail"] == "not json"
 
 
 async def test_domain_bans(store: Store) -> None:

@@ -132,7 +132,7 @@ async def test_request_crawl_insecure_mode_and_bans(relay_factory) -> None:  # t
             r = await http.post(f"/admin/hosts/{hostname}/limits", headers=auth, json={"rate_limit_per_second": -1})
             assert r.status_code == 400
             r = await http.post("/admin/crawling", headers=auth, json={"enabled": False})
-            assert r.json() == {"enabled": False}
+            assert r.json() == {"enabled": False, "source": "admin"}
             r = await http.post("/xrpc/com.atproto.sync.requestCrawl", json={"hostname": "other.test:1"})
             assert r.status_code == 400 and "crawling_disabled" in r.json()["message"]
 
@@ -203,6 +203,39 @@ async def test_new_hosts_per_day_limit(relay_factory) -> None:  # type: ignore[n
                 r = await http.post("/xrpc/com.atproto.sync.requestCrawl",
                                     json={"hostname": first.removeprefix("http://")})
                 assert r.status_code == 200
+
+
+async def test_operator_switches_and_audit_survive_restarts(relay_factory, database_url: str) -> None:  # type: ignore[no-untyped-def]
+    """The crawling switch, the new-hosts-per-day count and the audit trail live in the database."""
+    auth = {"authorization": "Bearer tok"}
+    crawl = "/xrpc/com.atproto.sync.requestCrawl"
+    settings = {"database_url": database_url, "admin_token": "tok", "allow_insecure_hosts": True,
+                "new_hosts_per_day": 1}
+    async with serve_asgi(_fake_pds()) as first, serve_asgi(_fake_pds()) as second:
+        first, second = first.removeprefix("http://"), second.removeprefix("http://")
+        async with relay_factory(**settings) as relay, httpx.AsyncClient(base_url=relay.url) as http:
+            assert (await http.post(crawl, json={"hostname": first})).status_code == 200
+            r = await http.post("/admin/crawling", headers=auth, json={"enabled": False})
+            assert r.json() == {"enabled": False, "source": "admin"}
+        async with relay_factory(**settings) as relay, httpx.AsyncClient(base_url=relay.url) as http:
+            assert (await http.get("/admin/crawling", headers=auth)).json() == {"enabled": False, "source": "admin"}
+            r = await http.post(crawl, json={"hostname": second})
+            assert r.status_code == 400 and "crawling_disabled" in r.json()["message"]
+            await http.post("/admin/crawling", headers=auth, json={"enabled": True})
+            r = await http.post(crawl, json={"hostname": second})  # the first admission still counts
+            assert r.status_code == 400 and "new_host_limit" in r.json()["message"]
+            actions = (await http.get("/admin/audit", headers=auth)).json()["actions"]
+            assert [(a["action"], a["detail"]) for a in actions] == [
+                ("set_crawling", {"enabled": False}), ("set_crawling", {"enabled": True})]
+        # the operator now changes RELAY_CRAWLING: that newer decision wins over the stored toggle
+        async with relay_factory(**settings, crawling_enabled=False) as relay:
+            assert relay.service.hosts.crawling_enabled is False
+            assert relay.service.hosts.crawling_source == "config"
+        async with relay_factory(**settings, crawling_enabled=False) as relay:  # unchanged config
+            await relay.service.hosts.set_crawling(True)
+        async with relay_factory(**settings, crawling_enabled=False) as relay:  # the toggle holds again
+            assert relay.service.hosts.crawling_enabled is True
+            assert relay.service.hosts.crawling_source == "admin"
 
 
 async def test_request_crawl_requires_describe_server(relay_factory) -> None:  # type: ignore[no-untyped-def]
