@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -30,7 +31,7 @@ class SqliteConn:
         # Only takes effect while the file is still empty: 16 KB pages hold several 2-4 KB frames
         # each instead of one frame per 4 KB page.
         conn.execute("PRAGMA page_size = 16384")
-        conn.execute("PRAGMA journal_mode = WAL")
+        _enable_wal(conn, deadline=time.monotonic() + 30)
         conn.execute("PRAGMA synchronous = NORMAL")  # durable against process crashes in WAL mode
         conn.execute("PRAGMA temp_store = MEMORY")
         conn.execute("PRAGMA cache_size = -32000")
@@ -78,3 +79,16 @@ def fetchall(conn: sqlite3.Connection, sql: str, params: tuple[Any, ...] = ()) -
 def fetchval(conn: sqlite3.Connection, sql: str, params: tuple[Any, ...] = ()) -> Any:
     row = conn.execute(sql, params).fetchone()
     return None if row is None else row[0]
+
+
+def _enable_wal(conn: sqlite3.Connection, *, deadline: float) -> None:
+    """Switch to WAL. Switching needs an exclusive lock and SQLite does not always apply the busy
+    timeout to it (two processes opening a new database at once: "database is locked"), so retry."""
+    while True:
+        try:
+            conn.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
