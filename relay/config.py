@@ -12,10 +12,34 @@ README's configuration section is written from.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
+
+
+def parse_nameservers(text: str) -> list[tuple[str, int]]:
+    """``"10.0.0.2, 127.0.0.1:5353, [::1]:53"`` → ``[(address, port), …]``; ValueError if malformed."""
+    servers = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        if item.startswith("["):
+            address, bracket, rest = item[1:].partition("]")
+            if not bracket or (rest and not rest.startswith(":")):
+                raise ValueError(f"bad bracketed address {item!r}")
+            port = int(rest[1:]) if rest.startswith(":") else 53
+        elif item.count(":") == 1:
+            address, port_text = item.split(":")
+            port = int(port_text)
+        else:
+            address, port = item, 53
+        ipaddress.ip_address(address)
+        if not 0 < port < 65536:
+            raise ValueError(f"bad DNS server port in {item!r}")
+        servers.append((address, port))
+    return servers
 
 
 class ConfigError(ValueError):
@@ -73,7 +97,9 @@ SETTINGS: tuple[Setting, ...] = (
             "DID resolutions per second (PLC / did:web), bursts up to 2.5x", "int"),
     Setting("handle_resolver_url", "RELAY_HANDLE_RESOLVER_URL", "--handle-resolver-url", "",
             "resolve handles via this service's com.atproto.identity.resolveHandle instead of "
-            "https://HANDLE/.well-known/atproto-did"),
+            "DNS TXT _atproto.HANDLE, then https://HANDLE/.well-known/atproto-did"),
+    Setting("dns_servers", "RELAY_DNS_SERVERS", "--dns-servers", "",
+            "DNS servers (ip or ip:port, comma-separated) for handle TXT lookups; empty = /etc/resolv.conf"),
     Setting("log_level", "RELAY_LOG_LEVEL", "--log-level", "info", "debug, info, warning or error"),
 )
 
@@ -143,6 +169,7 @@ class RelayConfig:
     resync_workers: int = 4
     identity_rate: int = 200
     handle_resolver_url: str = ""
+    dns_servers: str = ""
     log_level: str = "info"
 
     @property
@@ -176,6 +203,10 @@ class RelayConfig:
         parse_bind(config.bind)
         if config.firehose_bind:
             parse_bind(config.firehose_bind, "RELAY_FIREHOSE_BIND")
+        try:
+            parse_nameservers(config.dns_servers)
+        except ValueError:
+            raise ConfigError("bad_dns_servers", f"RELAY_DNS_SERVERS: expected ip[:port],…; got {config.dns_servers!r}") from None
         if config.log_level not in ("debug", "info", "warning", "error"):
             raise ConfigError("bad_log_level", f"RELAY_LOG_LEVEL: unknown level {config.log_level!r}")
         return config

@@ -9,8 +9,10 @@
 * Results are cached behind ``IdentityCache`` (bounded LRU+TTL in process, or Redis for
   scale-out), purged on ``#identity``. Network resolutions are rate-limited (token bucket) and
   concurrent resolutions of one DID are coalesced.
-* ``verify_handle(handle, did)`` checks that the handle resolves back to the DID (via a
-  ``resolveHandle`` service when configured, else ``https://<handle>/.well-known/atproto-did``).
+* ``verify_handle(handle, did)`` checks that the handle resolves back to the DID: via a
+  ``resolveHandle`` service when configured; else the DNS TXT record ``_atproto.<handle>``
+  (``did=<did>``, the spec's preferred method; a DNS answer naming another DID is final) and,
+  when DNS has no answer, ``https://<handle>/.well-known/atproto-did``.
 
 Failures raise ``IdentityError`` with a ``reason`` from ``REASONS``.
 """
@@ -22,10 +24,15 @@ import json
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 from urllib.parse import quote, unquote, urlsplit
 
+import dns.asyncresolver
+import dns.exception
+import dns.nameserver
+import dns.resolver
 import httpx
 
 from relay.metrics import RelayMetrics
@@ -44,6 +51,39 @@ REASONS = (
 
 LEGACY_KEY_TYPES = ("EcdsaSecp256k1VerificationKey2019", "EcdsaSecp256r1VerificationKey2019")
 MAX_DOC_BYTES = 64 * 1024
+
+
+#: ``name -> TXT record strings`` (empty when the name has none); raises on lookup failure
+TxtLookup = Callable[[str], Awaitable[list[str]]]
+
+
+def dns_txt_lookup(nameservers: list[tuple[str, int]] | None = None, timeout: float = 3.0) -> TxtLookup | None:
+    """A TXT lookup over DNS (dnspython): ``nameservers`` or the system's ``/etc/resolv.conf``.
+    ``None`` when there is no resolver configuration at all (the DNS method is then skipped)."""
+    try:
+        resolver = dns.asyncresolver.Resolver(configure=not nameservers)
+    except dns.resolver.NoResolverConfiguration:
+        log.warning("no DNS resolver configured: handles are verified over HTTPS only")
+        return None
+    if nameservers:
+        resolver.nameservers = [dns.nameserver.Do53Nameserver(a, p) for a, p in nameservers]
+    resolver.lifetime = timeout
+
+    async def lookup(name: str) -> list[str]:
+        try:
+            answer = await resolver.resolve(name, "TXT", search=False)
+        except (dns.resolver.NXDOMAIN, dns.resolver.NoAnswer):
+            return []
+        return [b"".join(rdata.strings).decode("utf-8", "replace") for rdata in answer]  # type: ignore[attr-defined]
+
+    return lookup
+
+
+def did_from_txt(records: list[str]) -> str | None:
+    """The DID named by ``_atproto`` TXT records: values starting ``did=``, others ignored; none,
+    or several different DIDs (ambiguous, per the handle spec), give ``None``."""
+    dids = {r[4:].strip() for r in records if r.startswith("did=")}
+    return dids.pop() if len(dids) == 1 else None
 
 
 class IdentityError(Exception):
@@ -243,8 +283,11 @@ class IdentityResolver:
 
     def __init__(self, *, plc_url: str, safe_client: SafeClient, cache: IdentityCache | None = None,
                  metrics: RelayMetrics | None = None, rate: float = 50.0, burst: int = 100,
-                 handle_resolver_url: str = "", timeout: float = 10.0, concurrency: int = 16) -> None:
+                 handle_resolver_url: str = "", timeout: float = 10.0, concurrency: int = 16,
+                 txt_lookup: TxtLookup | None = None) -> None:
+        """``txt_lookup`` enables the DNS TXT handle method (see :func:`dns_txt_lookup`)."""
         self.plc_url = plc_url.rstrip("/")
+        self.txt_lookup = txt_lookup
         self.safe = safe_client
         self.cache = cache if cache is not None else MemoryIdentityCache()
         self.metrics = metrics
@@ -380,14 +423,33 @@ class IdentityResolver:
             return await self._check_handle_now(handle, did)
 
     async def _check_handle_now(self, handle: str, did: str) -> bool:
+        """Counted in ``relay_handle_checks_total{result}``: ``resolver_ok``, ``dns_ok``,
+        ``dns_other_did`` (DNS names another DID: final, DNS is preferred), ``https_ok``, ``failed``."""
         try:
             if self.handle_resolver_url:
                 resp = await self._trusted.get(
                     f"{self.handle_resolver_url}/xrpc/com.atproto.identity.resolveHandle",
                     params={"handle": handle})
-                return resp.status_code == 200 and resp.json().get("did") == did
+                ok = resp.status_code == 200 and resp.json().get("did") == did
+                self._count("handle_checks", "resolver_ok" if ok else "failed")
+                return ok
+        except (httpx.HTTPError, ValueError, AttributeError):
+            self._count("handle_checks", "failed")
+            return False
+        if self.txt_lookup is not None and len(handle) <= 244:
+            try:
+                found = did_from_txt(await self.txt_lookup(f"_atproto.{handle}"))
+            except (dns.exception.DNSException, OSError, ValueError) as exc:
+                log.debug("handle TXT lookup failed", extra={"handle": handle, "error": type(exc).__name__})
+                found = None
+            if found is not None:
+                self._count("handle_checks", "dns_ok" if found == did else "dns_other_did")
+                return found == did
+        try:
             status, body, _ = await self.safe.get(f"https://{handle}/.well-known/atproto-did",
                                                   max_bytes=2048)
-            return status == 200 and body.decode("utf-8", "replace").strip() == did
+            ok = status == 200 and body.decode("utf-8", "replace").strip() == did
         except (httpx.HTTPError, SSRFError, ValueError, AttributeError):
-            return False
+            ok = False
+        self._count("handle_checks", "https_ok" if ok else "failed")
+        return ok

@@ -46,6 +46,8 @@ class RelayMetrics:
                                       ["result"], registry=r)
         self.identity_resolutions = Counter("relay_identity_resolutions_total",
                                             "DID resolutions against PLC / did:web", ["result"], registry=r)
+        self.handle_checks = Counter("relay_handle_checks_total",
+                                     "Handle -> DID verifications by method and outcome", ["result"], registry=r)
         self.hosts = Gauge("relay_hosts", "Upstream hosts by status", ["status"], registry=r)
         self.host_connects = Counter("relay_host_connects_total", "Upstream connection attempts",
                                      ["result"], registry=r)

@@ -28,7 +28,7 @@ from backfill.types import AccountState
 from firehose.broadcast import Broadcaster
 from firehose.bus import EventBus, InProcessBus, RedisStreamBus
 from firehose.pipeline import ValidationPipeline
-from relay.config import RelayConfig
+from relay.config import RelayConfig, parse_nameservers
 from relay.consumers import ConsumerRegistry, ConsumerTracking
 from relay.hosts import HostManager
 from relay.identity import (
@@ -37,6 +37,7 @@ from relay.identity import (
     IdentityResolver,
     MemoryIdentityCache,
     RedisIdentityCache,
+    dns_txt_lookup,
 )
 from relay.ingest import Ingest
 from relay.jsonlog import fields
@@ -109,7 +110,8 @@ class RelayService:
         self.identity = IdentityResolver(plc_url=config.plc_url, safe_client=self.safe, cache=cache,
                                          metrics=self.metrics, handle_resolver_url=config.handle_resolver_url,
                                          rate=max(1.0, float(config.identity_rate)),
-                                         burst=max(1, int(config.identity_rate * 2.5)))
+                                         burst=max(1, int(config.identity_rate * 2.5)),
+                                         txt_lookup=dns_txt_lookup(parse_nameservers(config.dns_servers) or None))
         self.broadcaster = Broadcaster(self.store, self.bus)
         self.metrics.watch_broadcast(lambda: self.broadcaster.stats if self.broadcaster is not None else None)
         if self.role != "fanout":

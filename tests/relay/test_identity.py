@@ -159,3 +159,74 @@ async def test_did_web_goes_through_the_ssrf_guard() -> None:
     finally:
         await resolver.aclose()
         await safe.aclose()
+
+
+class _DnsServer(asyncio.DatagramProtocol):
+    """A real DNS server on 127.0.0.1 (UDP), answering TXT queries from a table; NXDOMAIN otherwise."""
+
+    def __init__(self, txt: dict[str, list[str]]) -> None:
+        self.txt = txt
+        self.queries: list[str] = []
+        self.transport: asyncio.DatagramTransport | None = None
+
+    def connection_made(self, transport) -> None:  # type: ignore[no-untyped-def]
+        self.transport = transport
+
+    def datagram_received(self, data: bytes, addr) -> None:  # type: ignore[no-untyped-def]
+        import dns.message
+        import dns.rcode
+        import dns.rdatatype
+        import dns.rrset
+
+        query = dns.message.from_wire(data)
+        question = query.question[0]
+        name = question.name.to_text(omit_final_dot=True)
+        self.queries.append(name)
+        response = dns.message.make_response(query)
+        records = self.txt.get(name)
+        if records is None:
+            response.set_rcode(dns.rcode.NXDOMAIN)
+        elif question.rdtype == dns.rdatatype.TXT:
+            quoted = [" ".join(f'"{part}"' for part in r.split("|")) for r in records]  # "|" splits strings
+            response.answer.append(dns.rrset.from_text(question.name, 60, "IN", "TXT", *quoted))
+        assert self.transport is not None
+        self.transport.sendto(response.to_wire(), addr)
+
+
+async def test_handle_verified_by_dns_txt_first_then_https() -> None:
+    from relay.config import parse_nameservers
+    from relay.identity import did_from_txt, dns_txt_lookup
+
+    other = "did:plc:aaaaaaaaaaaaaaaaaaaaaaaa"
+    table = {
+        "_atproto.alice.test": ["v=spf1 -all", f"did={DID}"],  # non-did records are ignored
+        "_atproto.split.test": [f"did=|{DID}"],  # one TXT value in two character-strings
+        "_atproto.bob.test": [f"did={other}"],  # DNS names another DID: final
+        "_atproto.twice.test": [f"did={DID}", f"did={other}"],  # ambiguous: no DNS answer
+    }
+    server = _DnsServer(table)
+    loop = asyncio.get_running_loop()
+    transport, _ = await loop.create_datagram_endpoint(lambda: server, local_addr=("127.0.0.1", 0))
+    port = transport.get_extra_info("sockname")[1]
+    lookup = dns_txt_lookup(parse_nameservers(f"127.0.0.1:{port}"), timeout=2.0)
+    assert lookup is not None
+    metrics = RelayMetrics()
+    safe = SafeClient(AddressGuard())
+    resolver = IdentityResolver(plc_url="http://127.0.0.1:9", safe_client=safe, metrics=metrics, txt_lookup=lookup)
+    try:
+        assert await resolver.verify_handle("alice.test", DID)
+        assert await resolver.verify_handle("split.test", DID)
+        assert not await resolver.verify_handle("bob.test", DID)
+        assert not await resolver.verify_handle("twice.test", DID)  # then HTTPS, which fails here
+        assert not await resolver.verify_handle("nobody.test", DID)  # NXDOMAIN, then HTTPS
+        assert server.queries == [f"_atproto.{h}" for h in ("alice.test", "split.test", "bob.test",
+                                                             "twice.test", "nobody.test")]
+        counts = {r: metrics.handle_checks.labels(result=r)._value.get()
+                  for r in ("dns_ok", "dns_other_did", "https_ok", "failed")}
+        assert counts == {"dns_ok": 2, "dns_other_did": 1, "https_ok": 0, "failed": 2}
+        assert did_from_txt([f"did={DID}", f"did= {DID}"]) == DID  # the same DID twice is fine
+        assert did_from_txt(["did:plc:x", "DID=did:plc:x"]) is None
+    finally:
+        transport.close()
+        await resolver.aclose()
+        await safe.aclose()
