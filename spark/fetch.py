@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 
 from spark.config import FetchConfig
-from spark.ssrf import SsrfError, check_url
+from spark.ssrf import SsrfError, check_url, pinned_transport
 
 #: XRPC error names that mean "this repository is not available" rather than a host fault.
 REPO_ERRORS = {
@@ -112,8 +112,8 @@ class HostFetcher:
             timeout=cfg.timeout_s,
             headers={"user-agent": cfg.user_agent},
             follow_redirects=False,
-            verify=shared_ssl_context(),
-            limits=httpx.Limits(max_connections=self.concurrency),
+            transport=pinned_transport(shared_ssl_context(), self.concurrency, cfg.allow_private),
+            trust_env=False,  # no proxy from the environment: it would connect in our place
         )
         self.ssrf_error: SsrfError | None = None
         try:
@@ -171,6 +171,8 @@ class HostFetcher:
                 body = b"".join(chunks)
                 status = resp.status_code
                 headers = dict(resp.headers)
+        except SsrfError as exc:  # the address changed to a refused one since check_url
+            raise FetchError(f"ssrf_{exc.reason}", url) from exc
         except httpx.TimeoutException as exc:
             raise FetchError("timeout", url) from exc
         except httpx.ConnectError as exc:

@@ -7,16 +7,18 @@ import socket
 import time
 from pathlib import Path
 
+import httpcore
+import httpx
 import pytest
 
 from mst.cid import cid_for_cbor, cid_str
 from spark.config import FetchConfig
 from spark.dagjson import record_json
 from spark.db import split_schema, to_dollar
-from spark.fetch import FetchError, HostFetcher, TokenBucket
+from spark.fetch import FetchError, HostFetcher, TokenBucket, shared_ssl_context
 from spark.identity import IdentityClient, IdentityError
 from spark.repo_check import FetchedRepo, StoredAccount, judge
-from spark.ssrf import SsrfError, check_url
+from spark.ssrf import SsrfError, check_url, pinned_transport
 from tests.spark.helpers import FleetThread
 
 
@@ -159,3 +161,39 @@ def test_did_boundaries_split_evenly(tmp_path: Path) -> None:
             sizes = [len(read_accounts(db, lo, hi, AccountFilter())) for lo, hi in bounds]
             assert sum(sizes) == 103 and max(sizes) - min(sizes) <= max(sizes) // 2 + 1, (parts, sizes)
         assert did_boundaries(db, 4, AccountFilter(hosts=("nowhere",))) == [(None, None)]
+
+
+class _RecordingNetwork(httpcore.NetworkBackend):
+    """Stands in for the network below the pinned transport: records where each socket would go."""
+
+    def __init__(self) -> None:
+        self.connects: list[tuple[str, int]] = []
+
+    def connect_tcp(self, host, port, timeout=None, local_address=None, socket_options=None):  # type: ignore[no-untyped-def]
+        self.connects.append((host, port))
+        raise httpcore.ConnectError("no internet here")
+
+    def connect_unix_socket(self, path, timeout=None, socket_options=None):  # type: ignore[no-untyped-def]
+        raise AssertionError("unix socket")
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+
+def test_fetcher_connections_are_pinned_to_checked_addresses() -> None:
+    """The check happens when connecting, on the address the socket then uses: a name that now
+    resolves to loopback is refused with no socket opened, and a public address is connected to
+    as an address, not re-resolved."""
+    net = _RecordingNetwork()
+    with httpx.Client(transport=pinned_transport(shared_ssl_context(), 2, backend=net), trust_env=False) as client:
+        with pytest.raises(SsrfError) as exc:
+            client.get("http://localhost:8080/xrpc/_health")
+        assert exc.value.reason == "private_address" and net.connects == []
+        with pytest.raises(httpx.ConnectError):
+            client.get("http://93.184.216.34/xrpc/_health")
+        assert net.connects == [("93.184.216.34", 80)]
+    net = _RecordingNetwork()
+    with httpx.Client(transport=pinned_transport(shared_ssl_context(), 2, allow_private=True, backend=net)) as client:
+        with pytest.raises(httpx.ConnectError):
+            client.get("http://localhost:8080/")
+        assert net.connects and net.connects[0] in (("127.0.0.1", 8080), ("::1", 8080))  # the address, not the name
