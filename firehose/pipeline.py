@@ -15,7 +15,10 @@ Identity refresh: on ``bad_signature`` the optional ``refresh_key(did)`` is awai
 if it yields a different key, the event is validated again (I-D §4.5: a failing signature may
 be a recent key rotation).
 
-``workers=0`` validates inline on the event loop (tests, tiny deployments).
+``workers=0`` validates inline on the event loop (tests, tiny deployments); otherwise the
+events go in batches to a :class:`firehose.workers.WorkerPool` (child processes fed through pipes
+by the event loop itself). A worker that dies mid-batch is replaced and each event of that batch
+is retried alone, so only the event that kills a worker is rejected (``validator_crashed``).
 """
 
 from __future__ import annotations
@@ -23,13 +26,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import multiprocessing
 import operator
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from concurrent.futures import Executor, ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import replace
 from typing import Any
 
@@ -37,6 +37,7 @@ from backfill.framing import FramingError, encode_unsequenced
 from backfill.types import AccountState
 from firehose.reasons import Reason
 from firehose.validate import OUTGOING_FIELDS, Verdict, judge_frame, outgoing_body
+from firehose.workers import WorkerDied, WorkerPool
 
 RefreshKey = Callable[[str], Awaitable[str | None]]
 
@@ -89,7 +90,7 @@ def _verdict_from_wire(w: WireVerdict) -> Verdict:
                    body_cbor, offset)
 
 
-def _validate_batch(jobs: list[WireJob]) -> tuple[list[WireVerdict], float]:
+def validate_batch(jobs: list[WireJob]) -> tuple[list[WireVerdict], float]:
     """Runs in a worker process: one round trip for several independent events. Returns the
     verdicts (as tuples) and the worker CPU seconds they took (exported as a metric)."""
     t0 = time.process_time()
@@ -100,12 +101,6 @@ def _validate_batch(jobs: list[WireJob]) -> tuple[list[WireVerdict], float]:
         out.append((v.kind, v.reason, None if new_state is None else _state_tuple(new_state), v.detail,
                     v.body_cbor, v.seq_offset))
     return out, time.process_time() - t0
-
-
-def _warm() -> int:
-    import firehose.validate  # noqa: F401  (import cost paid at start, not on the first event)
-
-    return 0
 
 
 class ValidationPipeline:
@@ -120,11 +115,10 @@ class ValidationPipeline:
         refresh_key: RefreshKey | None = None,
         state_cache: int = 100_000,
         clock: Callable[[], float] = time.time,
-        executor: Executor | None = None,
     ) -> None:
         self.workers = workers
-        self._executor = executor
-        self._own_executor = executor is None and workers > 0
+        self._pool: WorkerPool | None = None
+        self._restarts = 0  # of pools already closed
         self._sem = asyncio.Semaphore(max_in_flight)
         self._tails: dict[str, asyncio.Future[Verdict]] = {}
         self._states: OrderedDict[str, AccountState] = OrderedDict()
@@ -134,23 +128,31 @@ class ValidationPipeline:
         self.identity_refreshes = 0
         self.max_batch = max_batch
         self._ready: list[tuple[Job, Done]] = []
-        self._busy = 0  # batches in the executor
+        self._busy = 0  # batches in the workers
         self._dispatch_pending = False
-        self.pool_restarts = 0
         #: CPU seconds spent validating in worker processes (not counting inline mode)
         self.worker_cpu_s = 0.0
 
+    @property
+    def pool_restarts(self) -> int:
+        """Worker processes replaced after dying."""
+        return self._restarts + (self._pool.restarts if self._pool is not None else 0)
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return self._pool.pids if self._pool is not None else []
+
     async def start(self) -> None:
-        if self._own_executor and self._executor is None:
-            ctx = multiprocessing.get_context("forkserver")
-            self._executor = ProcessPoolExecutor(max_workers=self.workers, mp_context=ctx)
-            loop = asyncio.get_running_loop()
-            await asyncio.gather(*(loop.run_in_executor(self._executor, _warm) for _ in range(self.workers)))
+        if self.workers > 0 and self._pool is None:
+            pool = WorkerPool(self.workers)
+            await pool.start()
+            self._pool = pool
 
     async def close(self) -> None:
-        if self._own_executor and self._executor is not None:
-            self._executor.shutdown(wait=True, cancel_futures=True)
-            self._executor = None
+        if self._pool is not None:
+            await self._pool.close()
+            self._restarts += self._pool.restarts
+            self._pool = None
 
     async def __aenter__(self) -> ValidationPipeline:
         await self.start()
@@ -241,7 +243,7 @@ class ValidationPipeline:
         """Judge against the merged state: inline now, or queued for the next batch."""
         try:
             job: Job = (frame, self._merge(did, state), key, self.clock() if now is None else now)
-            if self._executor is None:
+            if self._pool is None:
                 self._judged(did, fut, job, _validate_job(*job), None)
                 return
         except Exception as exc:
@@ -303,7 +305,7 @@ class ValidationPipeline:
     async def _call(self, frame: bytes, state: AccountState | None, key: str | None, now: float) -> Verdict:
         """Validate one event, batched with whatever else is ready (one IPC round trip each)."""
         job: Job = (frame, state, key, now)
-        if self._executor is None:
+        if self._pool is None:
             return _validate_job(*job)
         fut: asyncio.Future[Verdict] = asyncio.get_running_loop().create_future()
         self._ready.append((job, functools.partial(_settle, fut)))
@@ -324,33 +326,30 @@ class ValidationPipeline:
             self._busy += 1
             asyncio.get_running_loop().create_task(self._run_batch(batch))
 
-    def _replace_broken_pool(self, broken: Executor | None) -> None:
-        if self._own_executor and self._executor is broken and broken is not None:
-            broken.shutdown(wait=False, cancel_futures=True)
-            self.pool_restarts += 1
-            ctx = multiprocessing.get_context("forkserver")
-            self._executor = ProcessPoolExecutor(max_workers=self.workers, mp_context=ctx)
-
     async def _run_batch(self, batch: list[tuple[Job, Done]]) -> None:
-        loop = asyncio.get_running_loop()
-        executor = self._executor
+        pool = self._pool
         try:
+            assert pool is not None
             try:
-                wire, cpu = await loop.run_in_executor(executor, _validate_batch, [_to_wire(j) for j, _ in batch])
+                wire, cpu = await pool.run([_to_wire(j) for j, _ in batch])
                 self.worker_cpu_s += cpu
                 verdicts = [_verdict_from_wire(w) for w in wire]
-            except BrokenProcessPool:
-                # A worker died (a poison frame or an outside kill): restart the pool, then give
-                # each event of the batch its own attempt so only the culprit is rejected.
-                self._replace_broken_pool(executor)
+            except WorkerDied:
+                # A worker died (a poison frame or an outside kill; the pool has replaced it):
+                # give each event of the batch its own attempt so only the culprit is rejected.
+                # An event is blamed only after it took down workers on three attempts (another
+                # worker killed at the same moment from outside must not condemn it).
                 verdicts = []
                 for job, _ in batch:
-                    try:
-                        one, cpu = await loop.run_in_executor(self._executor, _validate_batch, [_to_wire(job)])
+                    for _attempt in range(3):
+                        try:
+                            one, cpu = await pool.run([_to_wire(job)])
+                        except WorkerDied:
+                            continue
                         verdicts.extend(_verdict_from_wire(w) for w in one)
                         self.worker_cpu_s += cpu
-                    except BrokenProcessPool:
-                        self._replace_broken_pool(self._executor)
+                        break
+                    else:
                         verdicts.append(Verdict("reject", Reason.VALIDATOR_CRASHED.value, None, "worker process died"))
         except BaseException as exc:
             for _, done in batch:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
+import signal
 
 import pytest
 
@@ -89,18 +91,38 @@ async def test_garbage_never_breaks_the_pipeline() -> None:
     assert all(v.kind == "reject" for v in verdicts)
 
 
-async def test_killed_worker_is_replaced_and_no_event_is_lost() -> None:
-    import os
-    import signal
+async def test_poison_event_is_rejected_alone_and_its_batch_mates_pass() -> None:
+    """An event that kills every worker it reaches is rejected (validator_crashed) after three
+    tries; the events batched with it are validated on the replacement workers."""
+    import firehose.pipeline as pipeline_module
 
+    repos, genesis, items = interleaved_commits(3, 2)
+    poison = b"\xff" * 10  # tests/firehose/poison_worker.py dies on it
+    async with ValidationPipeline(1) as p:
+        pool = p._pool
+        assert pool is not None
+        pool.module = "tests.firehose.poison_worker"  # replacements die on the poison frame
+        for pid in p.worker_pids:  # the current worker too, on its next batch
+            os.kill(pid, signal.SIGKILL)
+        futs = [await p.submit("did:plc:poison", poison, None, None)]
+        futs += [await p.submit(repo.did, raw, genesis[repo.did], repo.key.did_key()) for repo, _, raw in items]
+        verdicts = await asyncio.gather(*futs)
+    assert (verdicts[0].kind, verdicts[0].reason) == ("reject", Reason.VALIDATOR_CRASHED)
+    assert [v.kind for v in verdicts[1:]] == ["accept"] * len(items)
+    assert p.pool_restarts >= 4  # the outside kill, then three deaths on the poison frame
+    assert pipeline_module.WorkerPool is type(pool)
+
+
+async def test_killed_worker_is_replaced_and_no_event_is_lost() -> None:
     repos, genesis, items = interleaved_commits(4, 6)
     async with ValidationPipeline(2) as p:
         futs = [await p.submit(repo.did, raw, genesis[repo.did], repo.key.did_key()) for repo, _, raw in items[:12]]
-        for pid in list(p._executor._processes):  # an outside kill (OOM killer, operator)
+        for pid in p.worker_pids:  # an outside kill (OOM killer, operator)
             os.kill(pid, signal.SIGKILL)
         first = await asyncio.gather(*futs)
         rest = [await p.submit(repo.did, raw, genesis[repo.did], repo.key.did_key()) for repo, _, raw in items[12:]]
         second = await asyncio.gather(*rest)
-    assert all(v.kind == "accept" or v.reason == Reason.VALIDATOR_CRASHED for v in first)
-    assert all(v.kind in ("accept", "desync") for v in second)
-    assert p.pool_restarts >= 1
+    # an outside kill condemns no event: each of the dead workers' events is retried alone
+    assert [v.kind for v in first] == ["accept"] * 12, [(v.kind, v.reason) for v in first]
+    assert [v.kind for v in second] == ["accept"] * len(second)
+    assert p.pool_restarts >= 2
