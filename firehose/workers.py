@@ -23,6 +23,7 @@ import logging
 import pickle
 import sys
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -37,13 +38,16 @@ class WorkerDied(Exception):
 
 
 class _Worker:
+    """One child process and the futures of its outstanding batches (answered in FIFO order)."""
+
     def __init__(self, proc: asyncio.subprocess.Process) -> None:
         self.proc = proc
         self.pending: deque[asyncio.Future[Any]] = deque()
         self.alive = True
         self.reader: asyncio.Task[None] | None = None
 
-    async def read_results(self, on_exit: Any) -> None:
+    async def read_results(self, on_exit: Callable[[_Worker], None]) -> None:
+        """Resolve ``pending`` with each answer's bytes; at EOF fail them all and call ``on_exit``."""
         stdout = self.proc.stdout
         assert stdout is not None
         try:
