@@ -10,6 +10,7 @@
     relay admin takedown DID | reverse-takedown DID | account DID
     relay admin consumers
     relay admin crawling [on|off]
+    relay admin audit
 
 ``--url`` defaults to ``http://$RELAY_BIND`` (127.0.0.1:2470), ``--token`` to ``$RELAY_ADMIN_TOKEN``.
 Prints the JSON answer; exit status 0 on success, 1 on an error answer, 2 on usage errors.
@@ -58,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("consumers", help="list connected consumers")
     crawl = sub.add_parser("crawling", help="show or switch public requestCrawl")
     crawl.add_argument("state", nargs="?", choices=["on", "off"])
+    sub.add_parser("audit", help="recent admin actions (stored in the database)")
     return p
 
 
@@ -96,6 +98,8 @@ def request_for(ns: argparse.Namespace) -> tuple[str, str, dict[str, Any] | None
         if ns.state is None:
             return "GET", "/admin/crawling", None
         return "POST", "/admin/crawling", {"enabled": ns.state == "on"}
+    if c == "audit":
+        return "GET", "/admin/audit", None
     raise ValueError(c)
 
 

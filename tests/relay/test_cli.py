@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -33,7 +34,7 @@ def test_bad_setting_exits_with_usage_error(capsys: pytest.CaptureFixture[str]) 
 def test_admin_cli_talks_to_a_running_relay(relay_factory, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
     import asyncio
 
-    async def run() -> tuple[int, int, int]:
+    async def run() -> tuple[int, int, int, int]:
         async with relay_factory(admin_token="tok") as relay:
             loop = asyncio.get_running_loop()
 
@@ -46,11 +47,14 @@ def test_admin_cli_talks_to_a_running_relay(relay_factory, capsys: pytest.Captur
             ban = await loop.run_in_executor(None, call, "ban", "spam.example")
             assert relay.service.hosts is not None and relay.service.hosts.crawling_enabled is False
             assert await relay.service.store.list_domain_bans() == ["spam.example"]
-            return ok, wrong, ban
+            capsys.readouterr()
+            audit = await loop.run_in_executor(None, call, "audit")
+            return ok, wrong, ban, audit
 
-    ok, wrong, ban = asyncio.new_event_loop().run_until_complete(run())
-    assert (ok, wrong, ban) == (0, 1, 0)
-    assert '"enabled": false' in capsys.readouterr().out
+    ok, wrong, ban, audit = asyncio.new_event_loop().run_until_complete(run())
+    assert (ok, wrong, ban, audit) == (0, 1, 0, 0)
+    actions = json.loads(capsys.readouterr().out)["actions"]
+    assert [(a["action"], a["target"]) for a in actions] == [("set_crawling", "relay"), ("ban_domain", "spam.example")]
 
 
 def test_admin_cli_requests() -> None:
