@@ -39,6 +39,9 @@ class RelayMetrics:
                              buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
                              registry=r)
         self.consumers = Gauge("relay_consumers", "Connected subscribeRepos consumers", registry=r)
+        self.mst_compiled = Gauge("relay_mst_compiled",
+                                  "1 if commit verification runs on the compiled mst build (mst.native), else 0",
+                                  registry=r)
         self.bytes_out = Counter("relay_bytes_out_total", "Bytes sent to consumers", registry=r)
         self.resync_queue = Gauge("relay_resync_queue", "Accounts waiting for a resync", registry=r)
         self.resyncs = Counter("relay_resyncs_total", "Finished resyncs", ["result"], registry=r)

@@ -93,6 +93,9 @@ class RelayService:
 
             parent = os.path.dirname(os.path.abspath(config.database_url))
             os.makedirs(parent, exist_ok=True)
+        from mst import native
+
+        self.metrics.mst_compiled.set(1 if native.active() else 0)
         self.store = await open_store(config.database_url, schema=self.store_schema)
         applied = await self.store.migrate()
         if applied:
@@ -148,8 +151,6 @@ class RelayService:
         await self.resync.start()
         await self.ingest.start_all()
         self._tasks.append(asyncio.create_task(self._housekeeping(), name="housekeeping"))
-        from mst import native
-
         log.info("relay started", extra=fields(role=self.role, mst=native.STATUS, **config.describe()))
 
     async def _start_firehose_listener(self, bind: str) -> None:

@@ -90,6 +90,9 @@ async def test_request_crawl_refuses_non_public(relay_factory, hostname: str) ->
         assert await relay.service.store.list_hosts() == []
         text = (await http.get("/metrics")).text
         assert "relay_crawl_requests_total{result=" in text
+        from mst import native
+
+        assert f"relay_mst_compiled {1.0 if native.active() else 0.0}" in text
 
 
 async def test_request_crawl_insecure_mode_and_bans(relay_factory) -> None:  # type: ignore[no-untyped-def]
