@@ -115,8 +115,12 @@ class ValidationPipeline:
         refresh_key: RefreshKey | None = None,
         state_cache: int = 100_000,
         clock: Callable[[], float] = time.time,
+        batch_timeout: float = 30.0,
     ) -> None:
+        """``batch_timeout``: seconds a worker may take over one batch before it is killed (the
+        batch's events are then retried alone, and one that hangs every time is rejected)."""
         self.workers = workers
+        self.batch_timeout = batch_timeout
         self._pool: WorkerPool | None = None
         self._restarts = 0  # of pools already closed
         self._sem = asyncio.Semaphore(max_in_flight)
@@ -144,7 +148,7 @@ class ValidationPipeline:
 
     async def start(self) -> None:
         if self.workers > 0 and self._pool is None:
-            pool = WorkerPool(self.workers)
+            pool = WorkerPool(self.workers, batch_timeout=self.batch_timeout)
             await pool.start()
             self._pool = pool
 
@@ -350,7 +354,8 @@ class ValidationPipeline:
                         self.worker_cpu_s += cpu
                         break
                     else:
-                        verdicts.append(Verdict("reject", Reason.VALIDATOR_CRASHED.value, None, "worker process died"))
+                        verdicts.append(Verdict("reject", Reason.VALIDATOR_CRASHED.value, None,
+                                                "worker process died or hung on this event"))
         except BaseException as exc:
             for _, done in batch:
                 done(None, exc)

@@ -7,7 +7,9 @@ no feeder thread, no manager thread and no cross-thread future: the parent's onl
 are one ``pickle.dumps``, one pipe write, one pipe read and one ``pickle.loads`` on the loop thread.
 
 A child that dies (crash, OOM killer, an operator's ``kill``) fails its outstanding batches with
-:class:`WorkerDied` and is replaced at once (``restarts`` counts replacements). Children exit by
+:class:`WorkerDied` and is replaced at once (``restarts`` counts replacements). A batch not
+answered within ``batch_timeout`` seconds of being sent (a frame that makes validation hang) gets
+its worker killed, with the same outcome (``timeouts`` counts these). Children exit by
 themselves when their stdin closes, so they never outlive the parent. Their stderr is the parent's.
 
 Wire format, both directions: 4-byte big-endian length, then a pickle (protocol 5). Parent →
@@ -73,12 +75,14 @@ class _Worker:
 class WorkerPool:
     """See the module docstring. ``await start()`` before :meth:`run`; ``await close()`` at the end."""
 
-    def __init__(self, size: int, module: str = "firehose.worker_main") -> None:
+    def __init__(self, size: int, module: str = "firehose.worker_main", *, batch_timeout: float = 30.0) -> None:
         if size < 1:
             raise ValueError("a worker pool needs at least one worker")
         self.size = size
         self.module = module
+        self.batch_timeout = batch_timeout
         self.restarts = 0
+        self.timeouts = 0
         self._workers: list[_Worker] = []
         self._closing = False
         self._changed = asyncio.Event()
@@ -161,7 +165,16 @@ class WorkerPool:
             await stdin.drain()
         except (ConnectionError, RuntimeError):
             pass  # the reader sees the exit and fails ``fut`` with WorkerDied
-        return pickle.loads(await fut)
+        try:
+            answer = await asyncio.wait_for(asyncio.shield(fut), self.batch_timeout)
+        except TimeoutError:
+            self.timeouts += 1
+            log.warning("validation worker did not answer in time; killing it",
+                        extra={"pid": worker.proc.pid, "timeout_s": self.batch_timeout})
+            if worker.proc.returncode is None:
+                worker.proc.kill()
+            answer = await fut  # the reader fails it with WorkerDied once the process is gone
+        return pickle.loads(answer)
 
     async def close(self) -> None:
         self._closing = True

@@ -113,6 +113,24 @@ async def test_poison_event_is_rejected_alone_and_its_batch_mates_pass() -> None
     assert pipeline_module.WorkerPool is type(pool)
 
 
+async def test_hanging_event_is_rejected_alone_after_the_batch_timeout() -> None:
+    """A frame on which validation never returns: its worker is killed after ``batch_timeout``,
+    the other events pass, and the hanging one is rejected instead of stalling the stream."""
+    repos, genesis, items = interleaved_commits(2, 2)
+    async with ValidationPipeline(1, batch_timeout=0.5) as p:
+        pool = p._pool
+        assert pool is not None
+        pool.module = "tests.firehose.hanging_worker"  # replacements hang on the slow frame
+        for pid in p.worker_pids:
+            os.kill(pid, signal.SIGKILL)
+        futs = [await p.submit(repo.did, raw, genesis[repo.did], repo.key.did_key()) for repo, _, raw in items]
+        futs.append(await p.submit("did:plc:slow", b"\xfe" * 10, None, None))  # tests/firehose/hanging_worker.py
+        verdicts = await asyncio.gather(*futs)
+        assert pool.timeouts >= 3  # the batch (or the event alone), then every retry of the event
+    assert [v.kind for v in verdicts[:-1]] == ["accept"] * len(items)
+    assert (verdicts[-1].kind, verdicts[-1].reason) == ("reject", Reason.VALIDATOR_CRASHED)
+
+
 async def test_killed_worker_is_replaced_and_no_event_is_lost() -> None:
     repos, genesis, items = interleaved_commits(4, 6)
     async with ValidationPipeline(2) as p:
