@@ -22,6 +22,7 @@ from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from firehose.broadcast import Broadcaster, pump
+from firehose.uvicorn_batch import SEND_BATCH
 
 SUBSCRIBE_REPOS_PATH = "/xrpc/com.atproto.sync.subscribeRepos"
 
@@ -89,13 +90,19 @@ class SubscribeReposWebSocket:
             # the raw ASGI send: Starlette's state bookkeeping per frame is measurable at 50k/s
             await send({"type": "websocket.send", "bytes": frame})
 
+        send_many = None
+        if SEND_BATCH in scope.get("extensions", {}):  # firehose.uvicorn_batch: one write per batch
+
+            async def send_many(frames: list[bytes]) -> None:
+                await send({"type": SEND_BATCH, "frames": frames})
+
         async def until_disconnect() -> None:
             # Client frames are ignored (server-to-client protocol); we only watch for the close.
             while (await ws.receive())["type"] != "websocket.disconnect":
                 pass
 
         try:
-            await pump(session, send_frame, until_disconnect())
+            await pump(session, send_frame, until_disconnect(), send_many=send_many)
         except (WebSocketDisconnect, OSError, RuntimeError):
             return
         if ws.client_state.name == "DISCONNECTED" or ws.application_state.name == "DISCONNECTED":

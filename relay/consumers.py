@@ -17,6 +17,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from firehose.uvicorn_batch import SEND_BATCH
 from relay.metrics import RelayMetrics
 
 if TYPE_CHECKING:
@@ -111,6 +112,12 @@ class ConsumerTracking:
             elif message["type"] == "websocket.send" and info is not None:
                 size = len(message.get("bytes") or b"") + len((message.get("text") or "").encode())
                 info.frames_sent += 1
+                info.bytes_sent += size
+                metrics.bytes_out.inc(size)
+            elif message["type"] == SEND_BATCH and info is not None:
+                frames = message["frames"]
+                size = sum(map(len, frames))
+                info.frames_sent += len(frames)
                 info.bytes_sent += size
                 metrics.bytes_out.inc(size)
             await send(message)

@@ -73,7 +73,10 @@ async def run(config: RelayConfig, role: str) -> None:
     sock = _bind_socket(config.host, config.port)
     await service.start()
     thresholds = tune_gc()
-    server = uvicorn.Server(uvicorn.Config(service.build_app(), lifespan="off", ws="websockets-sansio",
+    from firehose.uvicorn_batch import BatchingWebSocketsProtocol
+
+    # uvicorn's sans-I/O WebSocket protocol, plus batched sends for subscribeRepos (one write per batch)
+    server = uvicorn.Server(uvicorn.Config(service.build_app(), lifespan="off", ws=BatchingWebSocketsProtocol,
                                            # per-connection compression would encode every frame once
                                            # per consumer and hide a stalled consumer's backlog
                                            ws_per_message_deflate=False,

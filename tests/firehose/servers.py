@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from typing import Any
 
 import uvicorn
 from starlette.applications import Starlette
@@ -12,12 +13,15 @@ from starlette.applications import Starlette
 from firehose.broadcast import Broadcaster
 from firehose.serve_asgi import SUBSCRIBE_REPOS_PATH, subscribe_repos_routes
 from firehose.serve_websockets import serve_subscribe_repos
+from firehose.uvicorn_batch import BatchingWebSocketsProtocol
 
 
 @contextlib.asynccontextmanager
-async def serve_asgi(broadcaster: Broadcaster) -> AsyncIterator[str]:
+async def serve_asgi(broadcaster: Broadcaster, *, batching: bool = False) -> AsyncIterator[str]:
+    """uvicorn + Starlette; ``batching`` uses the relay's protocol with the batched-send extension."""
     app = Starlette(routes=subscribe_repos_routes(broadcaster))
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off", ws="websockets-sansio",
+    ws: Any = BatchingWebSocketsProtocol if batching else "websockets-sansio"
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off", ws=ws,
                            ws_per_message_deflate=False)
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
@@ -46,7 +50,10 @@ async def serve_plain(broadcaster: Broadcaster) -> AsyncIterator[str]:
 
 
 def serve(broadcaster: Broadcaster, transport: str) -> contextlib.AbstractAsyncContextManager[str]:
-    return serve_asgi(broadcaster) if transport == "asgi" else serve_plain(broadcaster)
+    """``transport``: "asgi", "asgi-batch" (uvicorn with firehose.uvicorn_batch) or "websockets"."""
+    if transport.startswith("asgi"):
+        return serve_asgi(broadcaster, batching=transport == "asgi-batch")
+    return serve_plain(broadcaster)
 
 
 def ws_url(hostport: str, cursor: int | None = None) -> str:

@@ -58,7 +58,7 @@ async def broadcaster(ingest: Ingest):
     await b.close()
 
 
-@pytest.mark.parametrize("transport", ["websockets", "asgi"])
+@pytest.mark.parametrize("transport", ["websockets", "asgi", "asgi-batch"])
 async def test_cursor_rules(ingest: Ingest, broadcaster: Broadcaster, transport: str) -> None:
     old = time.time() - 3600
     await ingest.add(20, when=old)
@@ -143,7 +143,7 @@ async def test_slow_catching_up_consumer_is_never_dropped(ingest: Ingest) -> Non
         await b.close()
 
 
-@pytest.mark.parametrize("transport", ["websockets", "asgi"])
+@pytest.mark.parametrize("transport", ["websockets", "asgi", "asgi-batch"])
 async def test_stalled_live_consumer_gets_too_slow_and_is_closed(ingest: Ingest, transport: str) -> None:
     # websockets: direct writes, limit = 1 MB of write buffer; asgi: queue of 30 frames
     b = Broadcaster(ingest.store, ingest.bus, live_queue_max=30, live_queue_bytes=1 << 20)
@@ -170,7 +170,7 @@ async def test_stalled_live_consumer_gets_too_slow_and_is_closed(ingest: Ingest,
         await b.close()
 
 
-@pytest.mark.parametrize("transport", ["websockets", "asgi"])
+@pytest.mark.parametrize("transport", ["websockets", "asgi", "asgi-batch"])
 async def test_pre_upgrade_http_errors(ingest: Ingest, transport: str) -> None:
     b = Broadcaster(ingest.store, ingest.bus, max_consumers=0)
     await b.start()
@@ -192,7 +192,7 @@ async def test_pre_upgrade_http_errors(ingest: Ingest, transport: str) -> None:
         await b.close()
 
 
-@pytest.mark.parametrize("transport", ["websockets", "asgi"])
+@pytest.mark.parametrize("transport", ["websockets", "asgi", "asgi-batch"])
 async def test_slow_live_consumer_receives_consumer_too_slow(ingest: Ingest, transport: str) -> None:
     b = Broadcaster(ingest.store, ingest.bus, live_queue_max=5, live_queue_bytes=256 * 1024)
     await b.start()

@@ -10,6 +10,8 @@ from collections.abc import AsyncIterator
 import uvicorn
 from starlette.types import ASGIApp
 
+from firehose.uvicorn_batch import BatchingWebSocketsProtocol
+
 
 @contextlib.asynccontextmanager
 async def serve_asgi(app: ASGIApp) -> AsyncIterator[str]:
@@ -18,7 +20,8 @@ async def serve_asgi(app: ASGIApp) -> AsyncIterator[str]:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="warning", lifespan="off", ws="websockets-sansio",
+    # the protocol `relay serve` uses (uvicorn's sans-I/O WebSocket + batched subscribeRepos sends)
+    config = uvicorn.Config(app, log_level="warning", lifespan="off", ws=BatchingWebSocketsProtocol,
                             ws_per_message_deflate=False)
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))

@@ -180,6 +180,24 @@ async def test_takedown_emits_account_events(relay_factory, database_url: str) -
         assert status["active"] is True
 
 
+async def test_consumer_accounting_counts_batched_frames(relay_factory) -> None:  # type: ignore[no-untyped-def]
+    """Through the main port the relay sends replay batches with one write each (firehose.uvicorn_batch);
+    the consumer registry and relay_bytes_out_total still count every frame and byte."""
+    async with relay_factory(admin_token="tok") as relay, httpx.AsyncClient(base_url=relay.url) as http:
+        auth = {"authorization": "Bearer tok"}
+        for _ in range(6):  # 12 #account events in the store
+            await http.post(f"/admin/accounts/{DID_A}/takedown", headers=auth)
+            await http.post(f"/admin/accounts/{DID_A}/reverse-takedown", headers=auth)
+        async with connect(relay.ws_url + "?cursor=1") as ws:
+            frames = [await asyncio.wait_for(ws.recv(), 5) for _ in range(12)]
+            assert [_decode(f)[1]["seq"] for f in frames] == list(range(1, 13))
+            consumers = (await http.get("/admin/consumers", headers=auth)).json()["consumers"]
+        assert len(consumers) == 1
+        assert (consumers[0]["framesSent"], consumers[0]["bytesSent"]) == (12, sum(map(len, frames)))
+        text = (await http.get("/metrics")).text
+        assert f"relay_bytes_out_total {float(sum(map(len, frames)))}" in text
+
+
 def _decode(frame: bytes) -> tuple[dict, dict]:
     from firehose.frames import decode_frame
 
