@@ -18,7 +18,7 @@ import asyncpg
 from backfill.errors import MigrationError, SequencerConflictError, SequencerLockedError
 from backfill.migrations import discover
 from backfill.store import BatchWrite, Store, WriterLease, audit_entry, host_count_deltas, retention_prefix
-from backfill.types import AccountState, HostState, SequencedEvent
+from backfill.types import AccountState, HostState, SequencedEvent, account_row
 
 _SCHEMA_RE = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 
@@ -460,20 +460,7 @@ class _PgLease(WriterLease):
         await self._conn.copy_records_to_table(
             _STAGE,
             schema_name="pg_temp",
-            records=[
-                (
-                    a.did,
-                    a.host,
-                    a.upstream_status,
-                    a.local_status,
-                    a.rev,
-                    a.commit_cid,
-                    a.data_cid,
-                    a.sync_state,
-                    a.updated_at,
-                )
-                for a in accts
-            ],
+            records=[account_row(a) for a in accts],
         )
         status = await self._conn.execute(_SQL_UPDATE_ACCOUNTS)
         if int(status.rsplit(" ", 1)[1]) < len(accts):

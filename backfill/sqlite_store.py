@@ -22,7 +22,7 @@ from backfill.errors import MigrationError, SequencerConflictError, SequencerLoc
 from backfill.migrations import discover, split_sqlite_statements
 from backfill.sqlite_conn import SqliteConn, Tx, fetchall, fetchval
 from backfill.store import BatchWrite, Store, WriterLease, audit_entry, host_count_deltas, retention_prefix
-from backfill.types import AccountState, HostState, SequencedEvent
+from backfill.types import AccountState, HostState, SequencedEvent, account_row
 
 T = TypeVar("T")
 
@@ -434,20 +434,7 @@ def _write_accounts(conn: sqlite3.Connection, batch: BatchWrite) -> None:
     if batch.accounts:
         conn.executemany(
             _SQL_UPSERT_ACCOUNT_FROM_EVENT,
-            [
-                (
-                    a.did,
-                    a.host,
-                    a.upstream_status,
-                    a.local_status,
-                    a.rev,
-                    a.commit_cid,
-                    a.data_cid,
-                    a.sync_state,
-                    a.updated_at,
-                )
-                for a in batch.accounts
-            ],
+            [account_row(a) for a in batch.accounts],
         )
 
 

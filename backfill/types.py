@@ -7,7 +7,9 @@ the store and the bus hand to broadcasters.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 #: Upstream account statuses (from ``#account`` / ``getRepoStatus``), plus "active".
@@ -48,6 +50,11 @@ class AccountState:
             return self.local_status
         return self.upstream_status
 
+
+
+#: ``AccountState`` as a plain tuple in field order, which is also the accounts table's column order in both
+#: stores: one C-level call (rows for COPY/executemany, and the validation workers' pipe format).
+account_row: Callable[[AccountState], tuple[Any, ...]] = operator.attrgetter(*(f.name for f in fields(AccountState)))
 
 @dataclass(slots=True)
 class PendingEvent:

@@ -24,9 +24,7 @@ is retried alone, so only the event that kills a worker is rejected (``validator
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
-import operator
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
@@ -34,7 +32,7 @@ from dataclasses import replace
 from typing import Any
 
 from backfill.framing import FramingError, encode_unsequenced
-from backfill.types import AccountState
+from backfill.types import AccountState, account_row
 from firehose.reasons import Reason
 from firehose.validate import OUTGOING_FIELDS, Verdict, judge_frame, outgoing_body
 from firehose.workers import WorkerDied, WorkerPool
@@ -73,8 +71,7 @@ def _validate_job(frame: bytes, state: AccountState | None, signing_key: str | N
 #: ``AccountState`` as a plain tuple on the pipe to the workers and back: pickling slotted
 #: dataclasses runs Python-level ``__getstate__``/``__setstate__`` per object (in the parent's
 #: queue threads), a tuple is pickled in C.
-_STATE_FIELDS = tuple(f.name for f in dataclasses.fields(AccountState))
-_state_tuple = operator.attrgetter(*_STATE_FIELDS)
+_state_tuple = account_row
 WireJob = tuple[bytes, tuple[Any, ...] | None, str | None, float]
 WireVerdict = tuple[str, str, tuple[Any, ...] | None, str, bytes | None, int | None]
 

@@ -97,11 +97,11 @@ async def test_poison_event_is_rejected_alone_and_its_batch_mates_pass() -> None
     import firehose.pipeline as pipeline_module
 
     repos, genesis, items = interleaved_commits(3, 2)
-    poison = b"\xff" * 10  # tests/firehose/poison_worker.py dies on it
+    poison = b"\xff" * 10  # tests/firehose/faulty_worker.py dies on it
     async with ValidationPipeline(1) as p:
         pool = p._pool
         assert pool is not None
-        pool.module = "tests.firehose.poison_worker"  # replacements die on the poison frame
+        pool.module = "tests.firehose.faulty_worker"  # replacements die on the poison frame
         for pid in p.worker_pids:  # the current worker too, on its next batch
             os.kill(pid, signal.SIGKILL)
         futs = [await p.submit("did:plc:poison", poison, None, None)]
@@ -120,11 +120,11 @@ async def test_hanging_event_is_rejected_alone_after_the_batch_timeout() -> None
     async with ValidationPipeline(1, batch_timeout=0.5) as p:
         pool = p._pool
         assert pool is not None
-        pool.module = "tests.firehose.hanging_worker"  # replacements hang on the slow frame
+        pool.module = "tests.firehose.faulty_worker"  # replacements hang on the slow frame
         for pid in p.worker_pids:
             os.kill(pid, signal.SIGKILL)
         futs = [await p.submit(repo.did, raw, genesis[repo.did], repo.key.did_key()) for repo, _, raw in items]
-        futs.append(await p.submit("did:plc:slow", b"\xfe" * 10, None, None))  # tests/firehose/hanging_worker.py
+        futs.append(await p.submit("did:plc:slow", b"\xfe" * 10, None, None))  # tests/firehose/faulty_worker.py hangs
         verdicts = await asyncio.gather(*futs)
         assert pool.timeouts >= 3  # the batch (or the event alone), then every retry of the event
     assert [v.kind for v in verdicts[:-1]] == ["accept"] * len(items)
