@@ -68,17 +68,15 @@ def _validate_job(frame: bytes, state: AccountState | None, signing_key: str | N
     return validate_and_encode(frame, state, signing_key, now)
 
 
-#: ``AccountState`` as a plain tuple on the pipe to the workers and back: pickling slotted
-#: dataclasses runs Python-level ``__getstate__``/``__setstate__`` per object (in the parent's
-#: queue threads), a tuple is pickled in C.
-_state_tuple = account_row
+# ``AccountState`` travels to the workers and back as ``account_row`` tuples: pickling slotted
+# dataclasses runs Python-level ``__getstate__``/``__setstate__`` per object, a tuple is pickled in C.
 WireJob = tuple[bytes, tuple[Any, ...] | None, str | None, float]
 WireVerdict = tuple[str, str, tuple[Any, ...] | None, str, bytes | None, int | None]
 
 
 def _to_wire(job: Job) -> WireJob:
     frame, state, key, now = job
-    return frame, None if state is None else _state_tuple(state), key, now
+    return frame, None if state is None else account_row(state), key, now
 
 
 def _verdict_from_wire(w: WireVerdict) -> Verdict:
@@ -95,7 +93,7 @@ def validate_batch(jobs: list[WireJob]) -> tuple[list[WireVerdict], float]:
     for frame, state, key, now in jobs:
         v = validate_and_encode(frame, None if state is None else AccountState(*state), key, now)
         new_state = v.new_state
-        out.append((v.kind, v.reason, None if new_state is None else _state_tuple(new_state), v.detail,
+        out.append((v.kind, v.reason, None if new_state is None else account_row(new_state), v.detail,
                     v.body_cbor, v.seq_offset))
     return out, time.process_time() - t0
 
@@ -211,7 +209,7 @@ class ValidationPipeline:
         if prev is None or prev.done():
             self._start(did, frame, state, signing_key, now, fut)
         else:  # judged once the predecessor's verdict (and state) is in
-            prev.add_done_callback(functools.partial(self._start_after, did, frame, state, signing_key, now, fut))
+            prev.add_done_callback(functools.partial(self._start, did, frame, state, signing_key, now, fut))
         return fut
 
     async def validate(
@@ -219,18 +217,6 @@ class ValidationPipeline:
     ) -> Verdict:
         """Submit and wait for the verdict."""
         return await (await self.submit(did, frame, state, signing_key, now))
-
-    def _start_after(
-        self,
-        did: str,
-        frame: bytes,
-        state: AccountState | None,
-        key: str | None,
-        now: float | None,
-        fut: asyncio.Future[Verdict],
-        prev: asyncio.Future[Verdict],
-    ) -> None:
-        self._start(did, frame, state, key, now, fut)
 
     def _start(
         self,
@@ -240,8 +226,10 @@ class ValidationPipeline:
         key: str | None,
         now: float | None,
         fut: asyncio.Future[Verdict],
+        _prev: asyncio.Future[Verdict] | None = None,
     ) -> None:
-        """Judge against the merged state: inline now, or queued for the next batch."""
+        """Judge against the merged state: inline now, or queued for the next batch. Also the
+        done-callback of the account's previous event (``_prev``, passed by the future, unused)."""
         try:
             job: Job = (frame, self._merge(did, state), key, self.clock() if now is None else now)
             if self._pool is None:
