@@ -17,8 +17,17 @@ import asyncpg
 
 from backfill.errors import MigrationError, SequencerConflictError, SequencerLockedError
 from backfill.migrations import discover
-from backfill.store import BatchWrite, Store, WriterLease, audit_entry, host_count_deltas, retention_prefix
-from backfill.types import AccountState, HostState, SequencedEvent, account_row
+from backfill.store import (
+    PENDING_REPAIRS_SQL,
+    BatchWrite,
+    Store,
+    WriterLease,
+    audit_entry,
+    host_count_deltas,
+    retention_prefix,
+)
+from backfill.types import HostState
+from firehose.state import AccountState, SequencedEvent, account_row
 
 _SCHEMA_RE = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 
@@ -410,6 +419,13 @@ class PostgresStore(Store):
     async def remove_domain_ban(self, domain: str) -> bool:
         result = await self._pool.execute("DELETE FROM domain_bans WHERE domain = $1", domain.strip().lower())
         return result == "DELETE 1"
+
+    async def pending_repairs(self, limit: int = 500) -> list[dict[str, Any]]:
+        rows = await self._pool.fetch(PENDING_REPAIRS_SQL.replace("?", "$1"), limit)
+        return [dict(row) for row in rows]
+
+    async def mark_repair_consumed(self, row_id: int, at: float, seq: int | None) -> None:
+        await self._pool.execute("UPDATE spark_repair_outbox SET consumed_at = $1, seq = $2 WHERE id = $3", at, seq, row_id)
 
 
 class _PgLease(WriterLease):

@@ -48,9 +48,9 @@ from backfill.errors import (
     SequencerConflictError,
     SequencerLockedError,
 )
-from backfill.framing import frame_header, splice_seq
 from backfill.store import SEQ_LIMIT, BatchWrite, Store, WriterLease, host_count_deltas
-from backfill.types import AccountState, PendingEvent, SequencedEvent
+from firehose.framing import frame_header, splice_seq
+from firehose.state import AccountState, PendingEvent, SequencedEvent
 
 log = logging.getLogger(__name__)
 

@@ -21,8 +21,18 @@ from typing import Any, TypeVar
 from backfill.errors import MigrationError, SequencerConflictError, SequencerLockedError
 from backfill.migrations import discover, split_sqlite_statements
 from backfill.sqlite_conn import SqliteConn, Tx, fetchall, fetchval
-from backfill.store import BatchWrite, Store, WriterLease, audit_entry, host_count_deltas, retention_prefix
-from backfill.types import AccountState, HostState, SequencedEvent, account_row
+from backfill.store import (
+    PENDING_REPAIRS_SQL,
+    REPAIR_DONE_SQL,
+    BatchWrite,
+    Store,
+    WriterLease,
+    audit_entry,
+    host_count_deltas,
+    retention_prefix,
+)
+from backfill.types import HostState
+from firehose.state import AccountState, SequencedEvent, account_row
 
 T = TypeVar("T")
 
@@ -407,6 +417,17 @@ class SqliteStore(Store):
             fetchall, "SELECT time, action, target, detail FROM admin_audit ORDER BY id DESC LIMIT ?", (limit,)
         )
         return [audit_entry(*row) for row in reversed(rows)]
+
+    async def pending_repairs(self, limit: int = 500) -> list[dict[str, Any]]:
+        def run(conn: sqlite3.Connection) -> list[dict[str, Any]]:
+            cur = conn.execute(PENDING_REPAIRS_SQL, (limit,))
+            names = [d[0] for d in cur.description]
+            return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
+
+        return await self._read(run)
+
+    async def mark_repair_consumed(self, row_id: int, at: float, seq: int | None) -> None:
+        await self._update_one(REPAIR_DONE_SQL, (at, seq, row_id))
 
 
 def _advance_high_water(conn: sqlite3.Connection, batch: BatchWrite) -> None:

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from backfill.types import AccountState, HostState, SequencedEvent
+from backfill.types import HostState
+from firehose.state import AccountState, SequencedEvent
 
 DEFAULT_SQLITE_PATH = "./data/relay.sqlite"
 #: seq is kept below 2**53 so that every JSON/JavaScript consumer can represent it exactly.
@@ -287,6 +288,25 @@ class Store(ABC):
     async def list_admin_actions(self, limit: int = 200) -> list[dict[str, Any]]:
         """The most recent ``limit`` audit entries, oldest first: ``{time, action, target, detail}``
         with ``detail`` decoded."""
+
+    # -- the Spark repair outbox (migration 0070; see backfill.outbox) --------------------------
+    @abstractmethod
+    async def pending_repairs(self, limit: int = 500) -> list[dict[str, Any]]:
+        """Unconsumed outbox rows in queue order (columns of ``PENDING_REPAIRS_SQL``)."""
+
+    @abstractmethod
+    async def mark_repair_consumed(self, row_id: int, at: float, seq: int | None) -> None:
+        """Mark one outbox row consumed (``seq``: the event it became, None if it became none)."""
+
+
+#: The repair outbox (migration 0070) as ``Store.pending_repairs`` reads it: each queued row with the
+#: account's current statuses (NULL when the relay does not know the account).
+PENDING_REPAIRS_SQL = (
+    "SELECT o.id, o.kind, o.did, o.rev, o.blocks, o.active, o.status, a.upstream_status, a.local_status "
+    "FROM spark_repair_outbox o LEFT JOIN accounts a ON a.did = o.did "
+    "WHERE o.consumed_at IS NULL ORDER BY o.id LIMIT ?"
+)
+REPAIR_DONE_SQL = "UPDATE spark_repair_outbox SET consumed_at = ?, seq = ? WHERE id = ?"
 
 
 def audit_entry(at: float, action: str, target: str, detail: str) -> dict[str, Any]:

@@ -28,9 +28,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from backfill.types import AccountState  # noqa: E402
 from firehose.frames import encode_frame  # noqa: E402
 from firehose.pipeline import ValidationPipeline  # noqa: E402
+from firehose.state import AccountState  # noqa: E402
 from mst.crypto import PrivateKey  # noqa: E402
 from mst.repo import Repo, Write  # noqa: E402
 
@@ -178,11 +178,11 @@ async def _bench_transport(transport: str, consumers: int, frames: int, size: in
     from starlette.applications import Starlette
 
     from backfill.store import open_store
-    from backfill.types import SequencedEvent
     from firehose.broadcast import Broadcaster
     from firehose.bus import InProcessBus
     from firehose.serve_asgi import SUBSCRIBE_REPOS_PATH, subscribe_repos_routes
     from firehose.serve_websockets import serve_subscribe_repos
+    from firehose.state import SequencedEvent
 
     tmp = tempfile.mkdtemp()
     store = await open_store(os.path.join(tmp, "b.sqlite"))

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import asyncpg  # noqa: E402
 
 from backfill.store import open_store  # noqa: E402
-from backfill.types import AccountState, HostState  # noqa: E402
+from firehose.state import AccountState, HostState  # noqa: E402
 from mst.cid import cid_str  # noqa: E402
 from spark.config import FetchConfig, JobConfig  # noqa: E402
 from spark.db import split_schema  # noqa: E402

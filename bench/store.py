@@ -19,7 +19,7 @@ For each backend, on a fresh schema (Postgres) or file (SQLite):
 * ``<b>_sequence_cores_used_x100``: (client + server CPU) / wall time, in hundredths of a core —
   how much of the shared machine the run got;
 * ``producer_encode_cpu_us_per_event`` (default ``--body cbor``): CPU to pre-encode each body the
-  way a validation worker would (``backfill.framing.encode_unsequenced``), spent outside the
+  way a validation worker would (``firehose.framing.encode_unsequenced``), spent outside the
   sequencer and not included in the sequencing figures; ``--body dict`` makes the sequencer
   encode every body itself instead;
 * ``pg_copy_only_events_per_s``: context only — bare binary COPY of the same frames into a scratch
@@ -47,12 +47,12 @@ import cbrrr
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from backfill.framing import encode_unsequenced  # noqa: E402
 from backfill.postgres_store import PostgresStore  # noqa: E402
 from backfill.sequencer import Sequencer  # noqa: E402
 from backfill.store import Store, open_store  # noqa: E402
-from backfill.types import AccountState, PendingEvent, SequencedEvent  # noqa: E402
 from firehose.frames import encode_frame  # noqa: E402
+from firehose.framing import encode_unsequenced  # noqa: E402
+from firehose.state import AccountState, PendingEvent, SequencedEvent  # noqa: E402
 
 ACCOUNTS = 10_000
 HOSTS = 20

@@ -40,9 +40,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from backfill.types import SequencedEvent
 from firehose.bus import BusClosed, EventBus, Subscription
 from firehose.frames import encode_error_frame, encode_info_frame
+from firehose.state import SequencedEvent
 
 log = logging.getLogger(__name__)
 

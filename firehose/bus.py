@@ -20,7 +20,7 @@ from typing import Protocol
 
 import redis.asyncio as aioredis
 
-from backfill.types import SequencedEvent
+from firehose.state import SequencedEvent
 
 
 class Subscription(Protocol):

@@ -31,9 +31,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
-from backfill.framing import FramingError, encode_unsequenced
-from backfill.types import AccountState, account_row
+from firehose.framing import FramingError, encode_unsequenced
 from firehose.reasons import Reason
+from firehose.state import AccountState, account_row
 from firehose.validate import OUTGOING_FIELDS, Verdict, judge_frame, outgoing_body
 from firehose.workers import WorkerDied, WorkerPool
 

@@ -32,7 +32,6 @@ from typing import Any, Literal
 
 import libipld
 
-from backfill.types import AccountState
 from firehose.frames import Frame, FrameError, decode_frame
 from firehose.messages import (
     AccountMessage,
@@ -45,6 +44,7 @@ from firehose.messages import (
     parse_frame,
 )
 from firehose.reasons import Reason
+from firehose.state import AccountState
 from mst import cbor
 from mst.car import Car, read_car
 from mst.cid import CID, DAG_CBOR_PREFIX
@@ -92,7 +92,7 @@ class Verdict:
     detail: str = ""
     #: For an accepted ``#commit``/``#sync`` judged by ``firehose.pipeline``: the outgoing body
     #: (``outgoing_body``) as canonical DAG-CBOR without ``seq``, and the offset where ``seq``
-    #: belongs (``backfill.framing.encode_unsequenced``) — ready for ``PendingEvent.body_cbor``/
+    #: belongs (``firehose.framing.encode_unsequenced``) — ready for ``PendingEvent.body_cbor``/
     #: ``seq_offset``. None otherwise (and always from ``validate_frame`` itself).
     body_cbor: bytes | None = None
     seq_offset: int | None = None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from backfill.types import AccountState
+from firehose.state import AccountState
 
 #: Statuses a ``#account`` frame may carry (subscribeRepos lexicon knownValues).
 ACCOUNT_STATUSES = ("takendown", "suspended", "deleted", "deactivated", "desynchronized", "throttled")

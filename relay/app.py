@@ -17,7 +17,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, RedirectResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from backfill.types import AccountState, HostState
+from backfill.types import HostState
+from firehose.state import AccountState
 from relay.accounts import reported_status
 from relay.admin import admin_routes
 from relay.hosts import CrawlRefused, host_base_url

@@ -44,8 +44,9 @@ from typing import Any
 
 from backfill.sequencer import Sequencer
 from backfill.store import Store
-from backfill.types import AccountState, HostState, PendingEvent
+from backfill.types import HostState
 from firehose.pipeline import ValidationPipeline
+from firehose.state import AccountState, PendingEvent
 from firehose.subscriber import HostSubscriber, SubscriberConfig, UpstreamFrame
 from firehose.validate import outgoing_body
 from mst.syntax import is_valid_did

@@ -23,7 +23,7 @@ from urllib.parse import quote
 import httpx
 
 from backfill.store import Store
-from backfill.types import AccountState
+from firehose.state import AccountState
 from relay.accounts import now_iso
 from relay.config import RelayConfig
 from relay.hosts import host_base_url

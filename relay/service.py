@@ -22,12 +22,13 @@ from typing import Any
 
 from starlette.routing import BaseRoute, Route, WebSocketRoute
 
+from backfill.outbox import drain_repair_outbox
 from backfill.sequencer import Sequencer
 from backfill.store import Store, open_store
-from backfill.types import AccountState
 from firehose.broadcast import Broadcaster
 from firehose.bus import EventBus, InProcessBus, RedisStreamBus
 from firehose.pipeline import ValidationPipeline
+from firehose.state import AccountState
 from relay.config import RelayConfig, parse_nameservers
 from relay.consumers import ConsumerRegistry, ConsumerTracking
 from relay.hosts import HostManager
@@ -190,10 +191,6 @@ class RelayService:
     async def _drain_outbox(self) -> None:
         if self.sequencer is None or self.ingest is None:
             return
-        try:
-            from spark.outbox import drain_repair_outbox
-        except ImportError:
-            return
         ingest, sequencer = self.ingest, self.sequencer
 
         async def submit(event: Any) -> Any:
@@ -201,7 +198,7 @@ class RelayService:
             return await sequencer.submit(event)
 
         try:
-            await drain_repair_outbox(self.config.database_url, submit)
+            await drain_repair_outbox(self.store, submit)
             self._outbox_error = ""
         except Exception as exc:  # logged once per distinct error, retried next time
             message = f"{type(exc).__name__}: {exc}"[:300]

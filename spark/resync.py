@@ -8,7 +8,7 @@ the signing key, verify signature + every block hash + the full MST (``mst.verif
 the stored state (``spark.repo_check.judge``). Every ``cfg.write_batch`` repositories one
 transaction writes the results rows (did, host, outcome ok/repaired/failed, reason, records,
 bytes), the repaired accounts' rev/commit/data/sync state, and one ``#sync`` row per repaired
-account into ``spark_repair_outbox``, which the running relay drains (``spark.outbox``).
+account into ``spark_repair_outbox``, which the running relay drains (``backfill.outbox``).
 
 Resumable: a rerun with the same run id skips repositories that already have a result
 (``retry_failed`` re-attempts the failed ones). Idempotent: a fresh run over repaired accounts

@@ -17,7 +17,7 @@ import time
 from backfill import postgres_store, sqlite_store
 from backfill.sequencer import Sequencer
 from backfill.store import BatchWrite, open_store
-from backfill.types import SequencedEvent
+from firehose.state import SequencedEvent
 from tests.backfill.helpers import commit_event
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from backfill.types import AccountState, PendingEvent, SequencedEvent
+from firehose.state import AccountState, PendingEvent, SequencedEvent
 
 
 def rev_for(n: int) -> str:

@@ -10,8 +10,8 @@ import pytest
 from backfill.errors import SequencerClosedError, SequencerLockedError
 from backfill.sequencer import Sequencer
 from backfill.store import Store
-from backfill.types import AccountState, PendingEvent, SequencedEvent
 from firehose.frames import encode_frame
+from firehose.state import AccountState, PendingEvent, SequencedEvent
 from tests.backfill.conftest import StoreTarget, decode_frame
 from tests.backfill.helpers import Collector, commit_event
 

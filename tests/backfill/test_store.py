@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 from backfill.store import Store, sqlite_path_from_url
-from backfill.types import AccountState, HostState
+from backfill.types import HostState
+from firehose.state import AccountState
 
 
 def acct(did: str, host: str | None = "pds.example", **kw: object) -> AccountState:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from backfill.types import AccountState
 from firehose.frames import encode_frame
+from firehose.state import AccountState
 from mst.car import read_car, write_car
 from mst.cid import CID, cid_for_cbor
 from mst.commit import Commit

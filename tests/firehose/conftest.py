@@ -14,9 +14,9 @@ import asyncpg
 import pytest
 
 from backfill.store import BatchWrite, Store, open_store
-from backfill.types import SequencedEvent
 from firehose.bus import EventBus, InProcessBus
 from firehose.frames import encode_frame
+from firehose.state import SequencedEvent
 
 DID = "did:plc:testaccount0000000000000"
 

@@ -8,9 +8,9 @@ import uuid
 
 import pytest
 
-from backfill.types import SequencedEvent
 from firehose.broadcast import Broadcaster
 from firehose.bus import BusClosed, InProcessBus, RedisStreamBus
+from firehose.state import SequencedEvent
 
 from .conftest import Ingest, commit_frame
 

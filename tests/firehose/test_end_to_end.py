@@ -10,11 +10,12 @@ from websockets.asyncio.server import ServerConnection, serve
 
 from backfill.sequencer import Sequencer
 from backfill.store import Store
-from backfill.types import HostState, PendingEvent
+from backfill.types import HostState
 from firehose.broadcast import Broadcaster
 from firehose.bus import InProcessBus
 from firehose.frames import decode_frame, encode_frame
 from firehose.pipeline import ValidationPipeline
+from firehose.state import PendingEvent
 from firehose.subscriber import HostSubscriber, SubscriberConfig, UpstreamFrame
 
 from .commits import commit_body, flip_sig, new_repo, posts

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from backfill.framing import frame_header, splice_seq
 from firehose.frames import encode_frame
+from firehose.framing import frame_header, splice_seq
 from firehose.pipeline import ValidationPipeline, validate_and_encode
 from firehose.validate import outgoing_body
 

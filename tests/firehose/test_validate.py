@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from backfill.types import AccountState
 from firehose.reasons import ALL_REASONS, Reason
+from firehose.state import AccountState
 from firehose.validate import EMPTY_TREE_ROOT, Verdict, validate_frame
 from mst.car import read_car, write_car
 from mst.cid import cid_for_cbor

@@ -11,7 +11,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from websockets.asyncio.client import connect
 
-from backfill.types import AccountState
+from firehose.state import AccountState
 from relay.ssrf import static_resolver
 from tests.relay.helpers import serve_asgi
 

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from websockets.asyncio.client import connect
 
-from backfill.types import PendingEvent
+from firehose.state import PendingEvent
 from relay.config import ConfigError, RelayConfig
 
 DID = "did:plc:aaaaaaaaaaaaaaaaaaaaaaaa"

@@ -13,8 +13,8 @@ import httpx
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from backfill.types import AccountState
 from firehose.frames import decode_frame
+from firehose.state import AccountState
 from firehose.validate import Verdict, validate_frame
 
 SUBSCRIBE = "/xrpc/com.atproto.sync.subscribeRepos"

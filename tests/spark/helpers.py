@@ -10,7 +10,7 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from backfill.store import open_store
-from backfill.types import AccountState
+from firehose.state import AccountState
 from mst.car import read_car
 from mst.cid import cid_str
 from spark.config import FetchConfig, JobConfig

@@ -5,14 +5,14 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from backfill.outbox import drain_repair_outbox
 from backfill.sequencer import Sequencer
 from backfill.store import open_store
-from backfill.types import SequencedEvent
+from firehose.state import SequencedEvent
 from mst.car import read_car
 from mst.cbor import decode, decode_prefix
 from mst.cid import cid_str
 from spark.db import connect_db
-from spark.outbox import drain_repair_outbox
 from spark.relaydb import AccountFilter, ResultRow, write_results
 from spark.resync import run_resync
 from tests.spark.helpers import FleetThread, job_config, seed_relay, tamper
@@ -44,7 +44,7 @@ async def _drain_through_sequencer(url: str) -> tuple[int, list[SequencedEvent]]
     store = await open_store(url)
     try:
         async with Sequencer(store, publish) as sequencer:
-            drained = await drain_repair_outbox(url, sequencer.submit)
+            drained = await drain_repair_outbox(store, sequencer.submit)
         stored = await store.read_after(0)
     finally:
         await store.close()

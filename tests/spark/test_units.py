@@ -128,7 +128,7 @@ def test_db_url_helpers() -> None:
 
 
 def test_outbox_events_respect_account_status() -> None:
-    from spark.outbox import event_for
+    from backfill.outbox import event_for
 
     sync = {"kind": "#sync", "did": "did:plc:x", "rev": "3k2", "blocks": b"car", "active": None, "status": None,
             "upstream_status": "active", "local_status": "active"}

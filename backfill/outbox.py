@@ -3,34 +3,27 @@
 The Spark jobs never write events themselves (the sequencer is the single writer). They queue
 rows in ``spark_repair_outbox``; the running relay calls
 
-    await drain_repair_outbox(db_url, sequencer.submit)
+    await drain_repair_outbox(store, sequencer.submit)
 
 periodically (or after a job finishes). Each pending row becomes one ``PendingEvent`` (see
 ``event_for``); after ``submit`` resolves, the row is marked consumed with the assigned ``seq``. Delivery is at-least-once: a crash
 between the two steps re-emits the same ``#sync`` (same rev), which consumers treat as a no-op.
 
-No PySpark import here: the relay imports this module cheaply.
+Reads and marks the rows through the relay's own ``Store`` (``pending_repairs``/``mark_repair_consumed``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Any
 
-from backfill.types import PendingEvent
+from backfill.store import Store
+from firehose.state import PendingEvent
 
 Submit = Callable[[PendingEvent], Awaitable[Any]]
 
-PENDING_SQL = (
-    "SELECT o.id, o.kind, o.did, o.rev, o.blocks, o.active, o.status, a.upstream_status, a.local_status "
-    "FROM spark_repair_outbox o LEFT JOIN accounts a ON a.did = o.did "
-    "WHERE o.consumed_at IS NULL ORDER BY o.id LIMIT ?"
-)
-DONE_SQL = "UPDATE spark_repair_outbox SET consumed_at = ?, seq = ? WHERE id = ?"
 
 
 def _iso(ts: float) -> str:
@@ -68,29 +61,14 @@ def _seq_of(result: Any) -> int | None:
     return int(seq) if isinstance(seq, int) else None
 
 
-async def drain_repair_outbox(db_url: str | None, submit: Submit, limit: int = 500) -> int:
-    """Submit up to ``limit`` pending repairs in outbox order; returns how many were consumed
-    (``db_url`` None → the embedded default database, as for ``backfill.store.open_store``)."""
-    from spark.db import connect_db
-
-    # One thread owns the connection for its whole life: sqlite3 connections (and the private
-    # event loop of the PostgreSQL wrapper) must not move between threads.
-    loop = asyncio.get_running_loop()
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="repair-outbox") as owner:
-
-        def on_owner(fn: Callable[..., Any], *args: Any) -> Awaitable[Any]:
-            return loop.run_in_executor(owner, fn, *args)
-
-        db = await on_owner(connect_db, db_url)
-        try:
-            rows = await on_owner(db.fetch, PENDING_SQL, limit)
-            done = 0
-            for row in rows:
-                now = time.time()
-                event = event_for(row, now)
-                seq = _seq_of(await submit(event)) if event is not None else None
-                await on_owner(db.execute, DONE_SQL, now, seq, row["id"])
-                done += 1
-            return done
-        finally:
-            await on_owner(db.close)
+async def drain_repair_outbox(store: Store, submit: Submit, limit: int = 500) -> int:
+    """Submit up to ``limit`` pending repairs in outbox order through ``submit`` (the relay's single
+    writer); returns how many were consumed. Each row is marked consumed after its submit resolved."""
+    done = 0
+    for row in await store.pending_repairs(limit):
+        now = time.time()
+        event = event_for(row, now)
+        seq = _seq_of(await submit(event)) if event is not None else None
+        await store.mark_repair_consumed(row["id"], now, seq)
+        done += 1
+    return done

@@ -1,4 +1,4 @@
-"""``backfill.framing``: splicing ``seq`` into a pre-encoded body gives exactly the bytes of a full
+"""``firehose.framing``: splicing ``seq`` into a pre-encoded body gives exactly the bytes of a full
 re-encoding (checked against cbrrr, an independent encoder, over generated bodies), and the
 sequencer's pre-encoded path stores the same frames as its dict path."""
 
@@ -12,7 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backfill.framing import (
+from backfill.sequencer import Sequencer
+from backfill.store import Store
+from firehose.framing import (
     FramingError,
     encode_unsequenced,
     frame_header,
@@ -20,8 +22,6 @@ from backfill.framing import (
     splice_seq,
     without_seq,
 )
-from backfill.sequencer import Sequencer
-from backfill.store import Store
 from tests.backfill.conftest import decode_frame
 from tests.backfill.helpers import Collector, commit_event
 
