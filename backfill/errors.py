@@ -49,3 +49,11 @@ class BatchAbortedError(BackfillError):
     either; nothing of it is stored and the caller may resubmit."""
 
     reason = "batch_aborted"
+
+
+class FencedOffError(BackfillError):
+    """The event's fence (``firehose.state.Fence``) was revoked before it was numbered: an earlier
+    event of the same upstream run was not stored, so this one must not be stored after it either
+    (the run re-reads both from its durable cursor)."""
+
+    reason = "fenced_off"

@@ -85,6 +85,18 @@ def _host(row: asyncpg.Record) -> HostState:
     return HostState(*row)
 
 
+#: asyncpg errors that mean the server is unreachable, restarting or shutting down (SQLSTATE classes
+#: 08 connection exception, 57 operator intervention, 53300 too many connections), or that the
+#: client connection is gone; anything else (data, constraint, syntax) is not retried.
+_TRANSIENT_PG: tuple[type[BaseException], ...] = (
+    asyncpg.PostgresConnectionError,
+    asyncpg.InterfaceError,
+    asyncpg.exceptions.OperatorInterventionError,
+    asyncpg.exceptions.TooManyConnectionsError,
+    asyncpg.exceptions.ConnectionDoesNotExistError,
+)
+
+
 class PostgresStore(Store):
     backend = "postgres"
 
@@ -93,6 +105,9 @@ class PostgresStore(Store):
         self.schema = schema
         self._pool = pool
         self._closed = False
+
+    def is_transient(self, exc: BaseException) -> bool:
+        return isinstance(exc, _TRANSIENT_PG) or super().is_transient(exc)
 
     @classmethod
     async def connect(cls, dsn: str, *, schema: str | None = None, pool_size: int = 4) -> PostgresStore:

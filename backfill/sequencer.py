@@ -20,11 +20,21 @@ Exactly one sequencer may run per database (schema): ``start()`` takes the store
 (Postgres advisory lock / SQLite flock) and raises ``SequencerLockedError`` if another holds it
 (or waits, with ``wait_for_lock=True``).
 
-Batch k+1 is deduplicated, numbered and encoded while batch k commits. If a commit fails (the
-database refused it or the connection was lost), that batch's submitters get the error, batches
-already numbered behind it get ``BatchAbortedError``, nothing of them is stored, and numbering
-resumes from the stored high-water mark (re-taking the lease if the connection died): callers
-simply resubmit, as an upstream subscriber does by resuming from its durable cursor.
+Batch k+1 is deduplicated, numbered and encoded while batch k commits.
+
+Failures. While the store is *unavailable* (``Store.is_transient``: connection lost or refused,
+server restarting, database locked) nothing is failed: the batch is held and retried with capped
+backoff (``retry_base`` doubling to ``retry_max``), the lease is re-taken when its connection died,
+and a batch whose COMMIT did reach the database before the connection dropped is recognised by the
+high-water mark and not written twice. Submitters queue behind it up to ``max_pending`` and then
+wait (backpressure reaches the upstream sockets). ``state`` is ``retrying`` meanwhile. A commit
+refused for any other reason fails that batch (its submitters get the error, batches numbered
+behind it get ``BatchAbortedError``, nothing of them is stored) and numbering resumes from the
+stored mark. Every failed submit's ``fence`` (``firehose.state.Fence``) is revoked before anything
+else is numbered, and events whose fence is revoked are not stored (``FencedOffError``): once an
+event of an upstream run is lost, nothing after it from that run is stored either, so the run can
+re-read everything from its durable cursor. Only another writer (lease taken, mark moved) stops
+the sequencer for good (``state == "failed"``).
 
 Host cursors only move forward here (``GREATEST``): ``upstream_seq`` must be a value up to which
 every upstream event of that host is sequenced, ignored or rejected (``advance_cursor`` covers
@@ -34,6 +44,7 @@ frames that produce no event); ``Store.set_host_cursor`` resets a cursor.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -43,6 +54,7 @@ from typing import Any
 
 from backfill.errors import (
     BatchAbortedError,
+    FencedOffError,
     SeqExhaustedError,
     SequencerClosedError,
     SequencerConflictError,
@@ -50,7 +62,7 @@ from backfill.errors import (
 )
 from backfill.store import SEQ_LIMIT, BatchWrite, Store, WriterLease, host_count_deltas
 from firehose.framing import frame_header, splice_seq
-from firehose.state import AccountState, PendingEvent, SequencedEvent
+from firehose.state import AccountState, Fence, PendingEvent, SequencedEvent
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +82,7 @@ class _CursorOnly:
 
     host: str
     upstream_seq: int
+    fence: Fence | None = None
 
 
 _STOP = object()
@@ -83,6 +96,8 @@ class SequencerStats:
     failed_batches: int = 0
     publish_errors: int = 0
     encode_errors: int = 0
+    fenced: int = 0  # events not stored because their fence was revoked
+    retries: int = 0  # store operations retried after a transient error
 
 
 class Sequencer:
@@ -101,6 +116,8 @@ class Sequencer:
         wait_for_lock: bool = False,
         lock_timeout: float | None = None,
         clock: Callable[[], float] = time.time,
+        retry_base: float = 0.05,
+        retry_max: float = 2.0,
     ) -> None:
         self.store = store
         self.publish = publish
@@ -130,6 +147,14 @@ class Sequencer:
         self._closed = False
         self._stopped = False  # the writer task has ended
         self._failure: BaseException | None = None
+        #: while the store is unavailable: the error being retried (else None)
+        self.unavailable: BaseException | None = None
+        #: ``time.monotonic()`` of the last committed batch (or of start)
+        self.last_commit_at = 0.0
+        #: capped exponential backoff between retries while the store is unavailable (seconds)
+        self.retry_base = retry_base
+        self.retry_max = retry_max
+        self._outage_attempts = 0
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -141,6 +166,7 @@ class Sequencer:
                 raise SequencerClosedError("sequencer is closed")
             self._lease = await self.store.acquire_writer(wait=self.wait_for_lock, timeout=self.lock_timeout)
             self._high_water = self._next_high_water = await self._lease.high_water()
+            self.last_commit_at = time.monotonic()
             self._task = asyncio.create_task(self._run(), name="sequencer")
 
     async def close(self) -> None:
@@ -164,6 +190,22 @@ class Sequencer:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+    @property
+    def state(self) -> str:
+        """``running``; ``retrying`` while the store is unavailable (batches held, nothing failed);
+        ``failed`` after a fatal error (another writer took the lease or moved the high-water mark);
+        ``stopped`` (never started, or closed)."""
+        if self._failure is not None:
+            return "failed"
+        if self._task is None or self._stopped:
+            return "stopped"
+        return "retrying" if self.unavailable is not None else "running"
+
+    @property
+    def failure(self) -> BaseException | None:
+        """The fatal error that stopped this sequencer, if any."""
+        return self._failure
 
     @property
     def high_water(self) -> int:
@@ -192,12 +234,12 @@ class Sequencer:
         re-delivery. Raises if its batch could not be written (nothing of it was stored)."""
         return await (await self.enqueue(event))
 
-    async def advance_cursor(self, host: str, upstream_seq: int) -> None:
+    async def advance_cursor(self, host: str, upstream_seq: int, fence: Fence | None = None) -> None:
         """Persist ``host``'s upstream cursor with the next batch (for frames that produced no
-        event). Returns once durable."""
+        event). Returns once durable; raises ``FencedOffError`` if ``fence`` was revoked first."""
         await self._check_open()
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        await self._put((_CursorOnly(host, upstream_seq), fut))
+        await self._put((_CursorOnly(host, upstream_seq, fence), fut))
         await fut
 
     async def _put(self, item: tuple[Any, asyncio.Future[Any]]) -> None:
@@ -287,9 +329,13 @@ class Sequencer:
             lookup = [did for did in dids if did not in overlay] if overlay else dids
             try:
                 heads = await self.store.account_heads(lookup) if lookup else {}
-            except Exception as exc:  # database unreachable: nothing written, callers retry
+            except Exception as exc:
+                if self.store.is_transient(exc) and not self._closed:
+                    await self._wait_for_store(exc)  # database unreachable: hold the batch
+                    continue
                 self._batch_failed(items, exc)
                 return None
+            self._store_back()
             if epoch != self._epoch or not self._numbering.is_set():
                 continue
             heads.update(overlay)
@@ -318,10 +364,16 @@ class Sequencer:
         ignored = encode_errors = 0
         encode = self.frame_encoder
 
+        fenced = 0
         for index, (item, fut) in enumerate(items):
             if index % 128 == 127:
                 # Let the commit in flight keep streaming its COPY data while this batch encodes.
                 await asyncio.sleep(0)
+            fence = item.fence
+            if fence is not None and not fence.valid:  # an earlier event of its run was not stored
+                fenced += 1
+                errors.append((fut, FencedOffError(f"not stored: {fence.reason}")))
+                continue
             if isinstance(item, _CursorOnly):
                 cursors[item.host] = max(cursors.get(item.host, 0), item.upstream_seq)
                 results.append((fut, None))
@@ -342,6 +394,8 @@ class Sequencer:
             seq += 1
             if seq >= SEQ_LIMIT:
                 seq -= 1
+                if fence is not None:
+                    fence.revoke(SeqExhaustedError.reason)
                 errors.append((fut, SeqExhaustedError("seq would reach 2**53")))
                 continue
             kind = event.kind
@@ -351,9 +405,11 @@ class Sequencer:
                     frame = encode(kind, {**event.body, "seq": seq})
                 else:  # pre-encoded by the producer: splice seq in, no re-encoding
                     frame = splice_seq(body_cbor, seq, frame_header(kind), event.seq_offset)
-            except Exception as exc:  # a body the encoder refuses fails only its own submit
+            except Exception as exc:  # a body the encoder refuses fails only its own submit (and run)
                 seq -= 1
                 encode_errors += 1
+                if fence is not None:
+                    fence.revoke("encode_error")
                 errors.append((fut, exc))
                 continue
             if rev is not None:
@@ -391,6 +447,7 @@ class Sequencer:
         self._last_time = now
         self.stats.ignored += ignored
         self.stats.encode_errors += encode_errors
+        self.stats.fenced += fenced
         batch = BatchWrite(
             expected_high_water=base,
             new_high_water=seq,
@@ -419,33 +476,114 @@ class Sequencer:
             if prepared.epoch != self._epoch or prepared.batch.expected_high_water != self._high_water:
                 self._batch_failed(prepared.items, BatchAbortedError("an earlier batch failed; resubmit"))
                 continue
-            try:
-                await self._commit(prepared)
-            except (SequencerLockedError, SequencerConflictError) as exc:
-                self._failure = exc
-                log.error("sequencer stopped: %s", exc)
-                self._fail_items(prepared.items, exc)
-            except Exception as exc:
-                # Void every batch numbered after this one, re-sync with the database, and only
-                # then let the submitters know (so what they send next is numbered afresh).
-                self._numbering.clear()
-                self._epoch += 1
-                self._overlay.clear()
-                try:
-                    await self._recover()
-                except (SequencerLockedError, SequencerConflictError) as fatal:
-                    self._failure = fatal
-                    log.error("sequencer stopped: %s", fatal)
-                self._next_high_water = self._high_water
-                self._numbering.set()
-                self._batch_failed(prepared.items, exc)
+            await self._commit_until_done(prepared)
 
-    async def _commit(self, prepared: _Prepared) -> None:
-        assert self._lease is not None
+    async def _commit_until_done(self, prepared: _Prepared) -> None:
+        """Commit one batch. While the store is unavailable (``Store.is_transient``) the batch is
+        held and retried with capped backoff — nothing is failed, and later batches wait behind it
+        (so submitters feel backpressure) — until it is committed or the sequencer is closed.
+        A fatal error (another writer) stops the sequencer; any other error fails this batch."""
+        while True:
+            try:
+                assert self._lease is not None
+                batch = prepared.batch
+                if batch.events or batch.accounts or batch.host_updates:
+                    await self._lease.commit_batch(batch)
+            except (SequencerLockedError, SequencerConflictError) as exc:
+                self._fatal(exc, prepared)
+                return
+            except Exception as exc:
+                if not self.store.is_transient(exc) or self._closed:
+                    await self._failed_commit(prepared, exc)
+                    return
+                await self._wait_for_store(exc)
+                try:
+                    committed = await self._reconnect(prepared.batch)
+                except (SequencerLockedError, SequencerConflictError) as fatal:
+                    self._fatal(fatal, prepared)
+                    return
+                except Exception as again:
+                    if not self.store.is_transient(again):
+                        await self._failed_commit(prepared, again)
+                        return
+                    continue  # still unavailable: wait and try again
+                if not committed:
+                    continue
+            self._store_back()
+            await self._committed(prepared)
+            return
+
+    async def _reconnect(self, batch: BatchWrite) -> bool:
+        """After a transient failure: hold the lease again (re-taking it if its connection died)
+        and tell whether ``batch`` was committed after all (the high-water mark moved to its end,
+        e.g. the connection dropped after COMMIT). Raises ``SequencerLockedError`` if another
+        writer took the lease meanwhile, ``SequencerConflictError`` if the mark is elsewhere."""
+        high: int | None = None
+        if self._lease is not None:
+            try:
+                high = await self._lease.high_water()
+            except Exception as exc:
+                if not self.store.is_transient(exc):
+                    raise
+                with contextlib.suppress(Exception):
+                    await self._lease.release()
+                self._lease = None
+        if self._lease is None:
+            self._lease = await self.store.acquire_writer(wait=False)
+            high = await self._lease.high_water()
+            log.warning("sequencer: writer lease re-taken", extra={"high_water": high})
+        if high == batch.expected_high_water:
+            return False
+        if high == batch.new_high_water:
+            return True
+        raise SequencerConflictError(
+            f"seq high-water mark is {high}, expected {batch.expected_high_water} or {batch.new_high_water}"
+        )
+
+    async def _wait_for_store(self, exc: BaseException) -> None:
+        """The store is unavailable: note it (readiness, metrics, one log line per outage) and
+        back off before the next attempt."""
+        first = self.unavailable is None
+        self.unavailable = exc
+        self.stats.retries += 1
+        self._outage_attempts = 1 if first else self._outage_attempts + 1
+        if first:
+            log.warning("store unavailable; holding batches and retrying",
+                        extra={"error": f"{type(exc).__name__}: {exc}"[:300]})
+        delay = min(self.retry_max, self.retry_base * (2 ** min(self._outage_attempts - 1, 20)))
+        await asyncio.sleep(delay)
+
+    def _store_back(self) -> None:
+        if self.unavailable is not None:
+            log.warning("store available again; sequencing resumed",
+                        extra={"retries": self._outage_attempts})
+            self.unavailable = None
+
+    def _fatal(self, exc: BaseException, prepared: _Prepared) -> None:
+        self._failure = exc
+        log.error("sequencer stopped: %s", exc)
+        self._fail_items(prepared.items, exc)
+
+    async def _failed_commit(self, prepared: _Prepared, exc: BaseException) -> None:
+        """A commit refused for a reason retrying cannot fix: void every batch numbered after this
+        one, re-sync with the database, and only then fail the batch (so what its submitters send
+        next is numbered afresh). Their fences are revoked, so nothing after them is stored."""
+        self._numbering.clear()
+        self._epoch += 1
+        self._overlay.clear()
+        try:
+            await self._recover()
+        except (SequencerLockedError, SequencerConflictError) as fatal:
+            self._failure = fatal
+            log.error("sequencer stopped: %s", fatal)
+        self._next_high_water = self._high_water
+        self._numbering.set()
+        self._batch_failed(prepared.items, exc)
+
+    async def _committed(self, prepared: _Prepared) -> None:
         batch = prepared.batch
-        if batch.events or batch.accounts or batch.host_updates:
-            await self._lease.commit_batch(batch)
         self._high_water = batch.new_high_water
+        self.last_commit_at = time.monotonic()
         for did, entry in prepared.entries.items():
             if self._overlay.get(did) == entry:
                 del self._overlay[did]  # the database has it now
@@ -467,13 +605,19 @@ class Sequencer:
     def _fail_pending(self, exc: BaseException) -> None:
         while self._pending:
             item = self._pending.popleft()
-            if item is not _STOP and not item[1].done():
-                item[1].set_exception(SequencerClosedError(f"sequencer stopped: {exc}"))
+            if item is not _STOP:
+                self._fail_items([item], SequencerClosedError(f"sequencer stopped: {exc}"))
         self._has_room.set()  # wake blocked enqueuers: they see the sequencer stopped
 
     @staticmethod
     def _fail_items(items: list[tuple[Any, asyncio.Future[Any]]], exc: BaseException) -> None:
-        for _, fut in items:
+        """Fail these submits; each one's fence is revoked first (synchronously, before anything
+        else is numbered), so no later event of the same run is stored after a lost one."""
+        reason = getattr(exc, "reason", None) or type(exc).__name__
+        for item, fut in items:
+            fence = item.fence
+            if fence is not None:
+                fence.revoke(str(reason))
             if not fut.done():
                 fut.set_exception(exc)
 

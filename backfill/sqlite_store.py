@@ -78,6 +78,13 @@ class SqliteStore(Store):
             self._idle.put_nowait(reader)
         self._closed = False
 
+    def is_transient(self, exc: BaseException) -> bool:
+        """Busy/locked database or an I/O error (full disk, lost mount) are retried."""
+        if isinstance(exc, sqlite3.OperationalError):
+            text = str(exc).lower()
+            return any(word in text for word in ("locked", "busy", "disk i/o", "unable to open", "full"))
+        return super().is_transient(exc)
+
     @classmethod
     async def open(cls, path: str, *, readers: int = 2) -> SqliteStore:
         parent = Path(path).resolve().parent

@@ -135,6 +135,12 @@ class Store(ABC):
         """Take the single-writer lease. With ``wait=False`` (or when ``timeout`` runs out) raise
         ``SequencerLockedError`` if another writer holds it."""
 
+    def is_transient(self, exc: BaseException) -> bool:
+        """True when ``exc`` means "the database is unavailable right now" (connection lost or
+        refused, server shutting down or starting, a lock or I/O timeout) rather than "this write is
+        wrong": the sequencer then holds its batch and retries instead of failing anyone."""
+        return isinstance(exc, OSError | TimeoutError | ConnectionError)
+
     async def __aenter__(self) -> Store:
         return self
 

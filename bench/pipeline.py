@@ -5,7 +5,8 @@
 
 Validation: signed commits with real MST diffs (``mst.repo`` producer; accounts with ~60 records,
 1-3 ops per commit, the usual mix of creates/updates/deletes) are generated first (not timed),
-then validated through ``firehose.pipeline.ValidationPipeline`` with per-DID chaining.
+then validated through ``firehose.pipeline.ValidationPool``, one account at a time per account
+(chained on the previous verdict, as the account lanes do) and all accounts concurrently.
 Prints ``RESULT validate_per_s_1worker=…``, ``RESULT validate_per_s_2workers=…`` (and inline).
 
 Broadcast: one in-process broadcaster, ``--consumers`` live WebSocket clients in a separate
@@ -29,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from firehose.frames import encode_frame  # noqa: E402
-from firehose.pipeline import ValidationPipeline  # noqa: E402
+from firehose.pipeline import ValidationPool  # noqa: E402
 from firehose.state import AccountState  # noqa: E402
 from mst.crypto import PrivateKey  # noqa: E402
 from mst.repo import Repo, Write  # noqa: E402
@@ -84,10 +85,22 @@ def make_workload(accounts: int, commits: int, seed: int = 1) -> tuple[list[tupl
 
 async def run_validation(workers: int, work, states, now: float) -> tuple[float, float, float]:
     """Returns (events per wall second, events per validating CPU second, cores used)."""
-    async with ValidationPipeline(workers, max_in_flight=4096) as p:
+    by_did: dict[str, list[tuple[bytes, str]]] = {}
+    for did, raw, key in work:
+        by_did.setdefault(did, []).append((raw, key))
+
+    async with ValidationPool(workers) as p:
+
+        async def lane(did: str) -> list:  # as an account lane does: one at a time, chained
+            state, out = states[did], []
+            for raw, key in by_did[did]:
+                verdict = await p.judge(raw, state, key, now)
+                out.append(verdict)
+                state = verdict.new_state or state
+            return out
+
         t0, c0 = time.perf_counter(), time.process_time()
-        futs = [await p.submit(did, raw, states[did], key, now) for did, raw, key in work]
-        verdicts = [await f for f in futs]
+        verdicts = [v for vs in await asyncio.gather(*(lane(did) for did in by_did)) for v in vs]
         dt, cpu = time.perf_counter() - t0, time.process_time() - c0
         if workers:
             cpu = p.worker_cpu_s

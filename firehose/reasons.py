@@ -98,6 +98,23 @@ class Reason(StrEnum):
 
     # --- pipeline
     VALIDATOR_CRASHED = "validator_crashed"
+    # --- host binding and account admission (the account's lane)
+    WRONG_HOST = "wrong_host"  # the sender is not the account's PDS (per a fresh DID document)
+    ACCOUNT_THROTTLED = "account_throttled"  # over the host's account limit: held, resynced later
+    HANDLE_NOT_VERIFIED = "handle_not_verified"  # #identity passed on without its handle
+    RESYNC_PENDING = "resync_pending"  # buffered until the account's resync completes
+    RESYNC_BUFFER_FULL = "resync_buffer_full"  # dropped: covered by the resync anyway
+    COVERED_BY_RESYNC = "covered_by_resync"  # buffered frame not newer than the resync's commit
+    ALREADY_SEQUENCED = "already_sequenced"  # the store already held a newer rev at write time
+    INTERNAL_ERROR = "internal_error"
+    SUBSCRIBER_ERROR = "subscriber_error"
+    # --- identity resolution (relay.identity.IdentityError reasons, prefixed)
+    IDENTITY_BAD_DID = "identity_bad_did"
+    IDENTITY_BAD_DID_DOCUMENT = "identity_bad_did_document"
+    IDENTITY_DID_NOT_FOUND = "identity_did_not_found"
+    IDENTITY_NO_SIGNING_KEY = "identity_no_signing_key"
+    IDENTITY_RATE_LIMITED = "identity_rate_limited"
+    IDENTITY_RESOLUTION_FAILED = "identity_resolution_failed"
 
 
 ALL_REASONS: frozenset[str] = frozenset(r.value for r in Reason)

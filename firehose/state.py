@@ -56,6 +56,32 @@ class AccountState:
 #: stores: one C-level call (rows for COPY/executemany, and the validation workers' pipe format).
 account_row: Callable[[AccountState], tuple[Any, ...]] = operator.attrgetter(*(f.name for f in fields(AccountState)))
 
+class Fence:
+    """A revocable licence to be stored, shared by the events of one upstream run.
+
+    The sequencer stores an event only while its fence is valid, and revokes the fence of every
+    event it fails to store (synchronously, before it numbers anything else). So once one event
+    of a run is lost to a failed write, no later event of that run — another commit of the same
+    account chained on the lost one, or a later frame whose host cursor would skip past it — is
+    stored either; the run is restarted from its durable cursor and re-reads them all.
+    """
+
+    __slots__ = ("reason", "valid")
+
+    def __init__(self) -> None:
+        self.valid = True
+        self.reason = ""
+
+    def revoke(self, reason: str) -> None:
+        """Idempotent; keeps the first reason."""
+        if self.valid:
+            self.valid = False
+            self.reason = reason
+
+    def __repr__(self) -> str:
+        return f"Fence(valid={self.valid}, reason={self.reason!r})"
+
+
 @dataclass(slots=True)
 class PendingEvent:
     """A verified event waiting for a ``seq``.
@@ -69,6 +95,7 @@ class PendingEvent:
     whatever ``frame_encoder`` the sequencer was given. ``account`` (when given) is the account state to persist in the same
     transaction. ``host``/``upstream_seq`` advance that host's upstream cursor in the same
     transaction. ``rev`` (with ``did``) identifies re-deliveries of an already sequenced commit.
+    ``fence`` (optional): the event is stored only while it is valid (see ``Fence``).
     """
 
     kind: str
@@ -80,6 +107,7 @@ class PendingEvent:
     upstream_seq: int | None = None
     body_cbor: bytes | None = None
     seq_offset: int | None = None
+    fence: Fence | None = None
 
 
 @dataclass(slots=True)

@@ -273,11 +273,40 @@ def validate_sync(
         return stop.verdict
 
 
-def validate_account(msg: AccountMessage, state: AccountState | None, now: float) -> Verdict:
-    """``#account`` is hop-by-hop and unauthenticated: accepted, updating the upstream status."""
+def validate_account(
+    msg: AccountMessage, state: AccountState | None, now: float, *, from_account_pds: bool = True
+) -> Verdict:
+    """``#account`` is hop-by-hop and unsigned, so the sender is what counts: only the account's
+    current PDS (``from_account_pds``, checked by the caller against a *fresh* DID document, so a
+    host the account just left cannot change its status) may set it → accepted with the new
+    upstream status; anyone else → reject ``wrong_host``."""
+    if not from_account_pds:
+        return Verdict("reject", Reason.WRONG_HOST.value)
     status = "active" if msg.active else (msg.status or "deactivated")
     base = _base_state(state, msg.did)
     return Verdict("accept", Reason.OK.value, replace(base, upstream_status=status, updated_at=now))
+
+
+def validate_identity(msg: IdentityMessage, state: AccountState | None, *, from_account_pds: bool) -> Verdict:
+    """``#identity`` (the caller has just re-resolved the DID): only from the account's current PDS
+    (else reject ``wrong_host``: any host could otherwise announce identities for any DID), and only
+    redistributed for an active account (else ignore ``account_inactive``)."""
+    if not from_account_pds:
+        return Verdict("reject", Reason.WRONG_HOST.value)
+    if state is not None and not state.active:
+        return Verdict("ignore", Reason.ACCOUNT_INACTIVE.value, None, state.combined_status)
+    return Verdict("accept", Reason.OK.value)
+
+
+def identity_body(body: dict[str, Any], handle_verified: bool) -> dict[str, Any]:
+    """The ``#identity`` body the relay redistributes: without the upstream ``seq``, and with
+    ``handle`` only when it was verified to resolve back to the DID (a relay must not vouch for
+    a handle it could not confirm)."""
+    out = {k: v for k, v in body.items() if k not in ("seq", "handle")}
+    handle = body.get("handle")
+    if handle_verified and isinstance(handle, str) and handle:
+        out["handle"] = handle
+    return out
 
 
 def validate_message(

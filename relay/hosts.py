@@ -79,14 +79,32 @@ StopHost = Callable[[str], Awaitable[None]]
 LimitRaised = Callable[[str], Awaitable[None]]
 
 
+class HostPolicy:
+    """Per-host limits derived from the configuration and the host's stored settings (pure)."""
+
+    def __init__(self, config: RelayConfig) -> None:
+        self.config = config
+
+    def is_trusted(self, host: HostState) -> bool:
+        return host.trusted or matches_domain(host.hostname, self.config.trusted_domains)
+
+    def account_limit(self, host: HostState) -> int | None:
+        """Accounts allowed on ``host`` (None = unlimited)."""
+        if self.is_trusted(host):
+            return None
+        return host.account_limit if host.account_limit is not None else self.config.default_account_limit
+
+
 class HostManager:
-    """Admits, lists and changes hosts; asks the ingest side to start/stop subscribers."""
+    """Admits, lists and changes hosts; asks the ingest side to start/stop subscribers
+    (``start_host``/``stop_host``) and the resync side to release held accounts (``limit_raised``)."""
 
     def __init__(self, *, store: Store, config: RelayConfig, metrics: RelayMetrics, guard: AddressGuard,
                  safe: SafeClient, start_host: StartHost | None = None, stop_host: StopHost | None = None,
-                 limit_raised: LimitRaised | None = None) -> None:
+                 limit_raised: LimitRaised | None = None, policy: HostPolicy | None = None) -> None:
         self.store = store
         self.config = config
+        self.policy = policy or HostPolicy(config)
         self.metrics = metrics
         self.guard = guard
         self.safe = safe
@@ -116,13 +134,11 @@ class HostManager:
 
     # -- policy ---------------------------------------------------------------------------
     def is_trusted(self, host: HostState) -> bool:
-        return host.trusted or matches_domain(host.hostname, self.config.trusted_domains)
+        return self.policy.is_trusted(host)
 
     def account_limit(self, host: HostState) -> int | None:
         """Accounts allowed on ``host`` (None = unlimited)."""
-        if self.is_trusted(host):
-            return None
-        return host.account_limit if host.account_limit is not None else self.config.default_account_limit
+        return self.policy.account_limit(host)
 
     async def is_domain_banned(self, hostname: str) -> bool:
         return matches_domain(hostname, await self.store.list_domain_bans())

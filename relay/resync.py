@@ -5,7 +5,8 @@ each: re-resolve the identity (fresh), fetch ``com.atproto.sync.getRepo`` from t
 through the SSRF-checked client (timeout, size limit), verify the whole repository with
 ``mst.verify.verify_repo_car`` (signature, every block hash, full tree walk), then hand the new
 state and the ``#sync`` body (a CAR holding only the signed commit block) to
-``Ingest.finish_resync``, which sequences it and judges the commits buffered meanwhile.
+``AccountLanes.finish_resync`` (in the account's lane), which sequences it and judges the
+commits buffered meanwhile.
 
 Failures are counted under ``relay_resyncs_total{result=<reason>}`` and retried with backoff
 (up to ``max_attempts``); the account stays ``desynchronized`` until a resync succeeds (or a valid
@@ -29,7 +30,9 @@ from relay.config import RelayConfig
 from relay.hosts import host_base_url
 from relay.identity import IdentityError, IdentityResolver
 from relay.jsonlog import fields
+from relay.lanes import AccountLanes
 from relay.metrics import RelayMetrics
+from relay.resync_queue import ResyncQueue
 from relay.ssrf import SafeClient, SSRFError
 
 log = logging.getLogger("relay.resync")
@@ -44,35 +47,34 @@ class ResyncFailed(Exception):
 
 
 class ResyncManager:
-    """Queue + worker pool. ``enqueue(did, host)`` is idempotent while the DID is pending."""
+    """Worker pool over a ``ResyncQueue``; completed repairs go to the account's lane."""
 
     def __init__(self, *, store: Store, identity: IdentityResolver, safe: SafeClient, metrics: RelayMetrics,
-                 config: RelayConfig, workers: int = 4, max_attempts: int = 5,
-                 retry_base: float = 2.0, max_repo_bytes: int = MAX_REPO_BYTES) -> None:
+                 config: RelayConfig, queue: ResyncQueue, lanes: AccountLanes, workers: int = 4,
+                 max_attempts: int = 5, retry_base: float = 2.0, max_repo_bytes: int = MAX_REPO_BYTES) -> None:
         self.store = store
         self.identity = identity
         self.safe = safe
         self.metrics = metrics
         self.config = config
+        self.queue = queue
+        self.lanes = lanes
         self.workers = max(1, workers)
         self.max_attempts = max_attempts
         self.retry_base = retry_base
         self.max_repo_bytes = max_repo_bytes
-        self.ingest = None  # set by the service: relay.ingest.Ingest
-        self._queue: asyncio.Queue[tuple[str, str | None, int]] = asyncio.Queue()
-        self._pending: set[str] = set()
         self._tasks: list[asyncio.Task[None]] = []
 
     @property
     def pending(self) -> int:
-        return len(self._pending)
+        return self.queue.pending
 
     async def start(self) -> None:
         """Start the workers and requeue accounts left desynchronized by a previous run."""
         self._tasks = [asyncio.create_task(self._worker(), name=f"resync-{i}") for i in range(self.workers)]
         for sync_state in ("desynchronized", "resyncing"):
             for state in await self.store.accounts_by_sync_state(sync_state, limit=100_000):
-                await self.enqueue(state.did, state.host)
+                await self.queue.enqueue(state.did, state.host)
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -85,21 +87,14 @@ class ResyncManager:
         self._tasks = []
 
     async def enqueue(self, did: str, host: str | None, attempt: int = 0) -> None:
-        if did in self._pending and attempt == 0:
-            return
-        self._pending.add(did)
-        self.metrics.resync_queue.set(len(self._pending))
-        await self._queue.put((did, host, attempt))
+        await self.queue.enqueue(did, host, attempt)
 
     async def release_throttled(self, hostname: str) -> int:
         """Queue every throttled account of ``hostname`` (its limit was raised)."""
         count = 0
         for state in await self.store.accounts_by_sync_state("throttled", limit=100_000):
             if state.host == hostname:
-                if self.ingest is not None:
-                    self.ingest.forget(state.did)
-                await self.store.upsert_account(dataclasses.replace(state, sync_state="desynchronized"))
-                await self.enqueue(state.did, hostname)
+                await self.lanes.mark_for_resync(state.did, hostname)
                 count += 1
         host = await self.store.get_host(hostname)
         if host is not None and host.status == "throttled":
@@ -108,11 +103,11 @@ class ResyncManager:
 
     async def _worker(self) -> None:
         while True:
-            did, host, attempt = await self._queue.get()
+            did, host, attempt = await self.queue.get()
             try:
                 await self.resync_one(did, host)
                 self.metrics.resyncs.labels(result="ok").inc()
-                self._pending.discard(did)
+                self.queue.done(did)
             except ResyncFailed as exc:
                 self.metrics.resyncs.labels(result=exc.reason).inc()
                 log.info("resync failed", extra=fields(did=did, reason=exc.reason, attempt=attempt,
@@ -120,17 +115,15 @@ class ResyncManager:
                 if attempt + 1 < self.max_attempts:
                     asyncio.get_running_loop().call_later(
                         self.retry_base * (2 ** attempt),
-                        lambda d=did, h=host, a=attempt: asyncio.ensure_future(self.enqueue(d, h, a + 1)))
+                        lambda d=did, h=host, a=attempt: asyncio.ensure_future(self.queue.enqueue(d, h, a + 1)))
                 else:
-                    self._pending.discard(did)
+                    self.queue.done(did)
             except asyncio.CancelledError:
                 raise
             except Exception:
                 self.metrics.resyncs.labels(result="internal_error").inc()
                 log.exception("resync crashed", extra=fields(did=did))
-                self._pending.discard(did)
-            finally:
-                self.metrics.resync_queue.set(len(self._pending))
+                self.queue.done(did)
 
     async def resync_one(self, did: str, host: str | None) -> None:
         """Fetch, verify and install the current repository of ``did``."""
@@ -171,6 +164,5 @@ class ResyncManager:
                                         commit_cid=verified.commit_cid.encode(), data_cid=commit.data.encode(),
                                         sync_state="synced", updated_at=time.time())
         body = {"did": did, "rev": commit.rev, "blocks": sync_car, "time": now_iso()}
-        assert self.ingest is not None, "ResyncManager.ingest must be set"
-        await self.ingest.finish_resync(did, new_state, body)
+        await self.lanes.finish_resync(did, new_state, body)
         log.info("resynced", extra=fields(did=did, rev=commit.rev, records=len(verified.records)))

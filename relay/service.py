@@ -27,24 +27,26 @@ from backfill.sequencer import Sequencer
 from backfill.store import Store, open_store
 from firehose.broadcast import Broadcaster
 from firehose.bus import EventBus, InProcessBus, RedisStreamBus
-from firehose.pipeline import ValidationPipeline
+from firehose.pipeline import ValidationPool
 from firehose.state import AccountState
+from relay.admission import Admission
 from relay.config import RelayConfig, parse_nameservers
 from relay.consumers import ConsumerRegistry, ConsumerTracking
-from relay.hosts import HostManager
+from relay.hosts import HostManager, HostPolicy
 from relay.identity import (
     IdentityCache,
-    IdentityError,
     IdentityResolver,
     MemoryIdentityCache,
     RedisIdentityCache,
     dns_txt_lookup,
 )
-from relay.ingest import Ingest
 from relay.jsonlog import fields
+from relay.lanes import AccountLanes
 from relay.metrics import RelayMetrics
 from relay.resync import ResyncManager
+from relay.resync_queue import ResyncQueue
 from relay.ssrf import AddressGuard, Resolver, SafeClient
+from relay.upstreams import Upstreams
 
 log = logging.getLogger("relay.service")
 
@@ -56,7 +58,10 @@ class RelayService:
     """See the module docstring. ``resolver`` replaces public DNS (tests)."""
 
     def __init__(self, config: RelayConfig, *, role: str = "serve", resolver: Resolver | None = None,
-                 store_schema: str | None = None, bus_stream: str = "relay:events") -> None:
+                 store_schema: str | None = None, bus_stream: str = "relay:events",
+                 store: Store | None = None) -> None:
+        """``store``: an already opened store to use instead of opening ``config.database_url``
+        (tests inject faults through it); it is migrated at start and closed at stop."""
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r}")
         self.config = config
@@ -68,15 +73,17 @@ class RelayService:
         self.safe = SafeClient(self.guard)
         self.store_schema = store_schema
         self.bus_stream = bus_stream
+        self._given_store = store
         self.store: Store = None  # type: ignore[assignment]
         self.bus: EventBus = None  # type: ignore[assignment]
         self.sequencer: Sequencer | None = None
         self.broadcaster: Broadcaster = None  # type: ignore[assignment]
         self.identity: IdentityResolver = None  # type: ignore[assignment]
         self.hosts: HostManager | None = None
-        self.ingest: Ingest | None = None
+        self.lanes: AccountLanes | None = None
+        self.upstreams: Upstreams | None = None
         self.resync: ResyncManager | None = None
-        self.pipeline: ValidationPipeline | None = None
+        self.pool: ValidationPool | None = None
         self._redis: Any = None
         self._tasks: list[asyncio.Task[None]] = []
         #: The ``RELAY_FIREHOSE_BIND`` listener (a ``websockets`` server) and its ws:// base URL.
@@ -97,7 +104,7 @@ class RelayService:
         from mst import native
 
         self.metrics.mst_compiled.set(1 if native.active() else 0)
-        self.store = await open_store(config.database_url, schema=self.store_schema)
+        self.store = self._given_store or await open_store(config.database_url, schema=self.store_schema)
         applied = await self.store.migrate()
         if applied:
             log.info("migrations applied", extra=fields(versions=applied))
@@ -127,30 +134,25 @@ class RelayService:
         if self.role == "fanout":
             return
         assert self.sequencer is not None
+        policy = HostPolicy(config)
+        self.pool = ValidationPool(config.validation_workers)
+        await self.pool.start()
+        resync_queue = ResyncQueue(on_change=self.metrics.resync_queue.set)
+        admission = Admission(store=self.store, identity=self.identity, policy=policy,
+                              default_account_limit=config.default_account_limit)
+        self.lanes = AccountLanes(store=self.store, sequencer=self.sequencer, pool=self.pool, admission=admission,
+                                  identity=self.identity, resync=resync_queue, count=self._count)
+        self.upstreams = Upstreams(store=self.store, sequencer=self.sequencer, lanes=self.lanes, policy=policy,
+                                   guard=self.guard, metrics=self.metrics, config=config, count=self._count)
         self.resync = ResyncManager(store=self.store, identity=self.identity, safe=self.safe,
-                                    metrics=self.metrics, config=config, workers=config.resync_workers)
+                                    metrics=self.metrics, config=config, queue=resync_queue, lanes=self.lanes,
+                                    workers=config.resync_workers)
         self.hosts = HostManager(store=self.store, config=config, metrics=self.metrics, guard=self.guard,
-                                 safe=self.safe)
+                                 safe=self.safe, policy=policy, start_host=self.upstreams.start_host,
+                                 stop_host=self.upstreams.stop_host, limit_raised=self._limit_raised)
         await self.hosts.load_settings()
-        identity = self.identity
-
-        async def refresh_key(did: str) -> str | None:
-            try:
-                return (await identity.resolve(did, fresh=True)).signing_key
-            except IdentityError:
-                return None
-
-        self.pipeline = ValidationPipeline(config.validation_workers, refresh_key=refresh_key)
-        await self.pipeline.start()
-        self.ingest = Ingest(store=self.store, sequencer=self.sequencer, identity=self.identity,
-                             hosts=self.hosts, metrics=self.metrics, config=config, pipeline=self.pipeline)
-        self.hosts.start_host = self.ingest.start_host
-        self.hosts.stop_host = self.ingest.stop_host
-        self.hosts.limit_raised = self._limit_raised
-        self.ingest.resync = self.resync.enqueue
-        self.resync.ingest = self.ingest
         await self.resync.start()
-        await self.ingest.start_all()
+        await self.upstreams.start_all()
         self._tasks.append(asyncio.create_task(self._housekeeping(), name="housekeeping"))
         log.info("relay started", extra=fields(role=self.role, mst=native.STATUS, **config.describe()))
 
@@ -170,6 +172,9 @@ class RelayService:
         assert self.resync is not None
         await self.resync.release_throttled(hostname)
 
+    def _count(self, kind: str, reason: str) -> None:
+        self.metrics.child(self.metrics.verdicts, kind, reason).inc()
+
     async def _housekeeping(self, interval: float = 5.0) -> None:
         """Host status watch, retention trim, Spark repair outbox drain."""
         ticks = 0
@@ -177,8 +182,8 @@ class RelayService:
             await asyncio.sleep(interval)
             ticks += 1
             try:
-                if self.ingest is not None:
-                    await self.ingest.watch_hosts()
+                if self.upstreams is not None:
+                    await self.upstreams.watch_hosts()
                 if ticks % 12 == 0:
                     await self.store.trim(older_than_seconds=self.config.replay_window)
                 if ticks % 6 == 0:
@@ -189,16 +194,11 @@ class RelayService:
                 log.exception("housekeeping failed")
 
     async def _drain_outbox(self) -> None:
-        if self.sequencer is None or self.ingest is None:
+        """Sequence the repairs Spark jobs queued, each in its account's lane."""
+        if self.lanes is None:
             return
-        ingest, sequencer = self.ingest, self.sequencer
-
-        async def submit(event: Any) -> Any:
-            ingest.forget(event.did)
-            return await sequencer.submit(event)
-
         try:
-            await drain_repair_outbox(self.store, submit)
+            await drain_repair_outbox(self.store, self.lanes.apply_repair)
             self._outbox_error = ""
         except Exception as exc:  # logged once per distinct error, retried next time
             message = f"{type(exc).__name__}: {exc}"[:300]
@@ -213,12 +213,12 @@ class RelayService:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks = []
-        if self.ingest is not None:
-            await self.ingest.close()
+        if self.upstreams is not None:
+            await self.upstreams.close()
         if self.resync is not None:
             await self.resync.close()
-        if self.pipeline is not None:
-            await self.pipeline.close()
+        if self.pool is not None:
+            await self.pool.close()
         if self.sequencer is not None:
             with contextlib.suppress(Exception):
                 await self.sequencer.close()
@@ -265,9 +265,9 @@ class RelayService:
             self.metrics.resync_queue.set(self.resync.pending)
 
     async def set_local_status(self, did: str, local_status: str) -> AccountState:
-        if self.ingest is None or self.hosts is None:
+        if self.lanes is None or self.hosts is None:
             raise RuntimeError("takedowns are handled by the ingest process")
-        state = await self.ingest.set_local_status(did, local_status)
+        state = await self.lanes.set_local_status(did, local_status)
         await self.hosts.record_action("set_local_status", did, local_status=local_status)
         return state
 

@@ -14,7 +14,7 @@ from backfill.types import HostState
 from firehose.broadcast import Broadcaster
 from firehose.bus import InProcessBus
 from firehose.frames import decode_frame, encode_frame
-from firehose.pipeline import ValidationPipeline
+from firehose.pipeline import ValidationPool
 from firehose.state import PendingEvent
 from firehose.subscriber import HostSubscriber, SubscriberConfig, UpstreamFrame
 
@@ -51,14 +51,14 @@ async def test_events_flow_end_to_end_and_cursor_follows_durability(store: Store
     hostname = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
     await store.upsert_host(HostState(hostname=hostname))
     verdicts = []
-    async with Sequencer(store, bus.publish) as seqr, ValidationPipeline(2) as pipeline:
+    async with Sequencer(store, bus.publish) as seqr, ValidationPool(2) as pipeline:
         broadcaster = Broadcaster(store, bus)
         await broadcaster.start()
 
         async def on_frame(f: UpstreamFrame) -> None:
             did = f.frame.body.get("repo") or f.frame.body.get("did")
             stored = await store.get_account(did)
-            v = await pipeline.validate(did, f.raw, stored, keys[did])
+            v = await pipeline.judge(f.raw, stored, keys[did])
             verdicts.append(v)
             if v.kind == "accept":
                 body = {k: val for k, val in f.frame.body.items() if k != "seq"}

@@ -10,7 +10,7 @@ import pytest
 
 from firehose.frames import encode_frame
 from firehose.framing import frame_header, splice_seq
-from firehose.pipeline import ValidationPipeline, validate_and_encode
+from firehose.pipeline import ValidationPool, validate_and_encode
 from firehose.validate import outgoing_body
 
 from .commits import commit_body, flip_sig, frame, new_repo, posts, state_of, sync_body
@@ -67,9 +67,8 @@ async def test_pipeline_verdicts_carry_the_encoded_body(workers: int) -> None:
     genesis = repo.genesis
     res = repo.apply_writes(posts(2))
     plain = commit_body(repo, res, seq=10)
-    async with ValidationPipeline(workers) as pipeline:
-        verdict = await pipeline.validate(repo.did, frame(_extended(plain)), state_of(repo, genesis),
-                                          repo.key.did_key())
+    async with ValidationPool(workers) as pipeline:
+        verdict = await pipeline.judge(frame(_extended(plain)), state_of(repo, genesis), repo.key.did_key())
     assert verdict.kind == "accept" and verdict.body_cbor is not None
     expected = {k: v for k, v in plain.items() if k != "seq"}
     assert splice_seq(verdict.body_cbor, 1, frame_header("#commit"), verdict.seq_offset) == encode_frame(

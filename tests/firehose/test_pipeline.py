@@ -1,17 +1,17 @@
-"""Parallel validation: process pool on both cores, per-DID order, identity refresh."""
+"""Validation in worker processes (``firehose.pipeline.ValidationPool``): both cores, batching, and
+workers that die or hang. Per-account order, in-flight chaining and the identity refresh on a bad
+signature belong to the account lanes: ``tests/relay/test_lanes.py``."""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import signal
 
 import pytest
 
-from firehose.pipeline import ValidationPipeline
+from firehose.pipeline import ValidationPool
 from firehose.reasons import Reason
-from mst.crypto import PrivateKey
 
 from .commits import commit_body, frame, new_repo, posts, state_of
 
@@ -29,64 +29,47 @@ def interleaved_commits(n_accounts: int, per_account: int):
     return repos, genesis, items
 
 
+def chained(items, genesis):
+    """(frame, state it chains on, key) per item: what an account lane would pass."""
+    before = dict(genesis)
+    jobs = []
+    for repo, res, raw in items:
+        jobs.append((raw, before[repo.did], repo.key.did_key()))
+        before[repo.did] = state_of(repo, res)
+    return jobs
+
+
 @pytest.mark.parametrize("workers", [0, 2])
-async def test_per_did_order_and_state_chaining(workers: int) -> None:
+async def test_concurrent_judgements_each_against_the_state_given(workers: int) -> None:
+    """Many accounts' frames judged at once (batched across the workers); each verdict is exactly
+    the judgement of its frame against the state passed with it (the pool keeps no state)."""
     repos, genesis, items = interleaved_commits(4, 8)
-    async with ValidationPipeline(workers) as p:
-        # every event is submitted with the *stored* (genesis) state, as an ingest loop that has
-        # not yet seen its earlier verdicts persisted would: the pipeline must chain in-flight state
-        futs = [await p.submit(repo.did, raw, genesis[repo.did], repo.key.did_key()) for repo, _, raw in items]
+    before = dict(genesis)
+    futs = []
+    async with ValidationPool(workers) as p:
+        for repo, res, raw in items:
+            futs.append(p.judge(raw, before[repo.did], repo.key.did_key()))
+            before[repo.did] = state_of(repo, res)
         verdicts = [await f for f in futs]
+        # judged against a stale state, the same frame is a broken chain: nothing is cached
+        stale = await p.judge(items[-1][2], genesis[items[-1][0].did], items[-1][0].key.did_key())
     assert [(v.kind, v.reason) for v in verdicts] == [("accept", "ok")] * len(items)
-    for repo in repos:
-        assert p.latest_state(repo.did).rev == repo.rev
     for (_, res, _), v in zip(items, verdicts, strict=True):
         assert v.new_state.rev == res.rev and v.new_state.data_cid == res.data.encode()
+    assert (stale.kind, stale.reason) == ("desync", Reason.SINCE_MISMATCH)
 
 
 async def test_out_of_order_submission_is_detected_not_hidden() -> None:
     repos, genesis, items = interleaved_commits(1, 3)
     repo = repos[0]
-    async with ValidationPipeline(0) as p:
-        v2 = await p.validate(repo.did, items[1][2], genesis[repo.did], repo.key.did_key())
+    async with ValidationPool(0) as p:
+        v2 = await p.judge(items[1][2], genesis[repo.did], repo.key.did_key())
         assert (v2.kind, v2.reason) == ("desync", Reason.SINCE_MISMATCH)
 
 
-async def test_bad_signature_triggers_one_identity_refresh() -> None:
-    repos, genesis, items = interleaved_commits(1, 1)
-    repo, _, raw = items[0]
-    stale = PrivateKey.generate_k256().did_key()
-    calls: list[str] = []
-
-    async def refresh(did: str) -> str:
-        calls.append(did)
-        return repo.key.did_key()
-
-    async with ValidationPipeline(2, refresh_key=refresh) as p:
-        v = await p.validate(repo.did, raw, genesis[repo.did], stale)
-    assert v.kind == "accept" and calls == [repo.did]
-
-    async def still_stale(did: str) -> str:
-        return stale
-
-    async with ValidationPipeline(0, refresh_key=still_stale) as p:
-        v = await p.validate(repo.did, raw, genesis[repo.did], stale)
-    assert (v.kind, v.reason) == ("reject", Reason.BAD_SIGNATURE) and p.identity_refreshes == 1
-
-
-async def test_stored_status_wins_over_cached_state() -> None:
-    repos, genesis, items = interleaved_commits(1, 2)
-    repo = repos[0]
-    async with ValidationPipeline(0) as p:
-        assert (await p.validate(repo.did, items[0][2], genesis[repo.did], repo.key.did_key())).kind == "accept"
-        taken = dataclasses.replace(genesis[repo.did], local_status="takendown")
-        v = await p.validate(repo.did, items[1][2], taken, repo.key.did_key())
-    assert (v.kind, v.reason) == ("ignore", Reason.ACCOUNT_INACTIVE)
-
-
 async def test_garbage_never_breaks_the_pipeline() -> None:
-    async with ValidationPipeline(2) as p:
-        futs = [await p.submit("did:plc:x", bytes([i]) * 50, None, None) for i in range(20)]
+    async with ValidationPool(2) as p:
+        futs = [p.judge(bytes([i]) * 50, None, None) for i in range(20)]
         verdicts = await asyncio.gather(*futs)
     assert all(v.kind == "reject" for v in verdicts)
 
@@ -98,14 +81,14 @@ async def test_poison_event_is_rejected_alone_and_its_batch_mates_pass() -> None
 
     repos, genesis, items = interleaved_commits(3, 2)
     poison = b"\xff" * 10  # tests/firehose/faulty_worker.py dies on it
-    async with ValidationPipeline(1) as p:
+    async with ValidationPool(1) as p:
         pool = p._pool
         assert pool is not None
         pool.module = "tests.firehose.faulty_worker"  # replacements die on the poison frame
         for pid in p.worker_pids:  # the current worker too, on its next batch
             os.kill(pid, signal.SIGKILL)
-        futs = [await p.submit("did:plc:poison", poison, None, None)]
-        futs += [await p.submit(repo.did, raw, genesis[repo.did], repo.key.did_key()) for repo, _, raw in items]
+        futs = [p.judge(poison, None, None)]
+        futs += [p.judge(*job) for job in chained(items, genesis)]
         verdicts = await asyncio.gather(*futs)
     assert (verdicts[0].kind, verdicts[0].reason) == ("reject", Reason.VALIDATOR_CRASHED)
     assert [v.kind for v in verdicts[1:]] == ["accept"] * len(items)
@@ -117,14 +100,14 @@ async def test_hanging_event_is_rejected_alone_after_the_batch_timeout() -> None
     """A frame on which validation never returns: its worker is killed after ``batch_timeout``,
     the other events pass, and the hanging one is rejected instead of stalling the stream."""
     repos, genesis, items = interleaved_commits(2, 2)
-    async with ValidationPipeline(1, batch_timeout=0.5) as p:
+    async with ValidationPool(1, batch_timeout=0.5) as p:
         pool = p._pool
         assert pool is not None
         pool.module = "tests.firehose.faulty_worker"  # replacements hang on the slow frame
         for pid in p.worker_pids:
             os.kill(pid, signal.SIGKILL)
-        futs = [await p.submit(repo.did, raw, genesis[repo.did], repo.key.did_key()) for repo, _, raw in items]
-        futs.append(await p.submit("did:plc:slow", b"\xfe" * 10, None, None))  # tests/firehose/faulty_worker.py hangs
+        futs = [p.judge(*job) for job in chained(items, genesis)]
+        futs.append(p.judge(b"\xfe" * 10, None, None))  # tests/firehose/faulty_worker.py hangs
         verdicts = await asyncio.gather(*futs)
         assert pool.timeouts >= 3  # the batch (or the event alone), then every retry of the event
     assert [v.kind for v in verdicts[:-1]] == ["accept"] * len(items)
@@ -133,12 +116,13 @@ async def test_hanging_event_is_rejected_alone_after_the_batch_timeout() -> None
 
 async def test_killed_worker_is_replaced_and_no_event_is_lost() -> None:
     repos, genesis, items = interleaved_commits(4, 6)
-    async with ValidationPipeline(2) as p:
-        futs = [await p.submit(repo.did, raw, genesis[repo.did], repo.key.did_key()) for repo, _, raw in items[:12]]
+    async with ValidationPool(2) as p:
+        jobs = chained(items, genesis)
+        futs = [p.judge(*job) for job in jobs[:12]]
         for pid in p.worker_pids:  # an outside kill (OOM killer, operator)
             os.kill(pid, signal.SIGKILL)
         first = await asyncio.gather(*futs)
-        rest = [await p.submit(repo.did, raw, genesis[repo.did], repo.key.did_key()) for repo, _, raw in items[12:]]
+        rest = [p.judge(*job) for job in jobs[12:]]
         second = await asyncio.gather(*rest)
     # an outside kill condemns no event: each of the dead workers' events is retried alone
     assert [v.kind for v in first] == ["accept"] * 12, [(v.kind, v.reason) for v in first]

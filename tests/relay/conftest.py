@@ -12,6 +12,7 @@ from typing import Any
 import asyncpg
 import pytest
 
+from backfill.store import Store
 from relay.config import RelayConfig
 from relay.service import RelayService
 from relay.ssrf import Resolver
@@ -57,11 +58,12 @@ def relay_factory(tmp_path: Path) -> RelayFactory:
     """``async with relay_factory(database_url=…, **settings) as relay:`` runs a relay on 127.0.0.1."""
 
     @contextlib.asynccontextmanager
-    async def factory(*, resolver: Resolver | None = None, **settings: Any) -> AsyncIterator[RunningRelay]:
+    async def factory(*, resolver: Resolver | None = None, store: Store | None = None,
+                      **settings: Any) -> AsyncIterator[RunningRelay]:
         raw = {"database_url": str(tmp_path / "relay.sqlite"), "bind": "127.0.0.1:0", **settings}
         config = RelayConfig.from_values({k: str(v).lower() if isinstance(v, bool) else str(v)
                                           for k, v in raw.items()})
-        service = RelayService(config, resolver=resolver)
+        service = RelayService(config, resolver=resolver, store=store)
         await service.start()
         try:
             async with serve_asgi(service.build_app()) as url:

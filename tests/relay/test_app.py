@@ -124,14 +124,14 @@ async def test_request_crawl_insecure_mode_and_bans(relay_factory) -> None:  # t
                                 json={"rate_limit_per_second": 20, "rate_limit_per_day": 1000})
             assert r.json()["rateLimits"] == {"perSecond": 20, "perHour": None, "perDay": 1000}
             host = await relay.service.store.get_host(hostname)
-            limits = relay.service.ingest.subscriber_config(host).rate_limits
+            limits = relay.service.upstreams.subscriber_config(host).rate_limits
             assert limits == []  # loopback in insecure mode: never rate-limited
             from backfill.types import HostState
 
             remote = HostState(hostname="pds.example.com", rate_limit_per_second=20)
-            assert relay.service.ingest.subscriber_config(remote).rate_limits[0] == (20.0, 1.0)
+            assert relay.service.upstreams.subscriber_config(remote).rate_limits[0] == (20.0, 1.0)
             remote.trusted = True
-            assert relay.service.ingest.subscriber_config(remote).rate_limits == []
+            assert relay.service.upstreams.subscriber_config(remote).rate_limits == []
             r = await http.post(f"/admin/hosts/{hostname}/limits", headers=auth, json={"rate_limit_per_second": -1})
             assert r.status_code == 400
             r = await http.post("/admin/crawling", headers=auth, json={"enabled": False})
@@ -293,7 +293,7 @@ async def test_unreachable_host_goes_offline(relay_factory) -> None:  # type: ig
         s.bind(("127.0.0.1", 0))
         hostname = f"127.0.0.1:{s.getsockname()[1]}"
     async with relay_factory(allow_insecure_hosts=True) as relay:
-        ingest = relay.service.ingest
+        ingest = relay.service.upstreams
         assert ingest is not None
         ingest.backoff_base = 0.02
         await relay.service.store.upsert_host(HostState(hostname=hostname, status="active"))
@@ -353,11 +353,11 @@ async def test_repo_status_desynchronized_while_resync_pending(relay_factory) ->
     and the failed attempt is counted, and the account is retried (still pending)."""
     async with relay_factory(plc_url="http://127.0.0.1:9") as relay:
         service = relay.service
-        assert service.ingest is not None and service.resync is not None
+        assert service.lanes is not None and service.resync is not None
         service.resync.retry_base = 30.0  # keep it pending for the duration of the test
         state = AccountState(did=DID_A, host="pds.example.com", rev="3lmxjza3nva27", commit_cid=CID, data_cid=CID)
         await service.store.upsert_account(state)
-        await service.ingest.mark_desynchronized(state, "pds.example.com")
+        await service.lanes.mark_for_resync(DID_A, "pds.example.com")
         status = await _get(relay.url, "com.atproto.sync.getRepoStatus", did=DID_A)
         assert status == {"did": DID_A, "active": False, "status": "desynchronized"}
         for _ in range(100):

@@ -1,0 +1,521 @@
+"""One lane per account: the single owner of an account's state between "frame received" and
+"durably sequenced".
+
+A lane holds, for one DID:
+
+* ``durable`` — the account state as stored (loaded from the store, or confirmed by the
+  sequencer for an event this lane submitted);
+* ``head`` — ``durable`` plus every accepted event still in flight: what the next frame is
+  judged against, so consecutive commits chain before the previous one is durable;
+* ``inflight`` — those accepted events, in order, each with the head it produced;
+* ``jobs`` — what waits to be judged, strictly in arrival order: upstream frames (``Work``) and
+  operations that change the account from inside the relay (takedown, resync completion, Spark
+  repairs), so both kinds are ordered with each other;
+* ``buffer`` — frames held while the account is being resynchronised.
+
+Frames of one account are judged one at a time; different accounts are judged concurrently (the
+verdicts come from ``firehose.pipeline.ValidationPool``'s worker processes). The host run
+(``relay.upstreams``) hands the accepted events to the sequencer in upstream order and reports each
+outcome back through ``settled``:
+
+* stored → ``durable`` becomes that event's state;
+* not stored → the event's ``Fence`` was revoked by the sequencer, so every other in-flight event
+  of the same upstream run is doomed too: they are dropped from ``inflight`` and ``head`` rolls back
+  to the last surviving one (or ``durable``). The run re-reads them all from its durable cursor, and
+  the next commit is judged against what the store really holds — never chained on an unsaved one;
+* "already sequenced" (the store held a newer state at write time: an out-of-band writer) → the
+  lane reloads from the store once nothing is in flight.
+
+Operations wait until nothing is in flight (``_quiet``) and build on ``durable``, so a takedown
+or a resync never carries a state that a failed write could still take back. Idle lanes keep only
+their durable state, in one bounded LRU (reloaded from the store on a miss).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections import OrderedDict, deque
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from backfill.sequencer import Sequencer
+from backfill.store import Store
+from firehose.messages import AccountMessage, IdentityMessage, MessageError, parse_message
+from firehose.pipeline import ValidationPool
+from firehose.reasons import Reason
+from firehose.state import AccountState, Fence, PendingEvent, SequencedEvent
+from firehose.subscriber import UpstreamFrame
+from firehose.validate import Verdict, identity_body, outgoing_body, validate_account, validate_identity
+from relay.accounts import account_event_body
+from relay.admission import Admission
+from relay.identity import IdentityError, IdentityResolver
+from relay.jsonlog import fields
+from relay.resync_queue import ResyncQueue
+
+log = logging.getLogger("relay.lanes")
+
+#: Frames buffered per account while it is being resynchronized (older ones are covered by it).
+MAX_BUFFER_PER_ACCOUNT = 1000
+#: ``PendingEvent.body`` of a pre-encoded event (the sequencer does not read it); never mutated.
+_NO_BODY: dict[str, Any] = {}
+
+Count = Callable[[str, str], None]
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class Work:
+    """One upstream frame on its way: received by a host run, judged in its account's lane
+    (``judged`` resolves to the event to sequence, or None), sequenced by the host run."""
+
+    hostname: str
+    uf: UpstreamFrame
+    kind: str
+    did: str
+    received: float
+    fence: Fence
+    judged: asyncio.Future[PendingEvent | None]
+    signing_key: str | None = None
+
+
+_Op = Callable[["_Lane"], Awaitable[Any]]
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _OpJob:
+    run: _Op
+    done: asyncio.Future[Any]
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _Lane:
+    did: str
+    durable: AccountState | None = None
+    head: AccountState | None = None
+    loaded: bool = False
+    stale: bool = False
+    running: bool = False
+    jobs: deque[Work | _OpJob] = dataclasses.field(default_factory=deque)
+    inflight: list[tuple[PendingEvent, AccountState | None]] = dataclasses.field(default_factory=list)
+    buffer: list[Work] = dataclasses.field(default_factory=list)
+    quiet: list[asyncio.Future[None]] = dataclasses.field(default_factory=list)
+
+
+class AccountLanes:
+    """All lanes (see the module docstring). ``count(kind, reason)`` counts verdicts (metrics)."""
+
+    def __init__(self, *, store: Store, sequencer: Sequencer, pool: ValidationPool, admission: Admission,
+                 identity: IdentityResolver, resync: ResyncQueue, count: Count,
+                 idle_cache: int = 200_000, clock: Callable[[], float] = time.time) -> None:
+        self.store = store
+        self.sequencer = sequencer
+        self.pool = pool
+        self.admission = admission
+        self.identity = identity
+        self.resync = resync
+        self.count = count
+        self.clock = clock
+        self.identity_refreshes = 0
+        self._lanes: dict[str, _Lane] = {}
+        self._idle: OrderedDict[str, AccountState | None] = OrderedDict()
+        self._idle_cache = idle_cache
+
+    # -- lanes ---------------------------------------------------------------------------------
+    def _lane(self, did: str) -> _Lane:
+        lane = self._lanes.get(did)
+        if lane is None:
+            lane = self._lanes[did] = _Lane(did)
+            if did in self._idle:
+                lane.durable = lane.head = self._idle.pop(did)
+                lane.loaded = True
+        return lane
+
+    def _start(self, lane: _Lane) -> None:
+        if not lane.running:
+            lane.running = True
+            asyncio.get_running_loop().create_task(self._run(lane), name=f"lane:{lane.did}")
+
+    def _maybe_idle(self, lane: _Lane) -> None:
+        """A lane with nothing queued, in flight, buffered or awaited keeps only its durable state."""
+        if lane.running or lane.jobs or lane.inflight or lane.buffer or lane.quiet:
+            return
+        if self._lanes.get(lane.did) is lane:
+            del self._lanes[lane.did]
+        if lane.loaded and not lane.stale:
+            self._idle[lane.did] = lane.durable
+            self._idle.move_to_end(lane.did)
+            while len(self._idle) > self._idle_cache:
+                self._idle.popitem(last=False)
+
+    def state(self, did: str) -> AccountState | None:
+        """The account's head as the relay holds it now (None when not in memory)."""
+        lane = self._lanes.get(did)
+        if lane is not None:
+            return lane.head
+        return self._idle.get(did)
+
+    def forget(self, did: str) -> None:
+        """The stored state changed out of band: reload it before the next judgement."""
+        self._idle.pop(did, None)
+        lane = self._lanes.get(did)
+        if lane is not None:
+            lane.stale = True
+
+    @property
+    def active(self) -> int:
+        """Lanes with work queued or in flight."""
+        return len(self._lanes)
+
+    # -- entry points --------------------------------------------------------------------------
+    def submit(self, work: Work) -> None:
+        """Queue an upstream frame in its account's lane (judged after everything queued before)."""
+        lane = self._lane(work.did)
+        lane.jobs.append(work)
+        self._start(lane)
+
+    async def run_op(self, did: str, op: _Op) -> Any:
+        """Run ``op(lane)`` in the account's lane, after everything queued before it."""
+        lane = self._lane(did)
+        done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        lane.jobs.append(_OpJob(op, done))
+        self._start(lane)
+        return await done
+
+    def settled(self, event: PendingEvent, fut: asyncio.Future[SequencedEvent | None]) -> None:
+        """Done-callback of the sequencer future of an event this lane accepted (see module doc)."""
+        failed = fut.cancelled() or fut.exception() is not None
+        if failed and event.fence is not None and fut.cancelled():
+            event.fence.revoke("cancelled")
+        self._settle(event, None if failed else fut.result(), failed)
+
+    def dropped(self, event: PendingEvent) -> None:
+        """An accepted event its host run did not submit (its fence was revoked first)."""
+        self._settle(event, None, True)
+
+    def _settle(self, event: PendingEvent, result: SequencedEvent | None, failed: bool) -> None:
+        lane = self._lanes.get(event.did)
+        if lane is None:
+            return
+        for i, (pending, _) in enumerate(lane.inflight):
+            if pending is event:
+                del lane.inflight[i]
+                break
+        if failed:
+            lane.inflight = [e for e in lane.inflight if e[0].fence is None or e[0].fence.valid]
+            lane.head = lane.inflight[-1][1] if lane.inflight else lane.durable
+        elif result is None:
+            self.count("ignore", Reason.ALREADY_SEQUENCED)
+            lane.stale = True
+        elif event.account is not None:
+            lane.durable = event.account
+        if not lane.inflight:
+            for waiter in lane.quiet:
+                if not waiter.done():
+                    waiter.set_result(None)
+            lane.quiet.clear()
+            self._maybe_idle(lane)
+
+    # -- the lane's task -----------------------------------------------------------------------
+    async def _run(self, lane: _Lane) -> None:
+        try:
+            while lane.jobs:
+                job = lane.jobs[0]
+                try:
+                    if isinstance(job, Work):
+                        await self._frame(lane, job)
+                    else:
+                        await self._op(lane, job)
+                finally:
+                    lane.jobs.popleft()
+        finally:
+            lane.running = False
+            for job in lane.jobs:  # only when cancelled (shutdown)
+                (job.judged if isinstance(job, Work) else job.done).cancel()
+            self._maybe_idle(lane)
+
+    async def _load(self, lane: _Lane) -> None:
+        if not lane.loaded or (lane.stale and not lane.inflight):
+            lane.durable = lane.head = await self.store.get_account(lane.did)
+            lane.loaded = True
+            lane.stale = False
+
+    async def _quiet(self, lane: _Lane) -> None:
+        """Wait until none of the lane's accepted events is in flight (each stored or dropped)."""
+        while lane.inflight:
+            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            lane.quiet.append(waiter)
+            await waiter
+
+    async def _op(self, lane: _Lane, job: _OpJob) -> None:
+        try:
+            await self._quiet(lane)
+            await self._load(lane)
+            result = await job.run(lane)
+        except BaseException as exc:
+            if not job.done.done():
+                job.done.set_exception(exc)
+            if not isinstance(exc, Exception):
+                raise
+        else:
+            if not job.done.done():
+                job.done.set_result(result)
+
+    def _advance(self, lane: _Lane, event: PendingEvent, head: AccountState | None) -> None:
+        lane.inflight.append((event, head))
+        lane.head = head
+
+    async def submit_own(self, lane: _Lane, event: PendingEvent) -> SequencedEvent | None:
+        """Sequence an event of an operation (not of an upstream frame) and wait until it is
+        durable; the lane's head and durable state follow it."""
+        self._advance(lane, event, event.account if event.account is not None else lane.head)
+        fut = await self.sequencer.enqueue(event)
+        fut.add_done_callback(lambda f: self.settled(event, f))
+        return await fut
+
+    # -- judging an upstream frame -------------------------------------------------------------
+    async def _frame(self, lane: _Lane, work: Work) -> None:
+        event: PendingEvent | None = None
+        try:
+            if work.fence.valid:  # else: its run is being restarted and re-reads it
+                await self._load(lane)
+                if work.kind in ("#commit", "#sync"):
+                    event = await self._repo_event(lane, work)
+                elif work.kind == "#identity":
+                    event = await self._identity_event(lane, work)
+                else:
+                    event = await self._account_event(lane, work)
+        except IdentityError as exc:
+            self.count("reject", f"identity_{exc.reason}")
+        except Exception as exc:  # never let one frame stop the host; counted and logged
+            if self.store.is_transient(exc):  # the store is down: have the run re-read this frame
+                work.fence.revoke("store_unavailable")
+            self.count("reject", Reason.INTERNAL_ERROR)
+            log.exception("judging a frame failed", extra=fields(host=work.hostname, did=work.did))
+        finally:
+            if not work.judged.done():
+                work.judged.set_result(event)
+
+    async def _judge(self, did: str, raw: bytes, state: AccountState | None, key: str) -> Verdict:
+        verdict = await self.pool.judge(raw, state, key)
+        if verdict.reason == Reason.BAD_SIGNATURE:  # I-D §4.5: maybe a key rotation; refresh once
+            self.identity_refreshes += 1
+            try:
+                fresh: str | None = (await self.identity.resolve(did, fresh=True)).signing_key
+            except IdentityError:
+                fresh = None
+            if fresh is not None and fresh != key:
+                verdict = await self.pool.judge(raw, state, fresh)
+        return verdict
+
+    async def _admitted(self, lane: _Lane, work: Work) -> AccountState | None:
+        """The state to judge against, or None (counted) when the account is held."""
+        head = lane.head
+        state = None
+        if head is None or head.sync_state != "throttled":
+            state = await self.admission.admit(work.hostname, work.did, head)
+        if state is None:
+            self.count("ignore", Reason.ACCOUNT_THROTTLED)
+            if head is None:  # just held: the admission stored it
+                lane.durable = lane.head = await self.store.get_account(work.did)
+        return state
+
+    async def _repo_event(self, lane: _Lane, work: Work) -> PendingEvent | None:
+        did = work.did
+        ident = await self.admission.identity_for_host(did, work.hostname)
+        if ident is None:
+            self.count("reject", Reason.WRONG_HOST)
+            return None
+        known = lane.head is not None
+        state = await self._admitted(lane, work)
+        if state is None:
+            return None
+        work.signing_key = ident.signing_key
+        if state.sync_state in ("desynchronized", "resyncing"):
+            self._hold(lane, work)
+            return None
+        verdict = await self._judge(did, work.uf.raw, state if known else None, ident.signing_key)
+        return await self._apply(lane, work, state, verdict)
+
+    def _hold(self, lane: _Lane, work: Work) -> None:
+        if len(lane.buffer) < MAX_BUFFER_PER_ACCOUNT:
+            lane.buffer.append(work)
+            self.count("buffer", Reason.RESYNC_PENDING)
+        else:
+            self.count("ignore", Reason.RESYNC_BUFFER_FULL)
+
+    async def _apply(self, lane: _Lane, work: Work, state: AccountState, verdict: Verdict) -> PendingEvent | None:
+        self.count(verdict.kind, verdict.reason)
+        if verdict.kind == "accept" and verdict.new_state is not None:
+            new_state = dataclasses.replace(verdict.new_state, host=work.hostname,
+                                            upstream_status=state.upstream_status,
+                                            local_status=state.local_status, updated_at=self.clock())
+            if work.kind == "#sync":
+                lane.buffer.clear()
+                new_state.sync_state = "synced"
+            if verdict.body_cbor is not None:  # encoded by the validation worker: seq is spliced in
+                event = PendingEvent(work.kind, work.did, _NO_BODY, new_state.rev, new_state,
+                                     body_cbor=verdict.body_cbor, seq_offset=verdict.seq_offset)
+            else:
+                event = PendingEvent(work.kind, work.did, outgoing_body(work.kind, work.uf.frame.body),
+                                     new_state.rev, new_state)
+            self._advance(lane, event, new_state)
+            return event
+        if verdict.kind != "accept":
+            log.debug("verdict", extra=fields(did=work.did, kind=verdict.kind, reason=verdict.reason,
+                                             rev=work.uf.frame.body.get("rev"), host=work.hostname,
+                                             stored_rev=state.rev))
+        if verdict.kind == "desync":
+            await self._quiet(lane)  # build the mark on what is stored, not on what may fail
+            if work.fence.valid:
+                await self._mark_desynchronized(lane, work.hostname)
+        return None
+
+    async def _mark_desynchronized(self, lane: _Lane, hostname: str | None) -> None:
+        base = lane.durable or AccountState(did=lane.did, host=hostname)
+        marked = dataclasses.replace(base, sync_state="desynchronized", updated_at=self.clock())
+        await self.store.upsert_account(marked)
+        lane.durable = lane.head = marked
+        await self.resync.enqueue(lane.did, hostname)
+
+    async def _identity_event(self, lane: _Lane, work: Work) -> PendingEvent | None:
+        try:
+            msg = parse_message("#identity", work.uf.frame.body)
+        except MessageError as exc:
+            self.count("reject", exc.reason)
+            return None
+        assert isinstance(msg, IdentityMessage)
+        await self.identity.purge(work.did)
+        ident = await self.admission.identity_for_host(work.did, work.hostname, fresh=True)
+        state = None
+        if ident is not None:
+            state = await self._admitted(lane, work)
+            if state is None:
+                return None
+        verdict = validate_identity(msg, state, from_account_pds=ident is not None)
+        self.count(verdict.kind, verdict.reason)
+        if verdict.kind != "accept":
+            return None
+        verified = False
+        if msg.handle:
+            verified = await self.identity.verify_handle(msg.handle.lower(), work.did)
+            if not verified:
+                self.count("strip", Reason.HANDLE_NOT_VERIFIED)
+        # An account first seen through its #identity is stored with its host, so it is admitted
+        # (and counted against the host's limit) once, not again by its first commit.
+        first_sight = state if lane.head is None else None
+        event = PendingEvent(kind="#identity", did=work.did, body=identity_body(work.uf.frame.body, verified),
+                             account=first_sight)
+        self._advance(lane, event, first_sight or lane.head)
+        return event
+
+    async def _account_event(self, lane: _Lane, work: Work) -> PendingEvent | None:
+        try:
+            msg = parse_message("#account", work.uf.frame.body)
+        except MessageError as exc:
+            self.count("reject", exc.reason)
+            return None
+        assert isinstance(msg, AccountMessage)
+        # Status changes are rare and decisive: check the binding against a fresh DID document
+        # (a cached one would let a host the account just left deactivate it).
+        ident = await self.admission.identity_for_host(work.did, work.hostname, fresh=True, max_age=5.0)
+        if ident is None:
+            verdict = validate_account(msg, lane.head, self.clock(), from_account_pds=False)
+            self.count(verdict.kind, verdict.reason)
+            return None
+        state = await self._admitted(lane, work)
+        if state is None:  # held: keep the status, emit nothing
+            await self._quiet(lane)
+            held = lane.durable
+            if held is not None:
+                verdict = validate_account(msg, held, self.clock())
+                assert verdict.new_state is not None
+                await self.store.upsert_account(verdict.new_state)
+                lane.durable = lane.head = verdict.new_state
+            return None
+        verdict = validate_account(msg, state, self.clock())
+        self.count(verdict.kind, verdict.reason)
+        new_state = verdict.new_state
+        assert new_state is not None
+        out = account_event_body(new_state)
+        if isinstance(work.uf.frame.body.get("time"), str):
+            out["time"] = work.uf.frame.body["time"]
+        event = PendingEvent(kind="#account", did=work.did, body=out, account=new_state)
+        self._advance(lane, event, new_state)
+        return event
+
+    # -- operations ----------------------------------------------------------------------------
+    async def set_local_status(self, did: str, local_status: str) -> AccountState:
+        """Operator takedown / reversal: store it and emit ``#account`` with the combined status."""
+
+        async def op(lane: _Lane) -> AccountState:
+            state = lane.durable or AccountState(did=did)
+            new_state = dataclasses.replace(state, local_status=local_status, updated_at=self.clock())
+            await self.store.upsert_account(new_state)  # event upserts never touch local_status
+            lane.durable = lane.head = new_state
+            await self.submit_own(lane, PendingEvent(kind="#account", did=did, body=account_event_body(new_state),
+                                                     account=new_state))
+            return new_state
+
+        result: AccountState = await self.run_op(did, op)
+        return result
+
+    async def mark_for_resync(self, did: str, hostname: str | None) -> None:
+        """Mark the account desynchronized and queue its resync (e.g. a held account released)."""
+
+        async def op(lane: _Lane) -> None:
+            await self._mark_desynchronized(lane, hostname or (lane.durable.host if lane.durable else None))
+
+        await self.run_op(did, op)
+
+    async def finish_resync(self, did: str, new_state: AccountState, sync_body: dict[str, Any]) -> None:
+        """Emit the ``#sync`` of a completed resync (verified repository at ``new_state``), then
+        judge the frames buffered meanwhile, in order, against it."""
+
+        async def op(lane: _Lane) -> None:
+            current = lane.durable
+            state = new_state
+            if current is not None:
+                state = dataclasses.replace(state, upstream_status=current.upstream_status,
+                                            local_status=current.local_status)
+            state = dataclasses.replace(state, sync_state="synced")
+            if state.active:
+                await self.submit_own(lane, PendingEvent(kind="#sync", did=did, body=sync_body, account=state))
+            else:
+                await self.store.upsert_account(state)
+                lane.durable = lane.head = state
+            buffered, lane.buffer = lane.buffer, []
+            for work in buffered:
+                rev = str(work.uf.frame.body.get("rev", ""))
+                if lane.head is not None and lane.head.rev is not None and rev <= lane.head.rev:
+                    self.count("ignore", Reason.COVERED_BY_RESYNC)
+                    continue
+                head = lane.head
+                assert head is not None and work.signing_key is not None
+                verdict = await self._judge(did, work.uf.raw, head, work.signing_key)
+                # judged again outside its run: sequenced without its fence and without moving
+                # the host cursor (which went past it when it was buffered)
+                work.fence = Fence()
+                event = await self._apply(lane, work, head, verdict)
+                if event is not None:
+                    lane.inflight.pop()  # _apply advanced the head; submit_own tracks it instead
+                    await self.submit_own(lane, event)
+                elif verdict.kind == "desync":
+                    lane.buffer = buffered[buffered.index(work) + 1:] + lane.buffer
+                    return  # marked again; a new resync is queued
+
+        await self.run_op(did, op)
+
+    async def apply_repair(self, event: PendingEvent) -> SequencedEvent | None:
+        """Sequence a repair queued by a Spark job (which wrote the account row itself), in the
+        account's lane; the lane then reloads the stored state."""
+
+        async def op(lane: _Lane) -> SequencedEvent | None:
+            result = await self.submit_own(lane, event)
+            lane.stale = True
+            await self._load(lane)
+            return result
+
+        result: SequencedEvent | None = await self.run_op(event.did, op)
+        return result
