@@ -352,7 +352,7 @@ def sqlite_path_from_url(url: str | None) -> str:
 
 
 def is_postgres_url(url: str | None) -> bool:
-    return bool(url) and url.split(":", 1)[0] in ("postgresql", "postgres")
+    return url is not None and url.split(":", 1)[0] in ("postgresql", "postgres")
 
 
 async def open_store(url: str | None = None, *, schema: str | None = None, pool_size: int = 4) -> Store:

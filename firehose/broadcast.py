@@ -36,7 +36,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -157,7 +157,7 @@ class ConsumerSession:
         finally:
             await batches.aclose()
 
-    async def frame_batches(self) -> AsyncIterator[list[bytes]]:
+    async def frame_batches(self) -> AsyncGenerator[list[bytes], None]:
         """Yield the frames to send, in order, as non-empty lists: during replay one list per
         store read (bounded by ``replay_batch`` / ``replay_bytes``), live whatever is queued
         (at most ``replay_batch`` frames / ``replay_bytes`` bytes per list). Ends after an
@@ -216,7 +216,7 @@ class ConsumerSession:
             self.bytes_sent += size
         return out
 
-    async def _replay(self) -> AsyncIterator[list[bytes]]:
+    async def _replay(self) -> AsyncGenerator[list[bytes], None]:
         b = self._b
         cursor = self.cursor
         assert cursor is not None

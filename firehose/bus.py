@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, cast
 
 import redis.asyncio as aioredis
+from redis.typing import EncodableT, FieldT
 
 from firehose.state import SequencedEvent
 
@@ -106,6 +107,10 @@ class InProcessBus:
             await sub.close()
 
 
+#: One stream entry as this bus's client returns it (``decode_responses=False``, RESP2): ``(id, fields)``.
+_Entry = tuple[bytes, dict[bytes, bytes]]
+
+
 class _RedisSubscription:
     def __init__(self, bus: RedisStreamBus, after_seq: int | None) -> None:
         self._bus = bus
@@ -114,7 +119,7 @@ class _RedisSubscription:
 
     async def _position(self) -> str:
         if self._last_id is None:
-            newest = await self._bus.redis.xrevrange(self._bus.stream, count=1)
+            newest = cast("list[_Entry]", await self._bus.redis.xrevrange(self._bus.stream, count=1))
             self._last_id = newest[0][0].decode() if newest else "0-0"
         return self._last_id
 
@@ -123,8 +128,11 @@ class _RedisSubscription:
         while True:
             if self._closed:
                 raise BusClosed()
-            reply = await self._bus.redis.xread(
-                {self._bus.stream: last}, count=self._bus.read_count, block=self._bus.block_ms
+            reply = cast(
+                "list[tuple[bytes, list[_Entry]]]",  # RESP2 XREAD: [(stream, entries)]
+                await self._bus.redis.xread(
+                    {self._bus.stream: last}, count=self._bus.read_count, block=self._bus.block_ms
+                ),
             )
             if not reply:
                 continue
@@ -177,7 +185,7 @@ class RedisStreamBus:
         pipe = self.redis.pipeline(transaction=False)
         prev = self._last_published
         for e in events:
-            fields = {
+            fields: dict[FieldT, EncodableT] = {
                 "seq": str(e.seq),
                 "did": e.did,
                 "kind": e.kind,

@@ -65,7 +65,7 @@ class Frame:
     @property
     def error(self) -> str | None:
         """For error frames, the error name (e.g. ``FutureCursor``)."""
-        return self.body.get("error") if self.is_error else None  # type: ignore[return-value]
+        return self.body.get("error") if self.is_error else None
 
 
 @lru_cache(maxsize=64)
@@ -73,7 +73,7 @@ def _header(t: str) -> bytes:
     return cbrrr.encode_dag_cbor({"op": OP_MESSAGE, "t": t})
 
 
-def encode_frame(t: str, body: dict) -> bytes:
+def encode_frame(t: str, body: dict[str, Any]) -> bytes:
     """Encode a message frame: DAG-CBOR header ``{op: 1, t}`` followed by the DAG-CBOR body."""
     return _header(t) + cbrrr.encode_dag_cbor(body)
 
@@ -101,7 +101,7 @@ def _decode_one(view: memoryview, reason: Reason, strict: bool) -> tuple[Any, in
         except CBORError as exc:
             raise FrameError(reason, exc.reason) from None
     try:
-        return _cbrrr.decode_dag_cbor(view, cbrrr.CID, False)
+        return _cbrrr.decode_dag_cbor(view, cbrrr.CID, False)  # type: ignore[arg-type]  # any buffer
     except Exception as exc:  # cbrrr raises CbrrrDecodeError, ValueError, EOFError, ...
         raise FrameError(reason, type(exc).__name__) from None
 

@@ -120,9 +120,10 @@ def _skip_value(view: memoryview, pos: int) -> int:
     if major <= 1 or major == 7:
         return _arg(view, pos)[2]
     try:
-        return pos + _cbrrr.decode_dag_cbor(view[pos:], bytes, False)[1]
+        _, n = _cbrrr.decode_dag_cbor(view[pos:], bytes, False)  # type: ignore[arg-type]  # any buffer
     except Exception as exc:  # cbrrr raises several types for malformed input
         raise FramingError("truncated_body", type(exc).__name__) from None
+    return pos + n
 
 
 def _seq_position(view: memoryview, count: int, pos: int) -> tuple[int, int]:

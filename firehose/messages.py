@@ -11,6 +11,7 @@ scenarios) may be absent or of any type.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -224,7 +225,7 @@ def parse_info(body: dict[str, Any]) -> InfoMessage:
     return InfoMessage(_str(body, "name"), message if type(message) is str else None)
 
 
-_PARSERS = {
+_PARSERS: dict[str, Callable[[dict[str, Any]], Message]] = {
     "#commit": parse_commit,
     "#sync": parse_sync,
     "#identity": parse_identity,

@@ -178,7 +178,7 @@ class HostSubscriber:
 
     def backoff_delay(self, attempt: int) -> float:
         """Capped exponential backoff with "equal jitter": in [cap/2, cap]."""
-        cap = min(self.config.backoff_max, self.config.backoff_base * (2 ** min(attempt, 30)))
+        cap: float = min(self.config.backoff_max, self.config.backoff_base * (2 ** min(attempt, 30)))
         return cap / 2 + self._rng.uniform(0, cap / 2)
 
     async def stop(self) -> None:

@@ -30,7 +30,7 @@ class BatchingWebSocketsProtocol(WebSocketsSansIOProtocol):
 
     def handle_connect(self, event: Any) -> None:
         super().handle_connect(event)
-        self.scope["extensions"][SEND_BATCH] = {}  # type: ignore[index]  # the app task has not run yet
+        self.scope["extensions"][SEND_BATCH] = {}  # the app task has not run yet
 
     async def send(self, message: Any) -> None:
         if message["type"] != SEND_BATCH:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+from collections.abc import Callable
 
 from cbrrr import CID
 
@@ -25,6 +26,7 @@ __all__ = [
     "is_blessed",
     "parse_cid",
     "sha256_digest",
+    "sha256_small",
 ]
 
 DAG_CBOR_PREFIX = b"\x01\x71\x12\x20"
@@ -32,12 +34,14 @@ RAW_PREFIX = b"\x01\x55\x12\x20"
 _BLESSED_PREFIXES = (DAG_CBOR_PREFIX, RAW_PREFIX)
 _sha256 = hashlib.sha256
 try:  # CPython's own SHA-256: ~1 us less per call than OpenSSL 3's (whose setup dominates small inputs)
-    from _sha256 import sha256 as sha256_small  # type: ignore[import-not-found]  # Python <= 3.11
+    from _sha256 import sha256 as _builtin_sha256  # type: ignore[import-not-found]  # Python <= 3.11
 except ImportError:  # pragma: no cover - depends on the interpreter build
     try:
-        from _sha2 import sha256 as sha256_small  # type: ignore[import-not-found]  # Python >= 3.12
+        from _sha2 import sha256 as _builtin_sha256  # type: ignore[import-not-found]  # Python >= 3.12
     except ImportError:
-        sha256_small = hashlib.sha256
+        _builtin_sha256 = hashlib.sha256
+#: SHA-256 constructor that is cheapest for inputs under ``SMALL_HASH_BYTES`` (same interface as hashlib's).
+sha256_small: Callable[[bytes], hashlib._Hash] = _builtin_sha256
 # below this size the builtin implementation is faster; above it OpenSSL's faster compression wins
 SMALL_HASH_BYTES = 768
 

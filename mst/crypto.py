@@ -132,6 +132,7 @@ class PublicKey:
         si = int.from_bytes(s, "big")
         if ri >= P256_ORDER:
             return False
+        assert self._p is not None  # curve == "p256"
         try:
             self._p.verify(encode_dss_signature(ri, si), msg, ec.ECDSA(hashes.SHA256()))
         except InvalidSignature:
@@ -266,6 +267,7 @@ class PrivateKey:
             # libsecp256k1 always produces low-S; r || s || recovery-id -> drop the last byte
             return self._k.sign_recoverable(msg)[:64]
         else:
+            assert self._p is not None  # curve == "p256"
             r, s = decode_dss_signature(self._p.sign(msg, ec.ECDSA(hashes.SHA256())))
             order = P256_ORDER
         if s > order // 2:

@@ -82,7 +82,8 @@ def json_to_data(v: Any) -> dict[str, Any]:
     """Convert parsed atproto JSON (a top-level object) to data-model values; raises."""
     if not isinstance(v, dict):
         raise DataModelError("not_an_object", "top-level value must be an object")
-    return _from_json(v, 0)
+    out: dict[str, Any] = _from_json(v, 0)  # an object converts to an object
+    return out
 
 
 def data_to_json(v: Any) -> Any:

@@ -172,7 +172,7 @@ def _link_bytes(sub: Sub) -> bytes | None:
     """The link bytes of a slot when already known without encoding anything."""
     if sub is None:
         return None
-    c = sub._cid if type(sub) is Node else sub  # type: ignore[union-attr]
+    c = sub._cid if type(sub) is Node else sub
     if c is None:
         return None
     b = c.cid_bytes  # type: ignore[union-attr]
@@ -380,7 +380,7 @@ def child(store: BlockMap, node: Node, i: int) -> Node | None:
     """Subtree slot ``i`` of ``node``, loading (and memoising) it from ``store`` if needed."""
     s = node.subs[i]
     if s is None or type(s) is Node:
-        return s  # type: ignore[return-value]
+        return s
     n = load_node(store, s, node.layer - 1)  # type: ignore[arg-type]
     node.subs[i] = n
     return n

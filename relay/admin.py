@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hmac
 import json
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
@@ -34,11 +35,24 @@ from relay.hosts import CrawlRefused
 from relay.xrpc import XrpcError, int_param, invalid
 
 if TYPE_CHECKING:
+    from backfill.types import HostState
+    from firehose.state import AccountState
+    from relay.hosts import HostManager
     from relay.service import RelayService
+
+#: An admin endpoint: the request (already authorized) and the service it administers.
+AdminHandler = Callable[[Request, "RelayService"], Awaitable[Response]]
 
 
 def _service(request: Request) -> RelayService:
-    return request.app.state.service
+    service: RelayService = request.app.state.service
+    return service
+
+
+def _hosts(service: RelayService) -> HostManager:
+    """The service's host manager: the admin API is mounted only when there is one."""
+    assert service.hosts is not None, "admin API without a host manager"
+    return service.hosts
 
 
 def check_token(configured: str, header: str | None) -> str:
@@ -98,16 +112,19 @@ def _opt_bool(body: dict[str, Any], key: str) -> bool | None:
     return value
 
 
-def _admin_host_view(service: RelayService, host: Any) -> dict[str, Any]:
+def _admin_host_view(service: RelayService, host: HostState) -> dict[str, Any]:
     return {"hostname": host.hostname, "status": host.status, "seq": host.cursor,
-            "accountCount": host.account_count, "accountLimit": service.hosts.account_limit(host),
-            "trusted": service.hosts.is_trusted(host), "lastSeen": host.last_seen,
+            "accountCount": host.account_count, "accountLimit": _hosts(service).account_limit(host),
+            "trusted": _hosts(service).is_trusted(host), "lastSeen": host.last_seen,
             "rateLimits": {"perSecond": host.rate_limit_per_second, "perHour": host.rate_limit_per_hour,
                            "perDay": host.rate_limit_per_day},
             "createdAt": host.created_at}
 
 
-def _admin(handler):  # type: ignore[no-untyped-def]
+def _admin(handler: AdminHandler) -> Callable[[Request], Awaitable[Response]]:
+    """Wrap ``handler`` as a route endpoint: authorize, then map ``KeyError`` to 404 ``NotFound``
+    and ``CrawlRefused`` to 400 with its XRPC error name."""
+
     async def wrapped(request: Request) -> Response:
         _authorize(request)
         try:
@@ -134,18 +151,18 @@ async def add_host(request: Request, service: RelayService) -> Response:
     hostname = body.get("hostname")
     if not isinstance(hostname, str):
         raise invalid("hostname required")
-    host = await service.hosts.add_host(hostname, account_limit=_opt_int(body, "account_limit"),
-                                        trusted=bool(_opt_bool(body, "trusted")))
+    host = await _hosts(service).add_host(hostname, account_limit=_opt_int(body, "account_limit"),
+                                          trusted=bool(_opt_bool(body, "trusted")))
     return JSONResponse(_admin_host_view(service, host))
 
 
 async def block_host(request: Request, service: RelayService) -> Response:
-    host = await service.hosts.block(request.path_params["hostname"])
+    host = await _hosts(service).block(request.path_params["hostname"])
     return JSONResponse(_admin_host_view(service, host))
 
 
 async def unblock_host(request: Request, service: RelayService) -> Response:
-    host = await service.hosts.unblock(request.path_params["hostname"])
+    host = await _hosts(service).unblock(request.path_params["hostname"])
     return JSONResponse(_admin_host_view(service, host))
 
 
@@ -153,16 +170,16 @@ async def set_limits(request: Request, service: RelayService) -> Response:
     body = await _json(request)
     rates = {w: v for w in ("per_second", "per_hour", "per_day")
              if (v := _opt_int(body, f"rate_limit_{w}")) is not None}
-    host = await service.hosts.set_limits(request.path_params["hostname"],
-                                          account_limit=_opt_int(body, "account_limit"),
-                                          trusted=_opt_bool(body, "trusted"), rate_limits=rates)
+    host = await _hosts(service).set_limits(request.path_params["hostname"],
+                                            account_limit=_opt_int(body, "account_limit"),
+                                            trusted=_opt_bool(body, "trusted"), rate_limits=rates)
     return JSONResponse(_admin_host_view(service, host))
 
 
 async def reset_cursor(request: Request, service: RelayService) -> Response:
     body = await _json(request)
     cursor = _opt_int(body, "cursor") or 0
-    host = await service.hosts.reset_cursor(request.path_params["hostname"], cursor)
+    host = await _hosts(service).reset_cursor(request.path_params["hostname"], cursor)
     return JSONResponse(_admin_host_view(service, host))
 
 
@@ -172,19 +189,19 @@ async def domain_bans(request: Request, service: RelayService) -> Response:
         domain = body.get("domain")
         if not isinstance(domain, str):
             raise invalid("domain required")
-        blocked = await service.hosts.ban_domain(domain)
+        blocked = await _hosts(service).ban_domain(domain)
         return JSONResponse({"domain": domain.strip().lower().strip("."), "blockedHosts": blocked})
     return JSONResponse({"domains": await service.store.list_domain_bans()})
 
 
 async def remove_domain_ban(request: Request, service: RelayService) -> Response:
-    removed = await service.hosts.unban_domain(request.path_params["domain"])
+    removed = await _hosts(service).unban_domain(request.path_params["domain"])
     if not removed:
         raise KeyError(request.path_params["domain"])
     return JSONResponse({"removed": True})
 
 
-def _account_view(state: Any) -> dict[str, Any]:
+def _account_view(state: AccountState) -> dict[str, Any]:
     return {"did": state.did, "host": state.host, "upstreamStatus": state.upstream_status,
             "localStatus": state.local_status, "status": state.combined_status, "rev": state.rev,
             "head": state.commit_cid, "syncState": state.sync_state}
@@ -212,12 +229,13 @@ async def consumers(request: Request, service: RelayService) -> Response:
 
 
 async def crawling(request: Request, service: RelayService) -> Response:
+    hosts = _hosts(service)
     if request.method == "POST":
         enabled = _opt_bool(await _json(request), "enabled")
         if enabled is None:
             raise invalid("enabled (true/false) required")
-        await service.hosts.set_crawling(enabled)
-    return JSONResponse({"enabled": service.hosts.crawling_enabled, "source": service.hosts.crawling_source})
+        await hosts.set_crawling(enabled)
+    return JSONResponse({"enabled": hosts.crawling_enabled, "source": hosts.crawling_source})
 
 
 async def audit(request: Request, service: RelayService) -> Response:

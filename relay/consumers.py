@@ -70,8 +70,9 @@ class ConsumerRegistry:
         headers = request.headers if request is not None else {}
         query = parse_qs(urlsplit(request.path).query) if request is not None else {}
         remote = connection.remote_address or ("?", 0)
+        cursors = query.get("cursor")
         info = self.open(f"{remote[0]}:{remote[1]}", headers.get("User-Agent", ""),
-                         (query.get("cursor") or [None])[-1])
+                         cursors[-1] if cursors else None)
         try:
             yield
         finally:

@@ -74,7 +74,7 @@ def dns_txt_lookup(nameservers: list[tuple[str, int]] | None = None, timeout: fl
             answer = await resolver.resolve(name, "TXT", search=False)
         except (dns.resolver.NXDOMAIN, dns.resolver.NoAnswer):
             return []
-        return [b"".join(rdata.strings).decode("utf-8", "replace") for rdata in answer]  # type: ignore[attr-defined]
+        return [b"".join(rdata.strings).decode("utf-8", "replace") for rdata in answer]
 
     return lookup
 

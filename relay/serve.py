@@ -15,6 +15,8 @@ import logging
 import signal
 import socket
 import sys
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from relay.config import ConfigError, RelayConfig, add_arguments
 from relay.jsonlog import fields, setup_logging
@@ -111,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import uvloop
 
-        runner = uvloop.run
+        runner: Callable[[Coroutine[Any, Any, None]], None] = uvloop.run
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux/macOS
         runner = asyncio.run
     try:

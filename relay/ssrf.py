@@ -21,7 +21,7 @@ import asyncio
 import ipaddress
 import re
 import socket
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from urllib.parse import urlsplit
 
 import httpcore
@@ -59,7 +59,7 @@ async def system_resolver(host: str) -> list[str]:
         infos = await loop.getaddrinfo(host, None, type=socket.SOCK_STREAM)
     except OSError as exc:
         raise SSRFError("dns_failure", f"cannot resolve {host}: {exc}") from None
-    return sorted({info[4][0] for info in infos})
+    return sorted({str(info[4][0]) for info in infos})  # str() for the type: IP sockaddrs hold str
 
 
 def static_resolver(table: Mapping[str, list[str]], fallback: Resolver | None = None) -> Resolver:
@@ -226,21 +226,23 @@ class _GuardedBackend(httpcore.AsyncNetworkBackend):
 
     async def connect_tcp(self, host: str, port: int, timeout: float | None = None,
                           local_address: str | None = None,
-                          socket_options: object = None) -> httpcore.AsyncNetworkStream:
+                          socket_options: Iterable[httpcore.SOCKET_OPTION] | None = None,
+                          ) -> httpcore.AsyncNetworkStream:
         addrs = await self._guard.check_host(host)
         addrs = sorted(addrs, key=lambda a: ":" in a)[:4]  # IPv4 first; a few tries at most
         error: Exception | None = None
         for addr in addrs:
             try:
                 return await self._inner.connect_tcp(addr, port, timeout=timeout, local_address=local_address,
-                                                      socket_options=socket_options)  # type: ignore[arg-type]
+                                                      socket_options=socket_options)
             except (httpcore.ConnectError, httpcore.ConnectTimeout) as exc:
                 error = exc
         assert error is not None
         raise error
 
     async def connect_unix_socket(self, path: str, timeout: float | None = None,
-                                  socket_options: object = None) -> httpcore.AsyncNetworkStream:
+                                  socket_options: Iterable[httpcore.SOCKET_OPTION] | None = None,
+                                  ) -> httpcore.AsyncNetworkStream:
         raise SSRFError("bad_url", "unix sockets are not allowed")
 
     async def sleep(self, seconds: float) -> None:
@@ -302,8 +304,8 @@ class SafeClient:
             headers={"user-agent": user_agent},
         )
 
-    async def get(self, url: str, *, max_bytes: int = 1 << 20, params: dict | None = None,
-                  headers: dict | None = None) -> tuple[int, bytes, httpx.Headers]:
+    async def get(self, url: str, *, max_bytes: int = 1 << 20, params: Mapping[str, str] | None = None,
+                  headers: Mapping[str, str] | None = None) -> tuple[int, bytes, httpx.Headers]:
         """GET ``url``; returns (status, body, headers). Raises ``SSRFError``/``httpx.HTTPError``."""
         async with self._client.stream("GET", url, params=params, headers=headers) as resp:
             declared = resp.headers.get("content-length")

@@ -44,7 +44,9 @@ def _read_range(db_url: str, flt: AccountFilter, bound: tuple[str | None, str | 
         return read_accounts(db, bound[0], bound[1], flt)
 
 
-def read_accounts_rdd(sc: SparkContext, cfg: JobConfig, flt: AccountFilter, parts: int) -> tuple[RDD, int]:
+def read_accounts_rdd(
+    sc: SparkContext, cfg: JobConfig, flt: AccountFilter, parts: int
+) -> tuple[RDD[StoredAccount], int]:
     """Return (RDD[StoredAccount], number of accounts selected)."""
     with connect_db(cfg.db_url) as db:
         bounds = did_boundaries(db, parts, flt)
@@ -65,7 +67,7 @@ def _partition_of(key: tuple[str, int]) -> int:
     return zlib.crc32(f"{key[0]}#{key[1]}".encode())
 
 
-def by_host_shard(rdd: RDD, cfg: JobConfig, parts: int) -> RDD:
+def by_host_shard(rdd: RDD[StoredAccount], cfg: JobConfig, parts: int) -> RDD[StoredAccount]:
     """RDD[StoredAccount] → RDD[StoredAccount] partitioned by (host, shard)."""
     shards = max(1, cfg.fetch.shards_per_host)
     return (

@@ -118,11 +118,12 @@ def finish_run(db: JobDB, run_id: str, summary: dict[str, Any]) -> None:
 
 
 def latest_unfinished_run(db: JobDB, job: str) -> str | None:
-    return db.fetchval(
+    run_id: str | None = db.fetchval(
         "SELECT run_id FROM spark_job_runs WHERE job = ? AND finished_at IS NULL "
         "ORDER BY started_at DESC LIMIT 1",
         job,
     )
+    return run_id
 
 
 @dataclass(slots=True)

@@ -43,7 +43,7 @@ def _resolve(host: str, port: int) -> tuple[str, ...]:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (OSError, UnicodeError) as exc:
         raise SsrfError("unresolvable_host", host) from exc
-    return tuple(sorted({info[4][0] for info in infos}))
+    return tuple(sorted({str(info[4][0]) for info in infos}))  # str() for the type: IP sockaddrs hold str
 
 
 def check_url(url: str, allow_private: bool = False) -> None:
@@ -77,7 +77,7 @@ class GuardedBackend(httpcore.NetworkBackend):
         self._inner = inner or httpcore.SyncBackend()
 
     def connect_tcp(self, host: str, port: int, timeout: float | None = None, local_address: str | None = None,
-                    socket_options: Iterable[object] | None = None) -> httpcore.NetworkStream:
+                    socket_options: Iterable[httpcore.SOCKET_OPTION] | None = None) -> httpcore.NetworkStream:
         addrs = _resolve(host, port)
         if not self.allow_private:
             for addr in addrs:
@@ -87,7 +87,7 @@ class GuardedBackend(httpcore.NetworkBackend):
         for addr in sorted(addrs, key=lambda a: ":" in a)[:4]:  # IPv4 first, a few tries at most
             try:
                 return self._inner.connect_tcp(addr, port, timeout=timeout, local_address=local_address,
-                                               socket_options=socket_options)  # type: ignore[arg-type]
+                                               socket_options=socket_options)
             except (httpcore.ConnectError, httpcore.ConnectTimeout) as exc:
                 error = exc
         if error is None:
@@ -95,7 +95,8 @@ class GuardedBackend(httpcore.NetworkBackend):
         raise error
 
     def connect_unix_socket(self, path: str, timeout: float | None = None,
-                            socket_options: Iterable[object] | None = None) -> httpcore.NetworkStream:
+                            socket_options: Iterable[httpcore.SOCKET_OPTION] | None = None
+                            ) -> httpcore.NetworkStream:
         raise SsrfError("bad_url", "unix sockets are not allowed")
 
     def sleep(self, seconds: float) -> None:

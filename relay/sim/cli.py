@@ -68,8 +68,8 @@ async def run(args: argparse.Namespace) -> int:
     if args.pregenerate:
         fleet.prepare(args.pregenerate)
     print(f"PLC {fleet.plc_url}")
-    for h in fleet.hosts:
-        print(f"HOST {h.url}")
+    for host in fleet.hosts:
+        print(f"HOST {host.url}")
     print("READY", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

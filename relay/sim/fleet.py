@@ -425,6 +425,7 @@ class SimFleet:
             self._emit_commit(acct, res)
             self.commits_generated += 1
             last = self._pending[-1]
+            assert last.entry is not None  # _emit_commit just queued it
             dup = LogEntry(last.entry.seq, last.entry.frame)
             verdict, reason = EXPECTED[kind]
             truth = TruthEvent(acct.host.hostname, dup.seq, acct.did, "#commit", res.rev, False, reason, verdict,
@@ -434,11 +435,11 @@ class SimFleet:
         elif kind == "replay":
             if len(acct.history) < 2:
                 return
-            old = dict(acct.history[-2])
-            old["time"] = now_iso()
+            earlier = dict(acct.history[-2])
+            earlier["time"] = now_iso()
             verdict, reason = EXPECTED[kind]
-            self._queue(acct.host, "#commit", old, acct.did, rev=old["rev"], verdict=verdict, reason=reason,
-                        fault=kind, commit=old["commit"].encode())
+            self._queue(acct.host, "#commit", earlier, acct.did, rev=earlier["rev"], verdict=verdict,
+                        reason=reason, fault=kind, commit=earlier["commit"].encode())
         else:
             raise ValueError(f"fault {kind!r} cannot be injected on demand")
 

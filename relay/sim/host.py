@@ -185,7 +185,8 @@ class SimHost:
 
     # -- subscribeRepos ----------------------------------------------------------------------
     async def _subscribe(self, ws: ServerConnection) -> None:
-        _, params = split_request(ws.request)  # type: ignore[arg-type]
+        assert ws.request is not None  # the handler runs after the opening handshake
+        _, params = split_request(ws.request)
         self.connections_total += 1
         log = self.log
         try:
@@ -275,6 +276,7 @@ class SimHost:
             repos = []
             for did in dids:
                 a = self.accounts[did]
+                assert a.repo.head is not None  # a hosted account has its genesis commit
                 item: dict[str, Any] = {"did": did, "head": a.repo.head.encode(), "rev": a.repo.rev, "active": a.status == "active"}
                 if a.status != "active":
                     item["status"] = a.status
@@ -299,6 +301,7 @@ class SimHost:
             assert acct is not None
             if acct.status != "active":
                 return xrpc_error(400, _status_error(acct.status), f"Repo is {acct.status}")
+            assert acct.repo.head is not None  # a hosted account has its genesis commit
             return json_response({"cid": acct.repo.head.encode(), "rev": acct.repo.rev})
         if path == "/xrpc/com.atproto.sync.getRepo":
             acct, err = self._account(params)

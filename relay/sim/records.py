@@ -29,7 +29,7 @@ P_MULTI = 0.04
 MAX_OPS = 200
 
 
-_iso_cache: list = [-1, ""]
+_iso_cache: list[int | str] = [-1, ""]  # [second, its ISO text]
 
 
 def now_iso() -> str:

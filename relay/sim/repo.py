@@ -18,7 +18,7 @@ from os.path import commonprefix
 from typing import Any
 
 import cbrrr
-from cbrrr import CID
+from cbrrr import CID, DagCborTypes
 
 from relay.sim.ident import SigningKey, TidClock
 
@@ -48,11 +48,15 @@ class Node:
     """An encoded MST node: ``left`` subtree and entries ``(key, value, right subtree)``."""
 
     __slots__ = ("left", "entries", "raw", "cid")
+    left: Node | None
+    entries: list[tuple[bytes, CID, Node | None]]
+    raw: bytes
+    cid: CID
 
     def __init__(self, left: Node | None, entries: list[tuple[bytes, CID, Node | None]]) -> None:
         self.left = left
         self.entries = entries
-        out: list[dict[str, Any]] = []
+        out: list[DagCborTypes] = []
         prev = b""
         for key, value, right in entries:
             p = 0
@@ -79,7 +83,7 @@ class MSTBuilder:
     """Deterministic MST over a sorted key list, with a node memo shared across versions."""
 
     def __init__(self) -> None:
-        self._memo: dict[tuple, Node] = {}
+        self._memo: dict[tuple[int, tuple[bytes, ...], tuple[bytes, ...]], Node] = {}  # (layer, keys, values)
 
     def build(self, keys: list[bytes], values: list[CID]) -> Node:
         """Root node of the tree holding ``keys[i] -> values[i]`` (``keys`` sorted, unique)."""
@@ -89,7 +93,9 @@ class MSTBuilder:
             return Node(None, [])
         layers = [key_layer(k) for k in keys]
         self._vbytes = [v.cid_bytes for v in values]
-        return self._build(keys, values, layers, 0, len(keys), max(layers))  # type: ignore[return-value]
+        root = self._build(keys, values, layers, 0, len(keys), max(layers))
+        assert root is not None  # keys is not empty
+        return root
 
     def _build(
         self, keys: list[bytes], values: list[CID], layers: list[int], lo: int, hi: int, layer: int
@@ -295,7 +301,9 @@ class SimRepo:
         rev = self.clock.next()
         if s.rev is not None and rev <= s.rev:
             raise ValueError("clock went backwards")
-        commit = {"did": self.did, "version": 3, "data": root.cid, "rev": rev, "prev": None}
+        commit: dict[str, DagCborTypes] = {
+            "did": self.did, "version": 3, "data": root.cid, "rev": rev, "prev": None
+        }
         commit["sig"] = (sign_with or self.key).sign(cbrrr.encode_dag_cbor(commit))
         commit_bytes = cbrrr.encode_dag_cbor(commit)
         commit_cid = cid_of(commit_bytes)
