@@ -21,7 +21,7 @@ from backfill.types import HostState
 from firehose.state import AccountState
 from relay.accounts import reported_status
 from relay.admin import admin_routes
-from relay.hosts import CrawlRefused, host_base_url
+from relay.hosts import CrawlRefused, HostManager, host_base_url
 from relay.metrics import CONTENT_TYPE_LATEST
 from relay.xrpc import XrpcError, did_param, int_param, invalid, param
 
@@ -47,7 +47,16 @@ def host_view(host: HostState) -> dict[str, object]:
 
 
 def _service(request: Request) -> RelayService:
-    return request.app.state.service
+    service: RelayService = request.app.state.service
+    return service
+
+
+def _hosts(request: Request) -> HostManager:
+    """The host manager (present on every process that mounts requestCrawl/admin routes)."""
+    hosts = _service(request).hosts
+    if hosts is None:
+        raise XrpcError(501, "MethodNotImplemented", "this process does not manage hosts")
+    return hosts
 
 
 async def _account(request: Request, did: str) -> AccountState:
@@ -155,7 +164,7 @@ async def request_crawl(request: Request) -> Response:
     if not isinstance(hostname, str) or not hostname:
         raise invalid("missing required field 'hostname'")
     try:
-        await _service(request).hosts.request_crawl(hostname)
+        await _hosts(request).request_crawl(hostname)
     except CrawlRefused as exc:
         raise XrpcError(400, exc.xrpc_error, f"{exc.reason}: {exc.message}") from None
     return JSONResponse({})

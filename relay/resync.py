@@ -113,9 +113,8 @@ class ResyncManager:
                 log.info("resync failed", extra=fields(did=did, reason=exc.reason, attempt=attempt,
                                                        error=str(exc)))
                 if attempt + 1 < self.max_attempts:
-                    asyncio.get_running_loop().call_later(
-                        self.retry_base * (2 ** attempt),
-                        lambda d=did, h=host, a=attempt: asyncio.ensure_future(self.queue.enqueue(d, h, a + 1)))
+                    asyncio.get_running_loop().call_later(self.retry_base * (2 ** attempt), self._retry,
+                                                          did, host, attempt + 1)
                 else:
                     self.queue.done(did)
             except asyncio.CancelledError:
@@ -124,6 +123,9 @@ class ResyncManager:
                 self.metrics.resyncs.labels(result="internal_error").inc()
                 log.exception("resync crashed", extra=fields(did=did))
                 self.queue.done(did)
+
+    def _retry(self, did: str, host: str | None, attempt: int) -> None:
+        asyncio.ensure_future(self.queue.enqueue(did, host, attempt))
 
     async def resync_one(self, did: str, host: str | None) -> None:
         """Fetch, verify and install the current repository of ``did``."""

@@ -20,6 +20,7 @@ import contextlib
 import logging
 from typing import Any
 
+from starlette.applications import Starlette
 from starlette.routing import BaseRoute, Route, WebSocketRoute
 
 from backfill.outbox import drain_repair_outbox
@@ -271,7 +272,7 @@ class RelayService:
         await self.hosts.record_action("set_local_status", did, local_status=local_status)
         return state
 
-    def build_app(self):  # type: ignore[no-untyped-def]
+    def build_app(self) -> Starlette:
         from relay.app import build_app
 
         return build_app(self)
