@@ -337,6 +337,11 @@ class Broadcaster:
     def consumer_count(self) -> int:
         return len(self._sessions)
 
+    @property
+    def latest_seq(self) -> int:
+        """The last seq this broadcaster has fanned out (or started after)."""
+        return self._last_seq or 0
+
     async def start(self, after_seq: int | None = None) -> None:
         """Position the bus subscription (default: at the store's latest seq) and start fanning
         out. Anything the bus no longer holds between the position and what it delivers is read

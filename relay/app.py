@@ -171,12 +171,25 @@ async def request_crawl(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
+    """Liveness: the process and its event loop answer. Depends on nothing else (a database blip
+    must not get a healthy relay restarted); ``seq`` is the last one this process knows of."""
     service = _service(request)
-    try:
-        seq = await service.store.latest_seq()
-    except Exception as exc:  # the database is the one dependency health reports on
-        return JSONResponse({"status": "error", "error": type(exc).__name__}, status_code=503)
+    seq = service.sequencer.high_water if service.sequencer is not None else service.broadcaster.latest_seq
     return JSONResponse({"status": "ok", "version": service.version, "seq": seq, "role": service.role})
+
+
+async def ready(request: Request) -> Response:
+    """Readiness: 200 ``{"status": "ready"}`` when the store answers, the sequencer is running and
+    (scale-out) the bus answers; else 503 ``{"status": "degraded", "reasons": [...]}``."""
+    service = _service(request)
+    reasons = await service.readiness()
+    body: dict[str, object] = {"status": "degraded" if reasons else "ready", "role": service.role}
+    if service.sequencer is not None:
+        body["sequencer"] = service.sequencer.state
+        body["seq"] = service.sequencer.high_water
+    if reasons:
+        body["reasons"] = reasons
+    return JSONResponse(body, status_code=503 if reasons else 200)
 
 
 async def metrics(request: Request) -> Response:
@@ -213,7 +226,8 @@ async def _server_error(request: Request, exc: Exception) -> Response:
 
 def build_app(service: RelayService) -> Starlette:
     """The Starlette app. Fan-out-only processes skip requestCrawl/admin (ingest owns them)."""
-    routes: list[BaseRoute] = [Route("/", root), Route("/_health", health), Route("/metrics", metrics)]
+    routes: list[BaseRoute] = [Route("/", root), Route("/_health", health), Route("/_ready", ready),
+                               Route("/metrics", metrics)]
     routes += service.subscribe_routes()
     routes += [
         _xrpc_route("listHosts", list_hosts),

@@ -44,6 +44,13 @@ class RelayMetrics:
                                   registry=r)
         self.bytes_out = Counter("relay_bytes_out_total", "Bytes sent to consumers", registry=r)
         self.resync_queue = Gauge("relay_resync_queue", "Accounts waiting for a resync", registry=r)
+        self.store_up = Gauge("relay_store_up", "1 if the database answered the last readiness check, else 0",
+                              registry=r)
+        self.sequencer_state = Gauge("relay_sequencer_state",
+                                     "1 for the sequencer's current state (running, retrying, failed, stopped)",
+                                     ["state"], registry=r)
+        self.since_sequenced = Gauge("relay_seconds_since_last_sequenced",
+                                     "Seconds since the sequencer last committed a batch", registry=r)
         self.resyncs = Counter("relay_resyncs_total", "Finished resyncs", ["result"], registry=r)
         self.identity_cache = Counter("relay_identity_cache_total", "Identity cache lookups",
                                       ["result"], registry=r)

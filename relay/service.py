@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from typing import Any
 
 from starlette.applications import Starlette
@@ -256,7 +257,34 @@ class RelayService:
                 out.append(route)
         return out
 
+    async def readiness(self) -> list[str]:
+        """Why this process should not receive traffic now (empty: ready). Checks the store
+        (a read within 2 s), the sequencer (``running``; not ``retrying``/``failed``) and, in
+        scale-out, the Redis bus (a PING within 2 s). Also refreshes the matching gauges."""
+        reasons: list[str] = []
+        try:
+            await asyncio.wait_for(self.store.latest_seq(), 2.0)
+            self.metrics.store_up.set(1)
+        except Exception as exc:
+            self.metrics.store_up.set(0)
+            reasons.append(f"store_unavailable: {type(exc).__name__}")
+        sequencer = self.sequencer
+        if sequencer is not None:
+            for state in ("running", "retrying", "failed", "stopped"):
+                self.metrics.sequencer_state.labels(state=state).set(1 if sequencer.state == state else 0)
+            self.metrics.since_sequenced.set(max(0.0, time.monotonic() - sequencer.last_commit_at))
+            if sequencer.state != "running":
+                detail = sequencer.failure or sequencer.unavailable
+                reasons.append(f"sequencer_{sequencer.state}" + (f": {type(detail).__name__}" if detail else ""))
+        if self._redis is not None:
+            try:
+                await asyncio.wait_for(self._redis.ping(), 2.0)
+            except Exception as exc:
+                reasons.append(f"bus_unavailable: {type(exc).__name__}")
+        return reasons
+
     async def refresh_gauges(self) -> None:
+        await self.readiness()
         with contextlib.suppress(Exception):
             self.metrics.current_seq.set(await self.store.latest_seq())
         if self.hosts is not None:

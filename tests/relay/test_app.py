@@ -75,6 +75,9 @@ async def test_xrpc_endpoints(relay_factory, database_url: str) -> None:  # type
         async with httpx.AsyncClient(base_url=relay.url) as http:
             health = (await http.get("/_health")).json()
             assert health["status"] == "ok" and health["seq"] == 0
+            ready = await http.get("/_ready")
+            assert ready.status_code == 200 and ready.json()["status"] == "ready"
+            assert ready.json()["sequencer"] == "running"
             metrics = (await http.get("/metrics")).text
             assert "relay_current_seq" in metrics and "relay_consumers" in metrics
 

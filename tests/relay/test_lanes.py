@@ -31,6 +31,9 @@ class FaultyLease(WriterLease):
 
     async def commit_batch(self, batch: BatchWrite) -> None:
         f = self.faults
+        if f.down:
+            f.refused += 1
+            raise OSError("store unreachable (injected)")
         if f.trigger is not None and f.trigger(batch):
             f.trigger = None
             f.reached.set()
@@ -51,6 +54,8 @@ class Faults:
         self.trigger: Callable[[BatchWrite], bool] | None = None
         self.reached = asyncio.Event()
         self.go = asyncio.Event()
+        self.down = False  # while True every commit fails as "unreachable"
+        self.refused = 0
 
 
 async def faulty_store(path: Path, faults: Faults) -> Store:
@@ -137,5 +142,44 @@ async def test_failed_write_rolls_the_lane_back_and_nothing_chains_on_the_unsave
                 assert stats.failed_batches == 0 and stats.retries >= 1 and stats.fenced == 0
             stored = await service.store.get_account(did)
             assert stored is not None and stored.rev == marker and stored.sync_state == "synced"
+    finally:
+        await fleet.stop()
+
+
+async def test_readiness_tells_the_truth_while_the_store_is_unavailable(relay_factory: Any, tmp_path: Path) -> None:
+    """Liveness stays 200 throughout; readiness is 503 (sequencer retrying) while every write
+    fails as unreachable, 200 again once writes succeed; the commits of the outage all arrive."""
+    import httpx
+
+    fleet = SimFleet(SimConfig(hosts=1, accounts_per_host=2, seed=12))
+    await fleet.start()
+    faults = Faults(OSError("unused"))
+    store = await faulty_store(tmp_path / "relay.sqlite", faults)
+    try:
+        settings = {"allow_insecure_hosts": True, "plc_url": fleet.plc_url, "validation_workers": 0}
+        async with relay_factory(store=store, **settings) as relay, Consumer(relay.ws_url, cursor=0) as consumer, \
+                httpx.AsyncClient(base_url=relay.url) as http:
+            await crawl(relay.url, fleet.hosts[0].hostname)
+            await fleet.generate(4)
+            await consumer.wait_for(lambda evs: sum(e.t == "#commit" for e in evs) >= 4)
+            assert (await http.get("/_ready")).status_code == 200
+            faults.down = True
+            truth = await fleet.generate(6)
+            await until(lambda: faults.refused >= 3, "writes refused")
+            during = await http.get("/_ready")
+            assert during.status_code == 503, during.text
+            assert during.json()["sequencer"] == "retrying"
+            assert any(r.startswith("sequencer_retrying") for r in during.json()["reasons"])
+            assert (await http.get("/_health")).status_code == 200
+            metrics = (await http.get("/metrics")).text
+            assert 'relay_sequencer_state{state="retrying"} 1.0' in metrics
+            faults.down = False
+            revs = {t.rev for t in truth if t.kind == "#commit"}
+            assert len(revs) == 6
+            await consumer.wait_for(lambda evs: revs <= {e.rev for e in evs if e.t == "#commit"})
+            after = await http.get("/_ready")
+            assert after.status_code == 200 and after.json()["sequencer"] == "running"
+            check_stream(consumer.events)
+            assert not [e for e in consumer.events if e.t == "#sync"]
     finally:
         await fleet.stop()
