@@ -54,15 +54,13 @@ from typing import Any
 
 from backfill.errors import (
     BatchAbortedError,
-    FencedOffError,
-    SeqExhaustedError,
     SequencerClosedError,
     SequencerConflictError,
     SequencerLockedError,
 )
-from backfill.store import SEQ_LIMIT, BatchWrite, Store, WriterLease, host_count_deltas
-from firehose.framing import frame_header, splice_seq
-from firehose.state import AccountState, Fence, PendingEvent, SequencedEvent
+from backfill.numbering import CursorOnly, number_batch
+from backfill.store import BatchWrite, Store, WriterLease, host_count_deltas
+from firehose.state import Fence, PendingEvent, SequencedEvent
 
 log = logging.getLogger(__name__)
 
@@ -74,15 +72,6 @@ def _default_encoder() -> FrameEncoder:
     from firehose.frames import encode_frame
 
     return encode_frame
-
-
-@dataclass(slots=True)
-class _CursorOnly:
-    """Advance a host cursor with no event (e.g. after a rejected or ignored frame)."""
-
-    host: str
-    upstream_seq: int
-    fence: Fence | None = None
 
 
 _STOP = object()
@@ -239,7 +228,7 @@ class Sequencer:
         event). Returns once durable; raises ``FencedOffError`` if ``fence`` was revoked first."""
         await self._check_open()
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        await self._put((_CursorOnly(host, upstream_seq, fence), fut))
+        await self._put((CursorOnly(host, upstream_seq, fence), fut))
         await fut
 
     async def _put(self, item: tuple[Any, asyncio.Future[Any]]) -> None:
@@ -312,7 +301,7 @@ class Sequencer:
         dids: set[str] = set()
         add = dids.add
         for item, _ in items:
-            if item.__class__ is _CursorOnly:
+            if item.__class__ is CursorOnly:
                 continue
             account = item.account
             if account is not None:
@@ -352,78 +341,10 @@ class Sequencer:
     ) -> _Prepared | None:
         now = max(self.clock(), self._last_time)
         base = self._next_high_water
-        seq = base
-        last_rev: dict[str, str | None] = {did: head[1] for did, head in heads.items()}
-        rows: list[tuple[int, str, str, float, bytes]] = []
-        sequenced: list[SequencedEvent] = []
-        results: list[tuple[asyncio.Future[Any], SequencedEvent | None]] = []
-        errors: list[tuple[asyncio.Future[Any], BaseException]] = []
-        accounts: dict[str, AccountState] = {}
-        cursors: dict[str, int] = {}
-        revved: set[str] = set()  # dids whose rev advanced in this batch
-        ignored = encode_errors = 0
-        encode = self.frame_encoder
-
-        fenced = 0
-        for index, (item, fut) in enumerate(items):
-            if index % 128 == 127:
-                # Let the commit in flight keep streaming its COPY data while this batch encodes.
-                await asyncio.sleep(0)
-            fence = item.fence
-            if fence is not None and not fence.valid:  # an earlier event of its run was not stored
-                fenced += 1
-                errors.append((fut, FencedOffError(f"not stored: {fence.reason}")))
-                continue
-            if isinstance(item, _CursorOnly):
-                cursors[item.host] = max(cursors.get(item.host, 0), item.upstream_seq)
-                results.append((fut, None))
-                continue
-            event: PendingEvent = item
-            did = event.did
-            rev = event.rev
-            upstream_seq = event.upstream_seq
-            if upstream_seq is not None and event.host is not None:
-                if upstream_seq > cursors.get(event.host, 0):
-                    cursors[event.host] = upstream_seq
-            if rev is not None:
-                previous = last_rev.get(did)
-                if previous is not None and rev <= previous:
-                    ignored += 1
-                    results.append((fut, None))
-                    continue
-            seq += 1
-            if seq >= SEQ_LIMIT:
-                seq -= 1
-                if fence is not None:
-                    fence.revoke(SeqExhaustedError.reason)
-                errors.append((fut, SeqExhaustedError("seq would reach 2**53")))
-                continue
-            kind = event.kind
-            try:
-                body_cbor = event.body_cbor
-                if body_cbor is None:
-                    frame = encode(kind, {**event.body, "seq": seq})
-                else:  # pre-encoded by the producer: splice seq in, no re-encoding
-                    frame = splice_seq(body_cbor, seq, frame_header(kind), event.seq_offset)
-            except Exception as exc:  # a body the encoder refuses fails only its own submit (and run)
-                seq -= 1
-                encode_errors += 1
-                if fence is not None:
-                    fence.revoke("encode_error")
-                errors.append((fut, exc))
-                continue
-            if rev is not None:
-                last_rev[did] = rev
-                revved.add(did)
-            rows.append((seq, did, kind, now, frame))
-            done = SequencedEvent(seq, did, kind, now, frame)
-            sequenced.append(done)
-            results.append((fut, done))
-            account = event.account
-            if account is not None:
-                if not account.updated_at:
-                    account.updated_at = now
-                accounts[account.did] = account
+        numbered = await number_batch(items, heads, base=base, now=now, encode=self.frame_encoder)
+        seq, accounts, cursors, last_rev = numbered.seq, numbered.accounts, numbered.cursors, numbered.last_rev
+        rows, sequenced, results, errors = numbered.rows, numbered.sequenced, numbered.results, numbered.errors
+        revved, ignored, encode_errors, fenced = numbered.revved, numbered.ignored, numbered.encode_errors, numbered.fenced
 
         if epoch != self._epoch or not self._numbering.is_set() or base != self._next_high_water:
             return None
