@@ -148,8 +148,11 @@ class Upstreams:
             else:
                 if not run.restart.is_set():
                     return  # stopped
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 30.0)
+            if run.fence.reason == "store_unavailable" or self.sequencer.state == "retrying":
+                await self._store_back()  # resume as soon as the store answers, not after a backoff
+            else:
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 30.0)
             if self._closed or self._runs.get(run.hostname) is not run:
                 return
             run.restart.clear()
@@ -157,6 +160,17 @@ class Upstreams:
             run.subscriber, run.fence = self._subscriber(run, run.hostname, subscriber.host, subscriber.cursor,
                                                          subscriber.config)
             log.info("subscription restarted", extra=fields(host=run.hostname, cursor=subscriber.cursor))
+
+    async def _store_back(self, poll: float = 0.25) -> None:
+        """Wait until the store answers a read and the sequencer is writing again."""
+        while not self._closed:
+            try:
+                await asyncio.wait_for(self.store.latest_seq(), 2.0)
+                if self.sequencer.state != "retrying":
+                    return
+            except Exception:  # still down (or failing otherwise): keep polling, never give up
+                pass
+            await asyncio.sleep(poll)
 
     def _restart(self, run: _HostRun, fence: Fence) -> None:
         """A frame of the subscriber holding ``fence`` was not stored: re-read from the acked cursor."""
