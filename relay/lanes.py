@@ -348,9 +348,13 @@ class AccountLanes:
     async def _apply(self, lane: _Lane, work: Work, state: AccountState, verdict: Verdict) -> PendingEvent | None:
         self.count(verdict.kind, verdict.reason)
         if verdict.kind == "accept" and verdict.new_state is not None:
-            new_state = dataclasses.replace(verdict.new_state, host=work.hostname,
-                                            upstream_status=state.upstream_status,
-                                            local_status=state.local_status, updated_at=self.clock())
+            # The verdict's state is a fresh object (unpickled from a worker, or built by the
+            # validator) that nothing else holds: completed in place rather than copied.
+            new_state = verdict.new_state
+            new_state.host = work.hostname
+            new_state.upstream_status = state.upstream_status
+            new_state.local_status = state.local_status
+            new_state.updated_at = self.clock()
             if work.kind == "#sync":
                 lane.buffer.clear()
                 new_state.sync_state = "synced"
