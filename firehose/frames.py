@@ -23,7 +23,7 @@ from cbrrr import _cbrrr
 
 from firehose.reasons import Reason
 from mst.cbor import decode_prefix
-from mst.errors import CBORError
+from mst.errors import CBORError, ReasonError
 
 MAX_FRAME_BYTES = 5_000_000
 OP_MESSAGE = 1
@@ -32,13 +32,8 @@ OP_ERROR = -1
 KNOWN_TYPES = frozenset({"#commit", "#sync", "#identity", "#account", "#info"})
 
 
-class FrameError(Exception):
+class FrameError(ReasonError):
     """A frame that cannot be decoded. ``reason`` is a :class:`Reason` value."""
-
-    def __init__(self, reason: Reason, message: str = "") -> None:
-        super().__init__(f"{reason}: {message}" if message else str(reason))
-        self.reason: str = str(reason)
-        self.message = message
 
 
 @dataclass(slots=True, frozen=True)

@@ -32,6 +32,8 @@ from typing import Any
 import cbrrr
 from cbrrr import _cbrrr
 
+from mst.errors import ReasonError
+
 __all__ = [
     "FramingError",
     "encode_uint",
@@ -46,12 +48,8 @@ _SEQ_KEY = b"\x63seq"  # text(3) "seq"
 _SEQ_LIMIT = 2**53
 
 
-class FramingError(ValueError):
+class FramingError(ReasonError, ValueError):
     """A pre-encoded body the splicer cannot handle; ``reason`` is snake_case."""
-
-    def __init__(self, reason: str, message: str = "") -> None:
-        super().__init__(f"{reason}: {message}" if message else reason)
-        self.reason = reason
 
 
 @lru_cache(maxsize=64)

@@ -39,6 +39,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidSta
 from firehose.frames import Frame, FrameError, decode_frame
 from firehose.ratelimit import RateLimiter
 from firehose.reasons import Reason
+from mst.errors import ReasonError
 
 log = logging.getLogger(__name__)
 
@@ -94,16 +95,12 @@ class DestinationRefused(OSError):
     """``resolve`` refused the host's address (e.g. it now points somewhere private)."""
 
 
-class _Reset(Exception):
-    def __init__(self, reason: Reason) -> None:
-        self.reason = reason
+class _Reset(ReasonError):
+    """The stream must be followed from its current position (``reason`` is a :class:`Reason` value)."""
 
 
-class _Poison(Exception):
+class _Poison(ReasonError):
     """A frame that fails the connection (undecodable, or over the transport cap)."""
-
-    def __init__(self, reason: str) -> None:
-        self.reason = reason
 
 
 def stream_url(host: str, cursor: int | None) -> str:
@@ -195,10 +192,10 @@ class HostSubscriber:
                 reset_now = False
             except _Reset as r:
                 if self._acked is None:  # nothing to reset: a host that misbehaves anyway
-                    self.counters[r.reason.value] += 1
+                    self.counters[r.reason] += 1
                     reset_now = False
                 else:
-                    await self._reset(r.reason)
+                    await self._reset(Reason(r.reason))
                     reset_now = True
             except _Poison as p:
                 reset_now = await self._poisoned(p.reason)

@@ -35,6 +35,7 @@ import dns.nameserver
 import dns.resolver
 import httpx
 
+from mst.errors import ReasonError
 from relay.metrics import RelayMetrics
 from relay.ssrf import SafeClient, SSRFError
 
@@ -86,12 +87,10 @@ def did_from_txt(records: list[str]) -> str | None:
     return dids.pop() if len(dids) == 1 else None
 
 
-class IdentityError(Exception):
-    """A DID could not be resolved to a usable identity."""
+class IdentityError(ReasonError):
+    """A DID could not be resolved to a usable identity; ``str(exc)`` is the message alone."""
 
-    def __init__(self, reason: str, message: str = "") -> None:
-        super().__init__(message or reason)
-        self.reason = reason
+    show_reason = False
 
 
 @dataclass(frozen=True, slots=True)

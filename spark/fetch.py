@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 
+from mst.errors import ReasonError
 from spark.config import FetchConfig
 from spark.ssrf import SsrfError, check_url, pinned_transport
 
@@ -30,12 +31,8 @@ REPO_ERRORS = {
 }
 
 
-class FetchError(Exception):
+class FetchError(ReasonError):
     """A failed fetch; ``reason`` is a snake_case label."""
-
-    def __init__(self, reason: str, message: str = "") -> None:
-        super().__init__(f"{reason}: {message}" if message else reason)
-        self.reason = reason
 
 
 @dataclass(slots=True)
