@@ -40,6 +40,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from firehose.backoff import Backoff
 from firehose.bus import BusClosed, EventBus, Subscription
 from firehose.frames import encode_error_frame, encode_info_frame
 from firehose.state import SequencedEvent
@@ -384,7 +385,7 @@ class Broadcaster:
         """Follow the bus until closed. A failing bus read (e.g. Redis restarting) is retried
         with backoff from the same position, so nothing is skipped."""
         assert self._sub is not None
-        delay = 0.1
+        backoff = Backoff(0.1, 5.0)
         while not self._closed:
             try:
                 batch = await self._sub.next_batch()
@@ -394,7 +395,7 @@ class Broadcaster:
                     self.stats.bus_gaps_filled += 1
                     await self._fill_gap(first.seq)
                 self.deliver(batch)
-                delay = 0.1
+                backoff.reset()
             except BusClosed:
                 return
             except asyncio.CancelledError:
@@ -402,8 +403,7 @@ class Broadcaster:
             except Exception:
                 self.stats.bus_errors += 1
                 log.exception("broadcast fan-out: bus read failed; retrying")
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+                await asyncio.sleep(backoff.next())
 
     def deliver(self, batch: list[SequencedEvent]) -> None:
         """Hand a batch (ascending seq) to every session. Synchronous: never awaits."""

@@ -36,6 +36,7 @@ from urllib.parse import urlsplit
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
+from firehose.backoff import backoff_delay
 from firehose.frames import Frame, FrameError, decode_frame
 from firehose.ratelimit import RateLimiter
 from firehose.reasons import Reason
@@ -174,9 +175,8 @@ class HostSubscriber:
                 await result
 
     def backoff_delay(self, attempt: int) -> float:
-        """Capped exponential backoff with "equal jitter": in [cap/2, cap]."""
-        cap: float = min(self.config.backoff_max, self.config.backoff_base * (2 ** min(attempt, 30)))
-        return cap / 2 + self._rng.uniform(0, cap / 2)
+        """Capped exponential backoff with "equal jitter": in [cap/2, cap] (``firehose.backoff``)."""
+        return backoff_delay(attempt, self.config.backoff_base, self.config.backoff_max, rng=self._rng)
 
     async def stop(self) -> None:
         self._stopping.set()

@@ -34,6 +34,7 @@ import dns.nameserver
 import dns.resolver
 import httpx
 
+from firehose import ratelimit
 from firehose.lru import BoundedLRU
 from mst.errors import ReasonError
 from relay.metrics import RelayMetrics
@@ -248,29 +249,27 @@ class RedisIdentityCache:
 
 
 class TokenBucket:
-    """At most ``rate`` acquisitions per second on average, bursts up to ``burst``."""
+    """At most ``rate`` acquisitions per second on average, bursts up to ``burst``: one
+    :class:`firehose.ratelimit.TokenBucket`. Unlike ``firehose.ratelimit.RateLimiter`` (pure
+    backpressure), callers are served FIFO (one at a time sleeps, holding a lock) and a wait
+    longer than ``max_wait`` is refused rather than waited out."""
 
     def __init__(self, rate: float, burst: int) -> None:
         self.rate = rate
         self.burst = float(burst)
-        self._tokens = float(burst)
-        self._stamp = time.monotonic()
+        self._bucket = ratelimit.TokenBucket(rate, burst)
         self._lock = asyncio.Lock()
 
     async def acquire(self, max_wait: float = 30.0) -> None:
         """Wait for a token; raise ``IdentityError('rate_limited')`` past ``max_wait`` seconds."""
         async with self._lock:
-            now = time.monotonic()
-            self._tokens = min(self.burst, self._tokens + (now - self._stamp) * self.rate)
-            self._stamp = now
-            if self._tokens < 1.0:
-                wait = (1.0 - self._tokens) / self.rate
+            wait = self._bucket.delay()
+            if wait > 0:
                 if wait > max_wait:
                     raise IdentityError("rate_limited", "identity resolution rate limit")
                 await asyncio.sleep(wait)
-                self._tokens = 1.0
-                self._stamp = time.monotonic()
-            self._tokens -= 1.0
+                self._bucket.refill()
+            self._bucket.take()
 
 
 class IdentityResolver:
