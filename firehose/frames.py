@@ -15,12 +15,12 @@ verbatim into the output, so re-sequencing an event never re-encodes its ``block
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
 import cbrrr
 from cbrrr import _cbrrr
 
+from firehose.framing import frame_header
 from firehose.reasons import Reason
 from mst.cbor import decode_prefix
 from mst.errors import CBORError, ReasonError
@@ -63,14 +63,9 @@ class Frame:
         return self.body.get("error") if self.is_error else None
 
 
-@lru_cache(maxsize=64)
-def _header(t: str) -> bytes:
-    return cbrrr.encode_dag_cbor({"op": OP_MESSAGE, "t": t})
-
-
 def encode_frame(t: str, body: dict[str, Any]) -> bytes:
     """Encode a message frame: DAG-CBOR header ``{op: 1, t}`` followed by the DAG-CBOR body."""
-    return _header(t) + cbrrr.encode_dag_cbor(body)
+    return frame_header(t) + cbrrr.encode_dag_cbor(body)
 
 
 def encode_error_frame(error: str, message: str | None = None) -> bytes:
