@@ -14,9 +14,9 @@ C decoder with CIDs left as plain bytes), then inserts ``63 73 65 71 <uint>`` an
 map header's entry count. The result is byte-for-byte what encoding the body dict with ``seq``
 added gives (tested against ``cbrrr`` with hypothesis).
 
-``without_seq`` is the inverse (drop the ``seq`` entry of an upstream body), and ``frame_header``
-the DAG-CBOR header ``{op: 1, t}``, so ``splice_seq(body, n, frame_header(t))`` is the frame
-``firehose.frames.encode_frame(t, {**body, "seq": n})`` would produce.
+``frame_header`` is the DAG-CBOR header ``{op: 1, t}``, so ``splice_seq(body, n,
+frame_header(t))`` is the frame ``firehose.frames.encode_frame(t, {**body, "seq": n})`` would
+produce.
 
 Contract: the input must be one complete canonical DAG-CBOR map with text keys (as produced by
 ``cbrrr.encode_dag_cbor`` or accepted by a canonical decoder). Malformed input raises
@@ -41,7 +41,6 @@ __all__ = [
     "frame_header",
     "seq_offset",
     "splice_seq",
-    "without_seq",
 ]
 
 _SEQ_KEY = b"\x63seq"  # text(3) "seq"
@@ -194,35 +193,3 @@ def splice_seq(body: bytes | memoryview, seq: int, prefix: bytes = b"", at: int 
     elif not start <= at <= len(body):
         raise FramingError("bad_offset", str(at))
     return b"".join((prefix, head, body[start:at], _SEQ_KEY, encode_head(0, seq), memoryview(body)[at:]))
-
-
-def without_seq(body: bytes | memoryview) -> tuple[bytes, int]:
-    """``body`` (a canonical DAG-CBOR map) without its top-level ``seq`` entry (unchanged bytes
-    if it has none), and the offset where ``seq`` belongs in the result — e.g. an upstream body,
-    ready for ``splice_seq(data, relay_seq, header, offset)``."""
-    view = memoryview(body)
-    try:
-        count, start = _map_entries(view)
-        size = len(view)
-        pos = start
-        for _index in range(count):
-            kb = view[pos]
-            if kb >> 5 != 3:
-                raise FramingError("body_not_map", "non-text key")
-            length = kb & 31
-            if length > 3:
-                break
-            key_end = pos + 1 + length
-            key = view[pos:key_end].tobytes()
-            value_end = _skip_value(view, key_end)
-            if value_end > size:
-                raise FramingError("truncated_body")
-            if key == _SEQ_KEY:
-                head = encode_head(5, count - 1)
-                return b"".join((head, view[start:pos], view[value_end:])), len(head) + pos - start
-            if length == 3 and key > _SEQ_KEY:
-                break
-            pos = value_end
-    except IndexError:
-        raise FramingError("truncated_body") from None
-    return bytes(body), pos
