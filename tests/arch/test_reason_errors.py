@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ast
+import builtins
 from pathlib import Path
 
 import pytest
@@ -16,22 +17,40 @@ PACKAGES = ["mst", "firehose", "backfill", "relay", "spark"]
 NOT_YET = {"relay/resync.py"}
 
 
+def _base_name(node: ast.expr) -> str:
+    return node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else ""
+
+
+def _is_builtin_exception(name: str) -> bool:
+    obj = getattr(builtins, name, None)
+    return isinstance(obj, type) and issubclass(obj, BaseException)
+
+
 def reason_init_copies() -> list[str]:
-    """``file:line Class`` for every class whose own method assigns ``self.reason`` (the
-    duplicated ``__init__``), outside ``ReasonError`` itself."""
-    found = []
+    """``file:line Class`` for every exception class whose own method assigns ``self.reason``
+    (the duplicated ``__init__``), outside ``ReasonError`` itself."""
+    classes: list[tuple[str, ast.ClassDef]] = []
     for package in PACKAGES:
         for path in sorted((ROOT / package).rglob("*.py")):
             rel = path.relative_to(ROOT).as_posix()
-            if rel in NOT_YET:
-                continue
-            for node in ast.walk(ast.parse(path.read_text(), filename=rel)):
-                if not isinstance(node, ast.ClassDef) or (rel, node.name) == ("mst/errors.py", "ReasonError"):
-                    continue
-                for sub in ast.walk(node):
-                    if (isinstance(sub, ast.Attribute) and isinstance(sub.ctx, ast.Store) and sub.attr == "reason"
-                            and isinstance(sub.value, ast.Name) and sub.value.id == "self"):
-                        found.append(f"{rel}:{sub.lineno} {node.name}")
+            if rel not in NOT_YET:
+                tree = ast.parse(path.read_text(), filename=rel)
+                classes += [(rel, node) for node in ast.walk(tree) if isinstance(node, ast.ClassDef)]
+    exceptions = {"ReasonError"}
+    grew = True
+    while grew:  # exception classes: a builtin exception or one of these among the bases
+        before = len(exceptions)
+        exceptions |= {node.name for _, node in classes
+                       if any(_is_builtin_exception(b) or b in exceptions for b in map(_base_name, node.bases))}
+        grew = len(exceptions) > before
+    found = []
+    for rel, node in classes:
+        if node.name not in exceptions or (rel, node.name) == ("mst/errors.py", "ReasonError"):
+            continue
+        for sub in ast.walk(node):
+            if (isinstance(sub, ast.Attribute) and isinstance(sub.ctx, ast.Store) and sub.attr == "reason"
+                    and isinstance(sub.value, ast.Name) and sub.value.id == "self"):
+                found.append(f"{rel}:{sub.lineno} {node.name}")
     return found
 
 
