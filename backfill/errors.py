@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+from mst.errors import ReasonError
 
-class BackfillError(Exception):
-    """Base class; ``reason`` is a short snake_case label usable as a metric label."""
+
+class BackfillError(ReasonError):
+    """Base class; ``reason`` is a short snake_case label usable as a metric label.
+
+    Unlike other :class:`ReasonError` types the message comes first and ``reason`` defaults to
+    the class's own (``MigrationError("bad file")``); ``str(exc)`` is the message (or the reason)."""
 
     reason = "backfill_error"
+    show_reason = False
 
     def __init__(self, message: str = "", *, reason: str | None = None) -> None:
-        super().__init__(message or self.reason)
-        if reason is not None:
-            self.reason = reason
+        super().__init__(reason or self.reason, message)
 
 
 class MigrationError(BackfillError):

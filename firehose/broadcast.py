@@ -5,7 +5,9 @@ Transport-agnostic core. :class:`Broadcaster` owns one bus subscription and fans
 :class:`ConsumerSession` objects. A transport adapter (``firehose.serve_asgi`` for Starlette,
 ``firehose.serve_websockets`` for a plain ``websockets`` server) pulls frames from
 :meth:`ConsumerSession.frame_batches` (lists: one per replay store read, or what is queued live)
-or :meth:`ConsumerSession.frames` (one at a time) and sends them.
+and sends them. The two classes talk through small public methods only: a running session is
+registered (:meth:`Broadcaster.register`/``unregister``), the fan-out hands it each live batch
+(:meth:`ConsumerSession.offer`) and wakes it on close (:meth:`ConsumerSession.wake`).
 
 Cursor rules (inclusive, as the I-D states: "seq greater than or equal to the cursor"):
 
@@ -36,10 +38,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from firehose.backoff import Backoff
 from firehose.bus import BusClosed, EventBus, Subscription
 from firehose.frames import encode_error_frame, encode_info_frame
 from firehose.state import SequencedEvent
@@ -100,6 +103,19 @@ class ConsumerSession:
         self._direct = False
 
     # -- called by the broadcaster's fan-out (synchronously, never awaits)
+    def offer(self, batch: list[SequencedEvent]) -> None:
+        """A live batch (ascending seq): written at once through :attr:`direct_writer` once the
+        session is in direct mode, else queued (bounded) for :meth:`frame_batches`."""
+        if self._direct:
+            self._offer_direct(batch)  # one write per consumer per batch
+        else:
+            for ev in batch:
+                self._offer(ev)
+
+    def wake(self) -> None:
+        """Make a waiting :meth:`frame_batches` look again (the broadcaster is closing)."""
+        self._wake.set()
+
     def _offer(self, ev: SequencedEvent) -> None:
         if self.too_slow.is_set():
             return
@@ -147,24 +163,13 @@ class ConsumerSession:
         self.too_slow.set()
         self._wake.set()
 
-    async def frames(self) -> AsyncIterator[bytes]:
-        """Yield the frames to send, in order, one at a time (see :meth:`frame_batches`)."""
-        batches = self.frame_batches()
-        try:
-            async for batch in batches:
-                for frame in batch:
-                    yield frame
-        finally:
-            await batches.aclose()
-
     async def frame_batches(self) -> AsyncGenerator[list[bytes], None]:
         """Yield the frames to send, in order, as non-empty lists: during replay one list per
         store read (bounded by ``replay_batch`` / ``replay_bytes``), live whatever is queued
         (at most ``replay_batch`` frames / ``replay_bytes`` bytes per list). Ends after an
         error frame or on close. The session counts a list as sent when it is yielded."""
         b = self._b
-        b._sessions.add(self)
-        b.stats.consumers += 1
+        b.register(self)
         try:
             if self.cursor is not None:
                 replay = self._replay()
@@ -178,21 +183,20 @@ class ConsumerSession:
                     return
             while True:
                 while not self._queue:
-                    if self.too_slow.is_set() or b._closed:
+                    if self.too_slow.is_set() or b.closed:
                         break
                     if self.direct_writer is not None:
                         self._direct = True  # queue drained: the fan-out writes from now on
                     self._wake.clear()
                     await self._wake.wait()
-                if self.too_slow.is_set() or (b._closed and not self._queue):
+                if self.too_slow.is_set() or (b.closed and not self._queue):
                     break
                 batch = self._take_queued()
                 if batch:
                     yield batch
             # ConsumerTooSlow is sent by ``pump`` (the transport may be stalled mid-send).
         finally:
-            b._sessions.discard(self)
-            b.stats.consumers -= 1
+            b.unregister(self)
 
     def _take_queued(self) -> list[bytes]:
         """Pop queued live events (bounded like one replay batch), skipping any already sent."""
@@ -326,8 +330,6 @@ class Broadcaster:
         self._task: asyncio.Task[None] | None = None
         self._closed = False
         self._last_seq: int | None = None
-        #: Optional synchronous hooks run for every live batch (the fast websockets path).
-        self._batch_hooks: list[Callable[[list[SequencedEvent]], None]] = []
 
     @property
     def at_capacity(self) -> bool:
@@ -341,6 +343,19 @@ class Broadcaster:
     def latest_seq(self) -> int:
         """The last seq this broadcaster has fanned out (or started after)."""
         return self._last_seq or 0
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def register(self, session: ConsumerSession) -> None:
+        """Start handing ``session`` live batches (its :meth:`~ConsumerSession.frame_batches` does this)."""
+        self._sessions.add(session)
+        self.stats.consumers += 1
+
+    def unregister(self, session: ConsumerSession) -> None:
+        self._sessions.discard(session)
+        self.stats.consumers -= 1
 
     async def start(self, after_seq: int | None = None) -> None:
         """Position the bus subscription (default: at the store's latest seq) and start fanning
@@ -363,7 +378,7 @@ class Broadcaster:
             except (asyncio.CancelledError, BusClosed):
                 pass
         for s in list(self._sessions):
-            s._wake.set()
+            s.wake()
 
     def session(self, cursor: int | None) -> ConsumerSession:
         return ConsumerSession(self, cursor)
@@ -384,7 +399,7 @@ class Broadcaster:
         """Follow the bus until closed. A failing bus read (e.g. Redis restarting) is retried
         with backoff from the same position, so nothing is skipped."""
         assert self._sub is not None
-        delay = 0.1
+        backoff = Backoff(0.1, 5.0)
         while not self._closed:
             try:
                 batch = await self._sub.next_batch()
@@ -394,7 +409,7 @@ class Broadcaster:
                     self.stats.bus_gaps_filled += 1
                     await self._fill_gap(first.seq)
                 self.deliver(batch)
-                delay = 0.1
+                backoff.reset()
             except BusClosed:
                 return
             except asyncio.CancelledError:
@@ -402,8 +417,7 @@ class Broadcaster:
             except Exception:
                 self.stats.bus_errors += 1
                 log.exception("broadcast fan-out: bus read failed; retrying")
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+                await asyncio.sleep(backoff.next())
 
     def deliver(self, batch: list[SequencedEvent]) -> None:
         """Hand a batch (ascending seq) to every session. Synchronous: never awaits."""
@@ -413,17 +427,8 @@ class Broadcaster:
         if not batch:
             return
         self._last_seq = batch[-1].seq
-        queued = []
         for s in self._sessions:
-            if s._direct:
-                s._offer_direct(batch)  # one write per consumer per batch
-            else:
-                queued.append(s)
-        for ev in batch:
-            for s in queued:
-                s._offer(ev)
-        for hook in self._batch_hooks:
-            hook(batch)
+            s.offer(batch)
 
 
 SendFn = Callable[[bytes], Awaitable[None]]

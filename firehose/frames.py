@@ -15,15 +15,15 @@ verbatim into the output, so re-sequencing an event never re-encodes its ``block
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
 import cbrrr
 from cbrrr import _cbrrr
 
+from firehose.framing import frame_header
 from firehose.reasons import Reason
 from mst.cbor import decode_prefix
-from mst.errors import CBORError
+from mst.errors import CBORError, ReasonError
 
 MAX_FRAME_BYTES = 5_000_000
 OP_MESSAGE = 1
@@ -32,13 +32,8 @@ OP_ERROR = -1
 KNOWN_TYPES = frozenset({"#commit", "#sync", "#identity", "#account", "#info"})
 
 
-class FrameError(Exception):
+class FrameError(ReasonError):
     """A frame that cannot be decoded. ``reason`` is a :class:`Reason` value."""
-
-    def __init__(self, reason: Reason, message: str = "") -> None:
-        super().__init__(f"{reason}: {message}" if message else str(reason))
-        self.reason: str = str(reason)
-        self.message = message
 
 
 @dataclass(slots=True, frozen=True)
@@ -68,14 +63,9 @@ class Frame:
         return self.body.get("error") if self.is_error else None
 
 
-@lru_cache(maxsize=64)
-def _header(t: str) -> bytes:
-    return cbrrr.encode_dag_cbor({"op": OP_MESSAGE, "t": t})
-
-
 def encode_frame(t: str, body: dict[str, Any]) -> bytes:
     """Encode a message frame: DAG-CBOR header ``{op: 1, t}`` followed by the DAG-CBOR body."""
-    return _header(t) + cbrrr.encode_dag_cbor(body)
+    return frame_header(t) + cbrrr.encode_dag_cbor(body)
 
 
 def encode_error_frame(error: str, message: str | None = None) -> bytes:

@@ -14,9 +14,9 @@ C decoder with CIDs left as plain bytes), then inserts ``63 73 65 71 <uint>`` an
 map header's entry count. The result is byte-for-byte what encoding the body dict with ``seq``
 added gives (tested against ``cbrrr`` with hypothesis).
 
-``without_seq`` is the inverse (drop the ``seq`` entry of an upstream body), and ``frame_header``
-the DAG-CBOR header ``{op: 1, t}``, so ``splice_seq(body, n, frame_header(t))`` is the frame
-``firehose.frames.encode_frame(t, {**body, "seq": n})`` would produce.
+``frame_header`` is the DAG-CBOR header ``{op: 1, t}``, so ``splice_seq(body, n,
+frame_header(t))`` is the frame ``firehose.frames.encode_frame(t, {**body, "seq": n})`` would
+produce.
 
 Contract: the input must be one complete canonical DAG-CBOR map with text keys (as produced by
 ``cbrrr.encode_dag_cbor`` or accepted by a canonical decoder). Malformed input raises
@@ -32,51 +32,29 @@ from typing import Any
 import cbrrr
 from cbrrr import _cbrrr
 
+from mst.cbor import encode_head
+from mst.errors import ReasonError
+
 __all__ = [
     "FramingError",
-    "encode_uint",
     "encode_unsequenced",
     "frame_header",
     "seq_offset",
     "splice_seq",
-    "without_seq",
 ]
 
 _SEQ_KEY = b"\x63seq"  # text(3) "seq"
 _SEQ_LIMIT = 2**53
 
 
-class FramingError(ValueError):
+class FramingError(ReasonError, ValueError):
     """A pre-encoded body the splicer cannot handle; ``reason`` is snake_case."""
-
-    def __init__(self, reason: str, message: str = "") -> None:
-        super().__init__(f"{reason}: {message}" if message else reason)
-        self.reason = reason
 
 
 @lru_cache(maxsize=64)
 def frame_header(t: str) -> bytes:
-    """The DAG-CBOR frame header ``{op: 1, t: t}`` (same bytes as ``firehose.frames``)."""
+    """The DAG-CBOR frame header ``{op: 1, t: t}`` (also ``firehose.frames.encode_frame``'s)."""
     return cbrrr.encode_dag_cbor({"op": 1, "t": t})
-
-
-def _head(major: int, value: int) -> bytes:
-    """A minimal-length CBOR item head (major type + argument)."""
-    mt = major << 5
-    if value < 24:
-        return bytes((mt | value,))
-    if value < 0x100:
-        return bytes((mt | 24, value))
-    if value < 0x10000:
-        return bytes((mt | 25,)) + value.to_bytes(2, "big")
-    if value < 0x100000000:
-        return bytes((mt | 26,)) + value.to_bytes(4, "big")
-    return bytes((mt | 27,)) + value.to_bytes(8, "big")
-
-
-def encode_uint(value: int) -> bytes:
-    """Canonical DAG-CBOR encoding of a non-negative integer."""
-    return _head(0, value)
 
 
 def _arg(buf: bytes | memoryview, pos: int) -> tuple[int, int, int]:
@@ -176,27 +154,14 @@ def encode_unsequenced(body: dict[str, Any]) -> tuple[bytes, int]:
         raise FramingError("seq_present")
     encoded = cbrrr.encode_dag_cbor(body)
     before = {k: v for k, v in body.items() if _sorts_before_seq(k)}
-    head = len(_head(5, len(body)))
+    head = len(encode_head(5, len(body)))
     if not before:
         return encoded, head
-    return encoded, head + len(cbrrr.encode_dag_cbor(before)) - len(_head(5, len(before)))
+    return encoded, head + len(cbrrr.encode_dag_cbor(before)) - len(encode_head(5, len(before)))
 
 
 #: One-byte map heads ``a0``..``b7`` (0..23 entries), indexed by entry count.
 _SMALL_MAP_HEADS = [bytes((0xA0 + n,)) for n in range(24)]
-
-
-def _seq_entry(seq: int) -> bytes:
-    """``"seq": seq`` as canonical map-entry bytes (key, then minimal uint)."""
-    if seq < 24:
-        return _SEQ_KEY + bytes((seq,))
-    if seq < 0x100:
-        return _SEQ_KEY + b"\x18" + bytes((seq,))
-    if seq < 0x10000:
-        return _SEQ_KEY + b"\x19" + seq.to_bytes(2, "big")
-    if seq < 0x100000000:
-        return _SEQ_KEY + b"\x1a" + seq.to_bytes(4, "big")
-    return _SEQ_KEY + b"\x1b" + seq.to_bytes(8, "big")
 
 
 def splice_seq(body: bytes | memoryview, seq: int, prefix: bytes = b"", at: int | None = None) -> bytes:
@@ -219,7 +184,7 @@ def splice_seq(body: bytes | memoryview, seq: int, prefix: bytes = b"", at: int 
             count, start = _map_entries(memoryview(body))
         except IndexError:
             raise FramingError("truncated_body") from None
-        head = _head(5, count + 1)
+        head = encode_head(5, count + 1)
     if at is None:
         try:
             at = _seq_position(memoryview(body), count, start)[1]
@@ -227,36 +192,4 @@ def splice_seq(body: bytes | memoryview, seq: int, prefix: bytes = b"", at: int 
             raise FramingError("truncated_body") from None
     elif not start <= at <= len(body):
         raise FramingError("bad_offset", str(at))
-    return b"".join((prefix, head, body[start:at], _seq_entry(seq), memoryview(body)[at:]))
-
-
-def without_seq(body: bytes | memoryview) -> tuple[bytes, int]:
-    """``body`` (a canonical DAG-CBOR map) without its top-level ``seq`` entry (unchanged bytes
-    if it has none), and the offset where ``seq`` belongs in the result — e.g. an upstream body,
-    ready for ``splice_seq(data, relay_seq, header, offset)``."""
-    view = memoryview(body)
-    try:
-        count, start = _map_entries(view)
-        size = len(view)
-        pos = start
-        for _index in range(count):
-            kb = view[pos]
-            if kb >> 5 != 3:
-                raise FramingError("body_not_map", "non-text key")
-            length = kb & 31
-            if length > 3:
-                break
-            key_end = pos + 1 + length
-            key = view[pos:key_end].tobytes()
-            value_end = _skip_value(view, key_end)
-            if value_end > size:
-                raise FramingError("truncated_body")
-            if key == _SEQ_KEY:
-                head = _head(5, count - 1)
-                return b"".join((head, view[start:pos], view[value_end:])), len(head) + pos - start
-            if length == 3 and key > _SEQ_KEY:
-                break
-            pos = value_end
-    except IndexError:
-        raise FramingError("truncated_body") from None
-    return bytes(body), pos
+    return b"".join((prefix, head, body[start:at], _SEQ_KEY, encode_head(0, seq), memoryview(body)[at:]))

@@ -19,6 +19,7 @@ from typing import Any
 from firehose.frames import Frame
 from firehose.reasons import Reason
 from mst.cid import CID
+from mst.errors import ReasonError
 from mst.ops import RepoOp
 from mst.syntax import (
     is_valid_datetime,
@@ -44,13 +45,8 @@ SEQ_LIMIT = 2**53
 _ACTIONS = frozenset({"create", "update", "delete"})
 
 
-class MessageError(Exception):
+class MessageError(ReasonError):
     """A message body that does not satisfy its schema; ``reason`` is a Reason value."""
-
-    def __init__(self, reason: Reason, message: str = "") -> None:
-        super().__init__(f"{reason}: {message}" if message else str(reason))
-        self.reason: str = str(reason)
-        self.message = message
 
 
 @dataclass(slots=True, frozen=True)

@@ -36,9 +36,11 @@ from urllib.parse import urlsplit
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
+from firehose.backoff import backoff_delay
 from firehose.frames import Frame, FrameError, decode_frame
 from firehose.ratelimit import RateLimiter
 from firehose.reasons import Reason
+from mst.errors import ReasonError
 
 log = logging.getLogger(__name__)
 
@@ -94,16 +96,12 @@ class DestinationRefused(OSError):
     """``resolve`` refused the host's address (e.g. it now points somewhere private)."""
 
 
-class _Reset(Exception):
-    def __init__(self, reason: Reason) -> None:
-        self.reason = reason
+class _Reset(ReasonError):
+    """The stream must be followed from its current position (``reason`` is a :class:`Reason` value)."""
 
 
-class _Poison(Exception):
+class _Poison(ReasonError):
     """A frame that fails the connection (undecodable, or over the transport cap)."""
-
-    def __init__(self, reason: str) -> None:
-        self.reason = reason
 
 
 def stream_url(host: str, cursor: int | None) -> str:
@@ -177,9 +175,8 @@ class HostSubscriber:
                 await result
 
     def backoff_delay(self, attempt: int) -> float:
-        """Capped exponential backoff with "equal jitter": in [cap/2, cap]."""
-        cap: float = min(self.config.backoff_max, self.config.backoff_base * (2 ** min(attempt, 30)))
-        return cap / 2 + self._rng.uniform(0, cap / 2)
+        """Capped exponential backoff with "equal jitter": in [cap/2, cap] (``firehose.backoff``)."""
+        return backoff_delay(attempt, self.config.backoff_base, self.config.backoff_max, rng=self._rng)
 
     async def stop(self) -> None:
         self._stopping.set()
@@ -195,10 +192,10 @@ class HostSubscriber:
                 reset_now = False
             except _Reset as r:
                 if self._acked is None:  # nothing to reset: a host that misbehaves anyway
-                    self.counters[r.reason.value] += 1
+                    self.counters[r.reason] += 1
                     reset_now = False
                 else:
-                    await self._reset(r.reason)
+                    await self._reset(Reason(r.reason))
                     reset_now = True
             except _Poison as p:
                 reset_now = await self._poisoned(p.reason)

@@ -28,6 +28,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from firehose.backoff import Backoff
+
 log = logging.getLogger(__name__)
 
 __all__ = ["WorkerDied", "WorkerPool"]
@@ -132,15 +134,14 @@ class WorkerPool:
         task.add_done_callback(self._spawning.discard)
 
     async def _respawn(self) -> None:
-        delay = 0.05
+        backoff = Backoff(0.05, 5.0)
         while not self._closing:
             try:
                 await self._spawn()
                 return
             except (OSError, RuntimeError):
                 log.exception("restarting a validation worker failed")
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+                await asyncio.sleep(backoff.next())
 
     async def run(self, batch: list[Any]) -> Any:
         """Send ``batch`` to the least busy worker and return its (unpickled) answer.

@@ -25,7 +25,7 @@ from cbrrr import _cbrrr as _c
 
 from mst.errors import CBORError
 
-__all__ = ["CBOR_REASONS", "decode", "decode_prefix", "encode"]
+__all__ = ["CBOR_REASONS", "decode", "decode_prefix", "encode", "encode_head"]
 
 CBOR_REASONS = frozenset(
     {
@@ -182,3 +182,20 @@ def encode_trusted(obj: object) -> bytes:
         return _c.encode_dag_cbor(obj, CID, False)
     except (ValueError, TypeError, OverflowError, RecursionError) as exc:
         raise CBORError("cbor_unencodable", str(exc)[:200]) from None
+
+
+def encode_head(major: int, value: int) -> bytes:
+    """The minimal-length (canonical) head of a CBOR item: ``major`` type 0–7 (unshifted: 0 uint,
+    2 bytes, 3 text, 4 array, 5 map) and its argument ``value`` (the integer, a length or an
+    entry count, 0 <= value < 2**64). The one head encoder for code that writes DAG-CBOR bytes
+    directly (``mst.node.encode_node``, ``firehose.framing``)."""
+    mt = major << 5
+    if value < 24:
+        return bytes((mt | value,))
+    if value < 0x100:
+        return bytes((mt | 24, value))
+    if value < 0x10000:
+        return bytes((mt | 25,)) + value.to_bytes(2, "big")
+    if value < 0x100000000:
+        return bytes((mt | 26,)) + value.to_bytes(4, "big")
+    return bytes((mt | 27,)) + value.to_bytes(8, "big")

@@ -3,18 +3,44 @@
 Every error carries ``reason``: a short snake_case string from a fixed enumeration, safe to use
 as a metric label, plus an optional free-text ``message`` for logs. Never put free text in
 ``reason``.
+
+:class:`ReasonError` is that shape for the whole code base (this is the lowest layer, so every
+package derives its reason-carrying exceptions from it instead of repeating the ``__init__``).
 """
 
 from __future__ import annotations
 
+from typing import ClassVar
 
-class RepoError(Exception):
-    """Base of every error raised by ``mst``: ``reason`` is a fixed snake_case code."""
+
+class ReasonError(Exception):
+    """An exception with a fixed snake_case ``reason`` (a metric label) and a free-text ``message``.
+
+    ``reason`` is stored as a plain ``str`` (a ``StrEnum`` member such as ``firehose.reasons.Reason``
+    becomes its value). ``str(exc)`` is ``"reason: message"`` (``"reason"`` without a message); a
+    subclass whose message is already a complete sentence for people sets ``show_reason = False``,
+    and ``str(exc)`` is then the message alone (still ``"reason"`` without one).
+    """
+
+    show_reason: ClassVar[bool] = True
+    reason: str
+    message: str
 
     def __init__(self, reason: str, message: str = "") -> None:
-        super().__init__(f"{reason}: {message}" if message else reason)
+        reason = str(reason)
+        if not message:
+            text = reason
+        elif self.show_reason:
+            text = f"{reason}: {message}"
+        else:
+            text = message
+        super().__init__(text)
         self.reason = reason
         self.message = message
+
+
+class RepoError(ReasonError):
+    """Base of every error raised by ``mst``: ``reason`` is a fixed snake_case code."""
 
 
 class CBORError(RepoError):

@@ -22,6 +22,7 @@ from collections.abc import Iterator, Mapping
 from typing import Union
 
 from mst import cbor
+from mst.cbor import encode_head
 from mst.cid import CID, DAG_CBOR_PREFIX, RAW_PREFIX, cid_for_cbor, sha256_digest, sha256_small
 from mst.errors import CBORError, MissingBlockError, MSTError
 
@@ -205,17 +206,9 @@ def _with_sub(node: Node, i: int, new: Node | None) -> Node:
     return n
 
 
+#: one-byte CBOR heads (major type bits | argument < 24), for the common short cases inline;
+#: anything longer goes through ``mst.cbor.encode_head``
 _SMALL = [bytes((i,)) for i in range(256)]
-
-
-def _head(major: int, n: int) -> bytes:
-    if n < 24:
-        return _SMALL[major | n]
-    if n < 0x100:
-        return bytes((major | 24, n))
-    if n < 0x10000:
-        return bytes((major | 25,)) + n.to_bytes(2, "big")
-    return bytes((major | 26,)) + n.to_bytes(4, "big")
 
 
 def encode_node(keys: list[bytes], vals: list[CID], links: list[CID | None]) -> bytes:
@@ -227,7 +220,8 @@ def encode_node(keys: list[bytes], vals: list[CID], links: list[CID | None]) -> 
     for c in links:
         if c is not None and len(c.cid_bytes) != 36:
             return _encode_node_generic(keys, vals, links)
-    parts = [b"\xa2\x61e", _head(0x80, len(keys))]
+    n_keys = len(keys)
+    parts = [b"\xa2\x61e", _SMALL[0x80 | n_keys] if n_keys < 24 else encode_head(4, n_keys)]
     append = parts.append
     small = _SMALL
     link = _LINK
@@ -251,10 +245,10 @@ def encode_node(keys: list[bytes], vals: list[CID], links: list[CID | None]) -> 
             b"".join(
                 (
                     b"\xa4\x61k",
-                    small[0x40 | ln] if ln < 24 else _head(0x40, ln),
+                    small[0x40 | ln] if ln < 24 else encode_head(2, ln),
                     suffix,
                     b"\x61p",
-                    small[p] if p < 24 else _head(0x00, p),
+                    small[p] if p < 24 else encode_head(0, p),
                     b"\x61t\xf6" if t is None else b"\x61t" + link + t.cid_bytes,
                     b"\x61v" + link + vb,
                 )

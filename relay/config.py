@@ -18,6 +18,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 
+from mst.errors import ReasonError
+
 
 def parse_nameservers(text: str) -> list[tuple[str, int]]:
     """``"10.0.0.2, 127.0.0.1:5353, [::1]:53"`` → ``[(address, port), …]``; ValueError if malformed."""
@@ -42,12 +44,11 @@ def parse_nameservers(text: str) -> list[tuple[str, int]]:
     return servers
 
 
-class ConfigError(ValueError):
-    """A setting could not be parsed; ``reason`` is snake_case, the message names the variable."""
+class ConfigError(ReasonError, ValueError):
+    """A setting could not be parsed; ``reason`` is snake_case, the message names the variable
+    (and is all of ``str(exc)``)."""
 
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
+    show_reason = False
 
 
 @dataclass(frozen=True, slots=True)

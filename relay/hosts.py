@@ -31,6 +31,7 @@ import httpx
 
 from backfill.store import Store
 from backfill.types import HostState
+from mst.errors import ReasonError
 from relay.config import RelayConfig
 from relay.jsonlog import fields
 from relay.metrics import RelayMetrics
@@ -41,13 +42,14 @@ log = logging.getLogger("relay.hosts")
 HOST_STATUSES = ("active", "idle", "offline", "throttled", "banned")
 
 
-class CrawlRefused(Exception):
-    """``requestCrawl``/add refused. ``reason`` is snake_case; ``xrpc_error`` the Lexicon name."""
+class CrawlRefused(ReasonError):
+    """``requestCrawl``/add refused. ``reason`` is snake_case; ``xrpc_error`` the Lexicon name;
+    ``str(exc)`` is the message alone."""
+
+    show_reason = False
 
     def __init__(self, reason: str, message: str, xrpc_error: str = "InvalidRequest") -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.message = message
+        super().__init__(reason, message)
         self.xrpc_error = xrpc_error
 
 

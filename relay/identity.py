@@ -23,7 +23,6 @@ import asyncio
 import json
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
@@ -35,6 +34,9 @@ import dns.nameserver
 import dns.resolver
 import httpx
 
+from firehose import ratelimit
+from firehose.lru import BoundedLRU
+from mst.errors import ReasonError
 from relay.metrics import RelayMetrics
 from relay.ssrf import SafeClient, SSRFError
 
@@ -86,12 +88,10 @@ def did_from_txt(records: list[str]) -> str | None:
     return dids.pop() if len(dids) == 1 else None
 
 
-class IdentityError(Exception):
-    """A DID could not be resolved to a usable identity."""
+class IdentityError(ReasonError):
+    """A DID could not be resolved to a usable identity; ``str(exc)`` is the message alone."""
 
-    def __init__(self, reason: str, message: str = "") -> None:
-        super().__init__(message or reason)
-        self.reason = reason
+    show_reason = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,7 +201,7 @@ class MemoryIdentityCache:
     def __init__(self, max_entries: int = 100_000, ttl: float = 3600.0) -> None:
         self.max_entries = max_entries
         self.ttl = ttl
-        self._entries: OrderedDict[str, tuple[float, Identity]] = OrderedDict()
+        self._entries: BoundedLRU[str, tuple[float, Identity]] = BoundedLRU(max_entries)
 
     async def get(self, did: str) -> Identity | None:
         item = self._entries.get(did)
@@ -209,16 +209,12 @@ class MemoryIdentityCache:
             return None
         expires, identity = item
         if expires < time.monotonic():
-            del self._entries[did]
+            self._entries.pop(did)
             return None
-        self._entries.move_to_end(did)
         return identity
 
     async def put(self, identity: Identity) -> None:
-        self._entries[identity.did] = (time.monotonic() + self.ttl, identity)
-        self._entries.move_to_end(identity.did)
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+        self._entries.put(identity.did, (time.monotonic() + self.ttl, identity))
 
     async def purge(self, did: str) -> None:
         self._entries.pop(did, None)
@@ -253,29 +249,27 @@ class RedisIdentityCache:
 
 
 class TokenBucket:
-    """At most ``rate`` acquisitions per second on average, bursts up to ``burst``."""
+    """At most ``rate`` acquisitions per second on average, bursts up to ``burst``: one
+    :class:`firehose.ratelimit.TokenBucket`. Unlike ``firehose.ratelimit.RateLimiter`` (pure
+    backpressure), callers are served FIFO (one at a time sleeps, holding a lock) and a wait
+    longer than ``max_wait`` is refused rather than waited out."""
 
     def __init__(self, rate: float, burst: int) -> None:
         self.rate = rate
         self.burst = float(burst)
-        self._tokens = float(burst)
-        self._stamp = time.monotonic()
+        self._bucket = ratelimit.TokenBucket(rate, burst)
         self._lock = asyncio.Lock()
 
     async def acquire(self, max_wait: float = 30.0) -> None:
         """Wait for a token; raise ``IdentityError('rate_limited')`` past ``max_wait`` seconds."""
         async with self._lock:
-            now = time.monotonic()
-            self._tokens = min(self.burst, self._tokens + (now - self._stamp) * self.rate)
-            self._stamp = now
-            if self._tokens < 1.0:
-                wait = (1.0 - self._tokens) / self.rate
+            wait = self._bucket.delay()
+            if wait > 0:
                 if wait > max_wait:
                     raise IdentityError("rate_limited", "identity resolution rate limit")
                 await asyncio.sleep(wait)
-                self._tokens = 1.0
-                self._stamp = time.monotonic()
-            self._tokens -= 1.0
+                self._bucket.refill()
+            self._bucket.take()
 
 
 class IdentityResolver:
@@ -299,9 +293,10 @@ class IdentityResolver:
         #: bounds requests in flight (httpx's pool does O(n²) work with many queued requests)
         self._network = asyncio.Semaphore(concurrency)
         self._inflight: dict[str, asyncio.Future[Identity]] = {}
-        self._resolved_at: OrderedDict[str, float] = OrderedDict()
+        #: did → when this process last resolved it from the network
+        self._resolved_at: BoundedLRU[str, float] = BoundedLRU(100_000)
         #: (handle, did) → expiry of a successful bidirectional check
-        self._handles_ok: OrderedDict[tuple[str, str], float] = OrderedDict()
+        self._handles_ok: BoundedLRU[tuple[str, str], float] = BoundedLRU(100_000)
         self.handle_ttl = 60.0
 
     async def aclose(self) -> None:
@@ -315,7 +310,7 @@ class IdentityResolver:
         """The identity of ``did``; ``fresh`` bypasses (and refreshes) the cache, unless this
         process resolved it from the network less than ``max_age`` seconds ago."""
         if fresh and max_age > 0:
-            stamp = self._resolved_at.get(did)
+            stamp = self._resolved_at.peek(did)
             if stamp is not None and time.monotonic() - stamp < max_age:
                 cached = await self.cache.get(did)
                 if cached is not None:
@@ -341,10 +336,7 @@ class IdentityResolver:
         else:
             future.set_result(identity)
             await self.cache.put(identity)
-            self._resolved_at[did] = time.monotonic()
-            self._resolved_at.move_to_end(did)
-            while len(self._resolved_at) > 100_000:
-                self._resolved_at.popitem(last=False)
+            self._resolved_at.put(did, time.monotonic())
             return identity
         finally:
             self._inflight.pop(did, None)
@@ -407,15 +399,12 @@ class IdentityResolver:
 
         Successful checks are remembered for ``handle_ttl`` seconds."""
         key = (handle, did)
-        expiry = self._handles_ok.get(key)
+        expiry = self._handles_ok.peek(key)
         if expiry is not None and expiry > time.monotonic():
             return True
         ok = await self._check_handle(handle, did)
         if ok:
-            self._handles_ok[key] = time.monotonic() + self.handle_ttl
-            self._handles_ok.move_to_end(key)
-            while len(self._handles_ok) > 100_000:
-                self._handles_ok.popitem(last=False)
+            self._handles_ok.put(key, time.monotonic() + self.handle_ttl)
         return ok
 
     async def _check_handle(self, handle: str, did: str) -> bool:

@@ -1,7 +1,11 @@
 """JSON logging: one JSON object per line on stderr.
 
-``setup_logging(level)`` installs the formatter on the root logger. Extra structured fields are
-passed with ``log.info("msg", extra={"fields": {...}})`` and appear at the top level.
+``setup_logging(level)`` installs the formatter on the root logger. Structured fields appear at
+the top level of the line, however they were passed: ``log.info("msg", extra={"host": h})`` (the
+standard way, used by the lower layers, which cannot import this module) or
+``log.info("msg", extra=fields(host=h))`` (``{"fields": {...}}``, which may also carry names that
+``logging`` refuses in ``extra`` because ``LogRecord`` has them, such as ``name`` or ``module``).
+The core keys ``ts``, ``level``, ``logger``, ``msg`` (and ``exc``) are never overwritten by a field.
 """
 
 from __future__ import annotations
@@ -11,9 +15,17 @@ import logging
 import sys
 import time
 
+#: Attributes every ``LogRecord`` has (plus those ``Formatter.format`` adds): anything else on a
+#: record came from ``extra=``.
+_RECORD_ATTRS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "taskName"}
+#: ``extra`` keys that are not fields: our ``fields()`` envelope, and uvicorn's ANSI-coloured copy of
+#: the message.
+_NOT_FIELDS = frozenset({"fields", "color_message"})
+
 
 class JsonFormatter(logging.Formatter):
-    """Formats a record as ``{"ts", "level", "logger", "msg", ...fields}``."""
+    """Formats a record as ``{"ts", "level", "logger", "msg", ...fields}``: the ``fields()``
+    envelope's keys, then every other ``extra=`` key (first one wins on a repeated key)."""
 
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, object] = {
@@ -26,6 +38,9 @@ class JsonFormatter(logging.Formatter):
         fields = getattr(record, "fields", None)
         if isinstance(fields, dict):
             for key, value in fields.items():
+                out.setdefault(key, value)
+        for key, value in vars(record).items():
+            if key not in _RECORD_ATTRS and key not in _NOT_FIELDS:
                 out.setdefault(key, value)
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)

@@ -27,6 +27,8 @@ from urllib.parse import urlsplit
 import httpcore
 import httpx
 
+from mst.errors import ReasonError
+
 REASONS = (
     "bad_hostname",
     "bad_url",
@@ -44,12 +46,11 @@ _BLOCKED_NAMES = {"localhost", "localhost.localdomain", "ip6-localhost", "ip6-lo
 Resolver = Callable[[str], Awaitable[list[str]]]
 
 
-class SSRFError(Exception):
-    """An outbound request was refused. ``reason`` is one of ``REASONS``."""
+class SSRFError(ReasonError):
+    """An outbound request was refused. ``reason`` is one of ``REASONS``; ``str(exc)`` is the
+    message alone."""
 
-    def __init__(self, reason: str, message: str = "") -> None:
-        super().__init__(message or reason)
-        self.reason = reason
+    show_reason = False
 
 
 async def system_resolver(host: str) -> list[str]:

@@ -18,6 +18,9 @@ from typing import Any
 
 import httpx
 
+from firehose import ratelimit
+from firehose.backoff import backoff_delay
+from mst.errors import ReasonError
 from spark.config import FetchConfig
 from spark.ssrf import SsrfError, check_url, pinned_transport
 
@@ -30,12 +33,8 @@ REPO_ERRORS = {
 }
 
 
-class FetchError(Exception):
+class FetchError(ReasonError):
     """A failed fetch; ``reason`` is a snake_case label."""
-
-    def __init__(self, reason: str, message: str = "") -> None:
-        super().__init__(f"{reason}: {message}" if message else reason)
-        self.reason = reason
 
 
 @dataclass(slots=True)
@@ -51,25 +50,23 @@ class FetchResult:
 
 
 class TokenBucket:
-    """Thread-safe token bucket: ``acquire()`` blocks until a token is available."""
+    """Thread-safe, blocking: ``acquire()`` blocks until a token is available. One
+    :class:`firehose.ratelimit.TokenBucket` (``rate`` at least 0.001/s; ``burst`` defaults to
+    ``max(1, rate)``) behind a ``threading.Lock``; the sleep happens outside the lock and the
+    check is repeated after it."""
 
     def __init__(self, rate: float, burst: float | None = None) -> None:
-        self.rate = max(rate, 0.001)
-        self.capacity = burst if burst is not None else max(1.0, self.rate)
-        self.tokens = self.capacity
-        self.stamp = time.monotonic()
+        rate = max(rate, 0.001)
+        self.bucket = ratelimit.TokenBucket(rate, burst if burst is not None else max(1.0, rate))
         self.lock = threading.Lock()
 
     def acquire(self) -> None:
         while True:
             with self.lock:
-                now = time.monotonic()
-                self.tokens = min(self.capacity, self.tokens + (now - self.stamp) * self.rate)
-                self.stamp = now
-                if self.tokens >= 1.0:
-                    self.tokens -= 1.0
+                wait = self.bucket.delay()
+                if wait <= 0:
+                    self.bucket.take()
                     return
-                wait = (1.0 - self.tokens) / self.rate
             time.sleep(wait)
 
 
@@ -138,7 +135,7 @@ class HostFetcher:
         last: FetchError | None = None
         for attempt in range(self.cfg.retries + 1):
             if attempt:
-                time.sleep(self.cfg.backoff_s * (2 ** (attempt - 1)))
+                time.sleep(backoff_delay(attempt - 1, self.cfg.backoff_s))
             self.bucket.acquire()
             with self.slots:
                 try:

@@ -14,14 +14,13 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
 
+from mst.errors import ReasonError
 from spark.config import FetchConfig
 from spark.fetch import FetchError, HostFetcher
 
 
-class IdentityError(Exception):
-    def __init__(self, reason: str, message: str = "") -> None:
-        super().__init__(f"{reason}: {message}" if message else reason)
-        self.reason = reason
+class IdentityError(ReasonError):
+    """``reason`` is a snake_case label."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,14 +18,13 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from mst.errors import ReasonError
 from spark.fetch import FetchError, HostFetcher
 from spark.identity import IdentityClient, IdentityError
 
 
-class CheckError(Exception):
-    def __init__(self, reason: str, message: str = "") -> None:
-        super().__init__(f"{reason}: {message}" if message else reason)
-        self.reason = reason
+class CheckError(ReasonError):
+    """``reason`` is a snake_case label."""
 
 
 @dataclass(slots=True)

@@ -26,15 +26,12 @@ from urllib.parse import urlsplit
 import httpcore
 import httpx
 
+from mst.errors import ReasonError
 from relay.ssrf import is_public_address
 
 
-class SsrfError(Exception):
+class SsrfError(ReasonError):
     """A refused outbound address; ``reason`` is a snake_case label."""
-
-    def __init__(self, reason: str, message: str = "") -> None:
-        super().__init__(f"{reason}: {message}" if message else reason)
-        self.reason = reason
 
 
 @lru_cache(maxsize=4096)

@@ -86,16 +86,16 @@ async def test_redis_trim_gap_is_filled_from_the_store(ingest: Ingest, redis_url
         assert await publisher.redis.xlen(stream) == 5
         b = Broadcaster(ingest.store, consumer)
         session = b.session(None)
-        frames = session.frames()
-        first = asyncio.create_task(anext(frames))
+        batches = session.frame_batches()
+        first = asyncio.create_task(anext(batches))
         await asyncio.sleep(0.01)  # registered, waiting for live events
         await b.start(after_seq=0)
-        got = [await asyncio.wait_for(first, 5)]
-        for _ in range(19):
-            got.append(await asyncio.wait_for(anext(frames), 5))
+        got = list(await asyncio.wait_for(first, 5))
+        while len(got) < 20:
+            got.extend(await asyncio.wait_for(anext(batches), 5))
         assert got == [commit_frame(i) for i in range(1, 21)]
         assert b.stats.bus_gaps_filled == 1
-        await frames.aclose()
+        await batches.aclose()
         await b.close()
     finally:
         await publisher.redis.delete(stream)

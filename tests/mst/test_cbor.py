@@ -135,3 +135,13 @@ def test_nesting_depth_limit() -> None:
         nested = [nested]
     with pytest.raises(CBORError):
         cbor.encode(nested)
+
+
+@pytest.mark.parametrize("n", [0, 23, 24, 255, 256, 65535, 65536, (1 << 32) - 1, 1 << 32, (1 << 64) - 1])
+def test_encode_head_is_the_canonical_head(n: int) -> None:
+    """``encode_head`` (used by the direct writers: MST nodes, seq splicing) agrees with the encoder."""
+    assert cbor.encode_head(0, n) == cbor.encode_trusted(n)
+    if n < 70_000:
+        assert cbor.encode_head(2, n) + bytes(n) == cbor.encode(bytes(n))
+        assert cbor.encode_head(3, n) + b"a" * n == cbor.encode("a" * n)
+        assert cbor.encode_head(4, n) + b"\x00" * n == cbor.encode([0] * n)
