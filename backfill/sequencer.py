@@ -60,6 +60,7 @@ from backfill.errors import (
 )
 from backfill.numbering import CursorOnly, number_batch
 from backfill.store import BatchWrite, Store, WriterLease, host_count_deltas
+from firehose.backoff import backoff_delay
 from firehose.state import Fence, PendingEvent, SequencedEvent
 
 log = logging.getLogger(__name__)
@@ -471,7 +472,7 @@ class Sequencer:
         if first:
             log.warning("store unavailable; holding batches and retrying",
                         extra={"error": f"{type(exc).__name__}: {exc}"[:300]})
-        delay = min(self.retry_max, self.retry_base * (2 ** min(self._outage_attempts - 1, 20)))
+        delay = backoff_delay(self._outage_attempts - 1, self.retry_base, self.retry_max)
         await asyncio.sleep(delay)
 
     def _store_back(self) -> None:

@@ -37,12 +37,13 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from backfill.sequencer import Sequencer
 from backfill.store import Store
+from firehose.lru import BoundedLRU
 from firehose.messages import AccountMessage, IdentityMessage, MessageError, parse_message
 from firehose.pipeline import ValidationPool
 from firehose.reasons import Reason
@@ -119,8 +120,7 @@ class AccountLanes:
         self.clock = clock
         self.identity_refreshes = 0
         self._lanes: dict[str, _Lane] = {}
-        self._idle: OrderedDict[str, AccountState | None] = OrderedDict()
-        self._idle_cache = idle_cache
+        self._idle: BoundedLRU[str, AccountState | None] = BoundedLRU(idle_cache)
 
     # -- lanes ---------------------------------------------------------------------------------
     def _lane(self, did: str) -> _Lane:
@@ -144,17 +144,14 @@ class AccountLanes:
         if self._lanes.get(lane.did) is lane:
             del self._lanes[lane.did]
         if lane.loaded and not lane.stale:
-            self._idle[lane.did] = lane.durable
-            self._idle.move_to_end(lane.did)
-            while len(self._idle) > self._idle_cache:
-                self._idle.popitem(last=False)
+            self._idle.put(lane.did, lane.durable)
 
     def state(self, did: str) -> AccountState | None:
         """The account's head as the relay holds it now (None when not in memory)."""
         lane = self._lanes.get(did)
         if lane is not None:
             return lane.head
-        return self._idle.get(did)
+        return self._idle.peek(did)
 
     def forget(self, did: str) -> None:
         """The stored state changed out of band: reload it before the next judgement."""

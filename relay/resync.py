@@ -24,7 +24,9 @@ from urllib.parse import quote
 import httpx
 
 from backfill.store import Store
+from firehose.backoff import backoff_delay
 from firehose.state import AccountState
+from mst.errors import ReasonError
 from relay.accounts import now_iso
 from relay.config import RelayConfig
 from relay.hosts import host_base_url
@@ -40,10 +42,10 @@ log = logging.getLogger("relay.resync")
 MAX_REPO_BYTES = 512 * 1024 * 1024
 
 
-class ResyncFailed(Exception):
-    def __init__(self, reason: str, message: str = "") -> None:
-        super().__init__(message or reason)
-        self.reason = reason
+class ResyncFailed(ReasonError):
+    """A repair attempt that did not succeed; ``reason`` is the metric label."""
+
+    show_reason = False
 
 
 class ResyncManager:
@@ -113,7 +115,7 @@ class ResyncManager:
                 log.info("resync failed", extra=fields(did=did, reason=exc.reason, attempt=attempt,
                                                        error=str(exc)))
                 if attempt + 1 < self.max_attempts:
-                    asyncio.get_running_loop().call_later(self.retry_base * (2 ** attempt), self._retry,
+                    asyncio.get_running_loop().call_later(backoff_delay(attempt, self.retry_base), self._retry,
                                                           did, host, attempt + 1)
                 else:
                     self.queue.done(did)

@@ -30,6 +30,7 @@ from backfill.errors import BackfillError
 from backfill.sequencer import Sequencer
 from backfill.store import Store
 from backfill.types import HostState
+from firehose.backoff import Backoff
 from firehose.reasons import Reason
 from firehose.state import Fence, PendingEvent, SequencedEvent
 from firehose.subscriber import HostSubscriber, SubscriberConfig, UpstreamFrame
@@ -135,7 +136,7 @@ class Upstreams:
     async def _run_host(self, run: _HostRun) -> None:
         """Run the host's subscriber; when it must be restarted (a frame was not stored, or it
         failed unexpectedly) start a new one, with a new fence, from the acknowledged cursor."""
-        delay = 1.0
+        backoff = Backoff(1.0, 30.0)
         while not self._closed and self._runs.get(run.hostname) is run:
             subscriber = run.subscriber
             try:
@@ -151,8 +152,7 @@ class Upstreams:
             if run.fence.reason == "store_unavailable" or self.sequencer.state == "retrying":
                 await self._store_back()  # resume as soon as the store answers, not after a backoff
             else:
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 30.0)
+                await asyncio.sleep(backoff.next())
             if self._closed or self._runs.get(run.hostname) is not run:
                 return
             run.restart.clear()
