@@ -39,7 +39,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from backfill.sequencer import Sequencer
 from backfill.store import Store
@@ -64,6 +64,7 @@ MAX_BUFFER_PER_ACCOUNT = 1000
 _NO_BODY: dict[str, Any] = {}
 
 Count = Callable[[str, str], None]
+M = TypeVar("M", IdentityMessage, AccountMessage)
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -380,13 +381,19 @@ class AccountLanes:
         lane.durable = lane.head = marked
         await self.resync.enqueue(lane.did, hostname)
 
-    async def _identity_event(self, lane: _Lane, work: Work) -> PendingEvent | None:
+    def _parsed(self, work: Work, kind: type[M]) -> M | None:
+        """The frame's message, if it parses as ``kind`` (else counted as a reject, None)."""
         try:
-            msg = parse_message("#identity", work.uf.frame.body)
+            msg = parse_message(work.kind, work.uf.frame.body)
         except MessageError as exc:
             self.count("reject", exc.reason)
             return None
-        assert isinstance(msg, IdentityMessage)
+        return msg if isinstance(msg, kind) else None
+
+    async def _identity_event(self, lane: _Lane, work: Work) -> PendingEvent | None:
+        msg = self._parsed(work, IdentityMessage)
+        if msg is None:
+            return None
         await self.identity.purge(work.did)
         ident = await self.admission.identity_for_host(work.did, work.hostname, fresh=True)
         state = None
@@ -412,12 +419,9 @@ class AccountLanes:
         return event
 
     async def _account_event(self, lane: _Lane, work: Work) -> PendingEvent | None:
-        try:
-            msg = parse_message("#account", work.uf.frame.body)
-        except MessageError as exc:
-            self.count("reject", exc.reason)
+        msg = self._parsed(work, AccountMessage)
+        if msg is None:
             return None
-        assert isinstance(msg, AccountMessage)
         # Status changes are rare and decisive: check the binding against a fresh DID document
         # (a cached one would let a host the account just left deactivate it).
         ident = await self.admission.identity_for_host(work.did, work.hostname, fresh=True, max_age=5.0)

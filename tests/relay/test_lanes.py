@@ -9,8 +9,9 @@ in order, exactly once (the host run re-reads them from its durable cursor) — 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -185,6 +186,24 @@ async def test_readiness_tells_the_truth_while_the_store_is_unavailable(relay_fa
         await fleet.stop()
 
 
+@contextlib.asynccontextmanager
+async def one_account(relay_factory: Any, *, seed: int) -> AsyncIterator[tuple[SimFleet, Any, Consumer]]:
+    """A simulated host with one account, a relay following it and a consumer that has seen the
+    account's first two commits."""
+    fleet = SimFleet(SimConfig(hosts=1, accounts_per_host=1, seed=seed))
+    await fleet.start()
+    try:
+        settings = {"allow_insecure_hosts": True, "plc_url": fleet.plc_url, "validation_workers": 0}
+        async with relay_factory(**settings) as relay, Consumer(relay.ws_url, cursor=0) as consumer:
+            account = fleet.accounts[0]
+            await crawl(relay.url, fleet.hosts[0].hostname)
+            await fleet.generate(2)
+            await consumer.wait_for(lambda evs: account.repo.rev in commits_of(consumer, account.did))
+            yield fleet, relay, consumer
+    finally:
+        await fleet.stop()
+
+
 def _verdicts(service: Any, kind: str, reason: str) -> float:
     return service.metrics.verdicts.labels(kind=kind, reason=reason)._value.get()  # type: ignore[no-any-return]
 
@@ -195,55 +214,37 @@ async def test_bad_signature_refreshes_the_identity_once(relay_factory: Any) -> 
     ``bad_signature`` after exactly one more refresh."""
     from relay.sim.ident import SigningKey
 
-    fleet = SimFleet(SimConfig(hosts=1, accounts_per_host=1, seed=13))
-    await fleet.start()
-    try:
-        settings = {"allow_insecure_hosts": True, "plc_url": fleet.plc_url, "validation_workers": 0}
-        async with relay_factory(**settings) as relay, Consumer(relay.ws_url, cursor=0) as consumer:
-            service, account = relay.service, fleet.accounts[0]
-            await crawl(relay.url, fleet.hosts[0].hostname)
-            await fleet.generate(2)
-            await consumer.wait_for(lambda evs: account.repo.rev in commits_of(consumer, account.did))
-            assert service.lanes.identity_refreshes == 0
-            account.key = account.repo.key = SigningKey.generate("k256", fleet.rng)
-            fleet._publish_doc(account)  # the directory knows the new key; the relay's cache does not
-            await fleet.generate(1)
-            await consumer.wait_for(lambda evs: account.repo.rev in commits_of(consumer, account.did))
-            assert service.lanes.identity_refreshes == 1
-            account.repo.key = SigningKey.generate("k256", fleet.rng)  # signs with a key nobody published
-            await fleet.generate(1)
-            await until(lambda: _verdicts(service, "reject", "bad_signature") == 1, "the rejection")
-            assert service.lanes.identity_refreshes == 2
-    finally:
-        await fleet.stop()
+    async with one_account(relay_factory, seed=13) as (fleet, relay, consumer):
+        service, account = relay.service, fleet.accounts[0]
+        assert service.lanes.identity_refreshes == 0
+        account.key = account.repo.key = SigningKey.generate("k256", fleet.rng)
+        fleet._publish_doc(account)  # the directory knows the new key; the relay's cache does not
+        await fleet.generate(1)
+        await consumer.wait_for(lambda evs: account.repo.rev in commits_of(consumer, account.did))
+        assert service.lanes.identity_refreshes == 1
+        account.repo.key = SigningKey.generate("k256", fleet.rng)  # signs with a key nobody published
+        await fleet.generate(1)
+        await until(lambda: _verdicts(service, "reject", "bad_signature") == 1, "the rejection")
+        assert service.lanes.identity_refreshes == 2
 
 
 async def test_a_takedown_in_the_lane_wins_over_what_was_in_flight(relay_factory: Any) -> None:
     """An operator takedown is ordered with the account's frames: later commits are judged against
     the taken-down state (not redistributed), and a reversal lets the next one through."""
-    fleet = SimFleet(SimConfig(hosts=1, accounts_per_host=1, seed=14))
-    await fleet.start()
-    try:
-        settings = {"allow_insecure_hosts": True, "plc_url": fleet.plc_url, "validation_workers": 0}
-        async with relay_factory(**settings) as relay, Consumer(relay.ws_url, cursor=0) as consumer:
-            service, account = relay.service, fleet.accounts[0]
-            await crawl(relay.url, fleet.hosts[0].hostname)
-            await fleet.generate(2)
-            await consumer.wait_for(lambda evs: account.repo.rev in commits_of(consumer, account.did))
-            state = await service.lanes.set_local_status(account.did, "takendown")
-            assert state.local_status == "takendown" and state.rev == account.repo.rev
-            await fleet.generate(1)
-            hidden = account.repo.rev
-            await until(lambda: _verdicts(service, "ignore", "account_inactive") == 1, "the ignore")
-            await service.lanes.set_local_status(account.did, "active")
-            await fleet.generate(1)
-            # the relay skipped the hidden commit, so the next one does not chain on what it holds:
-            # the account is repaired from its PDS and announced with #sync at the newest rev
-            latest = account.repo.rev
-            await consumer.wait_for(lambda evs: any(e.t == "#sync" and e.did == account.did and e.rev == latest
-                                                    for e in evs))
-            assert hidden not in commits_of(consumer, account.did)
-            statuses = [e.body.get("status") for e in consumer.events if e.t == "#account" and e.did == account.did]
-            assert "takendown" in statuses
-    finally:
-        await fleet.stop()
+    async with one_account(relay_factory, seed=14) as (fleet, relay, consumer):
+        service, account = relay.service, fleet.accounts[0]
+        state = await service.lanes.set_local_status(account.did, "takendown")
+        assert state.local_status == "takendown" and state.rev == account.repo.rev
+        await fleet.generate(1)
+        hidden = account.repo.rev
+        await until(lambda: _verdicts(service, "ignore", "account_inactive") == 1, "the ignore")
+        await service.lanes.set_local_status(account.did, "active")
+        await fleet.generate(1)
+        # the relay skipped the hidden commit, so the next one does not chain on what it holds:
+        # the account is repaired from its PDS and announced with #sync at the newest rev
+        latest = account.repo.rev
+        await consumer.wait_for(lambda evs: any(e.t == "#sync" and e.did == account.did and e.rev == latest
+                                                for e in evs))
+        assert hidden not in commits_of(consumer, account.did)
+        statuses = [e.body.get("status") for e in consumer.events if e.t == "#account" and e.did == account.did]
+        assert "takendown" in statuses
