@@ -383,31 +383,37 @@ class Broadcaster:
     def session(self, cursor: int | None) -> ConsumerSession:
         return ConsumerSession(self, cursor)
 
-    async def _fill_gap(self, upto: int) -> None:
-        """Deliver events the bus skipped (Redis trim) from the store: ``last < seq < upto``,
-        one bounded chunk at a time."""
+    async def _fill_gap(self, upto: int | None) -> None:
+        """Deliver from the store what the bus did not: ``last < seq < upto`` (``None``: everything
+        stored), one bounded chunk at a time."""
         while True:
             last = self._last_seq or 0
             evs = await self.store.read_after(last, self.replay_batch)
-            chunk = [e for e in evs if e.seq < upto]
+            chunk = evs if upto is None else [e for e in evs if e.seq < upto]
             if chunk:
                 self.deliver(chunk)
             if len(chunk) < len(evs) or len(evs) < self.replay_batch:
                 return
 
     async def _fan_out(self) -> None:
-        """Follow the bus until closed. A failing bus read (e.g. Redis restarting) is retried
-        with backoff from the same position, so nothing is skipped."""
+        """Follow the bus until closed, never delivering past a hole.
+
+        Seqs are consecutive (the sequencer numbers without gaps, and an event is in the store
+        before it is published), so any seq missing from what the bus delivers — before the batch
+        or inside it — is read from the store first: a publish that failed, an ingest that died
+        between commit and publish, a Redis restart that lost entries, or a trim. While the bus
+        cannot be read (e.g. Redis down) the store is followed instead (higher latency, no loss),
+        and the bus is retried with backoff."""
         assert self._sub is not None
         backoff = Backoff(0.1, 5.0)
         while not self._closed:
             try:
                 batch = await self._sub.next_batch()
-                first = batch[0]
-                prev = first.extra.get("prev_seq") if first.extra else None
-                if prev is not None and self._last_seq is not None and prev > self._last_seq:
+                last = self._last_seq
+                if last is not None and batch[-1].seq > last and (
+                        batch[0].seq > last + 1 or batch[-1].seq - batch[0].seq != len(batch) - 1):
                     self.stats.bus_gaps_filled += 1
-                    await self._fill_gap(first.seq)
+                    await self._fill_gap(batch[-1].seq + 1)
                 self.deliver(batch)
                 backoff.reset()
             except BusClosed:
@@ -416,8 +422,15 @@ class Broadcaster:
                 raise
             except Exception:
                 self.stats.bus_errors += 1
-                log.exception("broadcast fan-out: bus read failed; retrying")
-                await asyncio.sleep(backoff.next())
+                log.exception("broadcast fan-out: bus read failed; following the store meanwhile")
+                delay = backoff.next()
+                try:
+                    await self._fill_gap(None)  # whatever was stored since (the bus may have lost it)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    log.warning("broadcast fan-out: the store cannot be read either")
+                await asyncio.sleep(delay)
 
     def deliver(self, batch: list[SequencedEvent]) -> None:
         """Hand a batch (ascending seq) to every session. Synchronous: never awaits."""

@@ -115,3 +115,70 @@ async def test_fan_out_survives_bus_errors(ingest: Ingest) -> None:
     finally:
         await b.close()
         await dead.close()
+
+
+class LossyBus:
+    """A real bus whose publishes of the chosen seqs are lost (a failed publish, or an ingest
+    that died between its commit and its publish)."""
+
+    def __init__(self, inner: RedisStreamBus, lose: set[int]) -> None:
+        self.inner = inner
+        self.lose = lose
+
+    async def publish(self, events: list[SequencedEvent]) -> None:
+        kept = [e for e in events if e.seq not in self.lose]
+        if kept:
+            await self.inner.publish(kept)
+
+
+@pytest.mark.parametrize("lost", [{3, 4}, {1}, {7}, {2, 5, 9}], ids=["run", "first", "inside", "scattered"])
+async def test_a_lost_publish_is_never_a_hole(ingest: Ingest, redis_url: str, lost: set[int]) -> None:
+    """Events stored but never published (before a batch or inside one) reach live consumers from
+    the store, in order, before anything after them — without relying on the publisher's marker."""
+    stream = f"test:fh:{uuid.uuid4().hex}"
+    publisher = RedisStreamBus(redis_url, stream)
+    consumer = RedisStreamBus(redis_url, stream, block_ms=100)
+    try:
+        b = Broadcaster(ingest.store, consumer)
+        session = b.session(None)
+        batches = session.frame_batches()
+        first = asyncio.create_task(anext(batches))
+        await asyncio.sleep(0.01)  # registered, waiting for live events
+        await b.start(after_seq=0)
+        ingest.bus = LossyBus(publisher, lost)
+        publisher._last_published = None  # a restarted ingest knows no previous seq
+        await ingest.add(10, batch=10)
+        got = list(await asyncio.wait_for(first, 5))
+        while len(got) < 10:
+            got.extend(await asyncio.wait_for(anext(batches), 5))
+        assert got == [commit_frame(i) for i in range(1, 11)]
+        assert b.stats.bus_gaps_filled >= 1
+        await batches.aclose()
+        await b.close()
+    finally:
+        await publisher.redis.delete(stream)
+        await publisher.close()
+        await consumer.close()
+
+
+async def test_bus_down_the_fan_out_follows_the_store(ingest: Ingest) -> None:
+    """Redis unreachable: what is stored still reaches live consumers (from the store)."""
+    dead = RedisStreamBus("redis://127.0.0.1:1/15", "test:fh:dead")  # nothing listens on port 1
+    b = Broadcaster(ingest.store, dead)
+    session = b.session(None)
+    batches = session.frame_batches()
+    first = asyncio.create_task(anext(batches))
+    await asyncio.sleep(0.01)
+    await b.start(after_seq=0)
+    try:
+        ingest.bus = InProcessBus()  # the ingest publishes elsewhere; this fan-out sees only the store
+        await ingest.add(5)
+        got = list(await asyncio.wait_for(first, 10))
+        while len(got) < 5:
+            got.extend(await asyncio.wait_for(anext(batches), 10))
+        assert got == [commit_frame(i) for i in range(1, 6)]
+        assert b.stats.bus_errors >= 1
+    finally:
+        await batches.aclose()
+        await b.close()
+        await dead.close()
