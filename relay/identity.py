@@ -224,28 +224,66 @@ class MemoryIdentityCache:
 
 
 class RedisIdentityCache:
-    """Identity cache shared by every relay process through Redis (``SETEX`` JSON values)."""
+    """Identity cache shared by every relay process through Redis (``SETEX`` JSON values), with an
+    in-process cache in front. Redis being unreachable never fails a lookup: reads fall back to
+    the local copy (then to a fresh resolution), writes and purges still reach the local copy,
+    and the outage is logged once (``degraded``) until Redis answers again — so a Redis outage
+    costs DID resolutions, never events."""
 
-    def __init__(self, redis: Any, ttl: float = 3600.0, prefix: str = "relay:identity:") -> None:
+    def __init__(self, redis: Any, ttl: float = 3600.0, prefix: str = "relay:identity:",
+                 local: MemoryIdentityCache | None = None) -> None:
         self.redis = redis
         self.ttl = ttl
         self.prefix = prefix
+        self.local = local or MemoryIdentityCache(ttl=ttl)
+        self.degraded = False
+
+    def _failed(self, exc: Exception) -> None:
+        if not self.degraded:
+            log.warning("identity cache: Redis unavailable, using the in-process cache",
+                        extra={"error": f"{type(exc).__name__}: {exc}"[:200]})
+        self.degraded = True
+
+    def _ok(self) -> None:
+        if self.degraded:
+            log.info("identity cache: Redis available again")
+        self.degraded = False
 
     async def get(self, did: str) -> Identity | None:
-        raw = await self.redis.get(self.prefix + did)
-        if raw is None:
+        try:
+            raw = await self.redis.get(self.prefix + did)
+        except Exception as exc:
+            self._failed(exc)
+            return await self.local.get(did)
+        self._ok()
+        if raw is None:  # Redis, when it answers, is the shared truth (another process may have purged)
+            await self.local.purge(did)
             return None
         try:
-            return Identity(**json.loads(raw))
+            identity = Identity(**json.loads(raw))
         except (ValueError, TypeError):
             return None
+        await self.local.put(identity)
+        return identity
 
     async def put(self, identity: Identity) -> None:
-        await self.redis.set(self.prefix + identity.did, json.dumps(asdict(identity)),
-                             ex=max(1, int(self.ttl)))
+        await self.local.put(identity)
+        try:
+            await self.redis.set(self.prefix + identity.did, json.dumps(asdict(identity)),
+                                 ex=max(1, int(self.ttl)))
+        except Exception as exc:
+            self._failed(exc)
+        else:
+            self._ok()
 
     async def purge(self, did: str) -> None:
-        await self.redis.delete(self.prefix + did)
+        await self.local.purge(did)
+        try:
+            await self.redis.delete(self.prefix + did)
+        except Exception as exc:
+            self._failed(exc)
+        else:
+            self._ok()
 
 
 class TokenBucket:

@@ -114,7 +114,8 @@ class RelayService:
         if config.redis_url:
             import redis.asyncio as aioredis
 
-            self._redis = aioredis.from_url(config.redis_url)
+            # bounded waits: a Redis that hangs must not hang readiness or identity lookups
+            self._redis = aioredis.from_url(config.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
             self.bus = RedisStreamBus(config.redis_url, stream=self.bus_stream)
             cache = RedisIdentityCache(self._redis)
         else:

@@ -95,6 +95,21 @@ async def test_redis_cache(redis_url: str) -> None:
         await client.aclose()
 
 
+async def test_redis_cache_survives_redis_being_unreachable() -> None:
+    """Nothing listens on port 1: lookups fall back to the in-process copy, never raise."""
+    client = aioredis.from_url("redis://127.0.0.1:1/15", socket_connect_timeout=1.0)
+    cache = RedisIdentityCache(client, ttl=30, prefix="test:identity:")
+    try:
+        ident = Identity(DID, "did:key:zabc", "https://pds.example.com", None)
+        assert await cache.get(DID) is None and cache.degraded
+        await cache.put(ident)
+        assert await cache.get(DID) == ident
+        await cache.purge(DID)
+        assert await cache.get(DID) is None
+    finally:
+        await client.aclose()
+
+
 async def test_token_bucket_refuses_beyond_max_wait() -> None:
     bucket = TokenBucket(rate=1.0, burst=2)
     await bucket.acquire()
