@@ -8,8 +8,10 @@ position, in ``seq`` order, in batches. Frames travel as the stored bytes (never
   ``publish`` (the broadcaster never is slow: it only moves references into per-consumer queues).
 * :class:`RedisStreamBus` — scale-out mode; one Redis Stream whose entry IDs are ``<seq>-0``,
   so a subscription can be positioned exactly *after a seq* without a round trip. Each entry
-  records the previous published seq (``prev``) so a reader that fell behind the stream's trim
-  point sees ``extra["prev_seq"]`` disagree with what it last saw and can fill from the store.
+  records the previous seq this publisher published (``prev``, ``extra["prev_seq"]``), kept for
+  diagnosis only: a bus may lose entries (a failed publish, a publisher that died between its
+  commit and its publish, a Redis restart, a trim), so readers must not rely on it —
+  ``firehose.broadcast`` finds holes by seq contiguity and fills them from the store.
 """
 
 from __future__ import annotations
