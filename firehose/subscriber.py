@@ -151,6 +151,7 @@ class HostSubscriber:
         self._ws: ClientConnection | None = None
         self.connected = asyncio.Event()
         self._poison_at: int | None = None  # cursor at which an unreadable frame failed us
+        self._delivered = 0  # frames delivered on the current (or last) connection
 
     # -- cursor
     @property
@@ -186,9 +187,8 @@ class HostSubscriber:
     async def run(self) -> None:
         attempt = 0
         while not self._stopping.is_set():
-            delivered = 0
             try:
-                delivered = await self._connect_once()
+                await self._connect_once()
                 reset_now = False
             except _Reset as r:
                 if self._acked is None:  # nothing to reset: a host that misbehaves anyway
@@ -211,7 +211,10 @@ class HostSubscriber:
                 return
             if reset_now:
                 continue
-            attempt = 0 if delivered else attempt + 1
+            # A connection that delivered frames before it was cut is not a failed attempt: the
+            # next one starts from the first delay again (counted here, as the exception that
+            # ended the connection carries no count).
+            attempt = 0 if self._delivered else attempt + 1
             try:
                 await asyncio.wait_for(self._stopping.wait(), self.backoff_delay(attempt))
             except TimeoutError:
@@ -231,7 +234,7 @@ class HostSubscriber:
     async def _connect_once(self) -> int:
         asked = self._acked
         url = stream_url(self.host, asked)
-        delivered = 0
+        delivered = self._delivered = 0
         pin: dict[str, object] = {}
         if self.resolve is not None:
             parts = urlsplit(url)
@@ -309,6 +312,7 @@ class HostSubscriber:
                     await self.limiter.acquire()
                     await self.on_frame(UpstreamFrame(self.host, seq, frame, bytes(raw)))
                     delivered += 1
+                    self._delivered = delivered
             finally:
                 self._ws = None
                 self.connected.clear()
