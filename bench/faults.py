@@ -6,8 +6,9 @@ prints, for each, ``RESULT faults_<scenario>_<figure>=<value>`` lines:
 * ``duplicates`` – frames delivered twice (same seq) plus commits delivered twice;
 * ``converted_to_sync`` – accounts that received a ``#sync`` their host never sent (a repair
   instead of the commits);
-* ``resume_s`` – seconds from the dependency's return until the consumers see the relay's seq move
-  again (``inf``: never, within the bounded wait);
+* ``resume_s`` – seconds from the dependency's return until every consumer has received, for the
+  accounts of every host, an event sequenced after that return (the slowest consumer/host pair;
+  ``inf``: never, within the bounded wait);
 * ``accounts_in_sync`` – accounts whose rev, in the relay's state and in every consumer's stream,
   is the one their host holds (out of ``accounts``);
 * also ``rev_order_violations``, ``relays_alive``, ``readiness_violations``, ``expected_commits``,

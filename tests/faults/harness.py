@@ -19,6 +19,7 @@ Contracts:
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import glob
 import json
@@ -188,6 +189,41 @@ async def _wait_exit(proc: subprocess.Popen[bytes], timeout: float) -> bool:
     return True
 
 
+#: Every supervised process started and not yet seen finished, and every directory not yet removed:
+#: what :func:`kill_leftovers` ends when a test's own cleanup could not run (e.g. a timeout).
+_LIVE: set[Supervised] = set()
+_DIRS: set[Path] = set()
+
+
+def make_dir(prefix: str) -> Path:
+    """A new temporary directory that :func:`kill_leftovers` removes if nobody else does."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    _DIRS.add(path)
+    return path
+
+
+def remove_dir(path: Path) -> None:
+    """Remove a directory from :func:`make_dir` (whatever it holds)."""
+    shutil.rmtree(path, ignore_errors=True)
+    _DIRS.discard(path)
+
+
+def kill_leftovers() -> int:
+    """Synchronously SIGKILL every process this module started that still runs (with its children
+    and its reaper) and remove every directory it made; returns how many processes it had to end.
+    The suite's fixture finalizer calls it after each test, and it runs at interpreter exit."""
+    ended = 0
+    for sup in list(_LIVE):
+        if sup.kill_now():
+            ended += 1
+    for path in list(_DIRS):
+        remove_dir(path)
+    return ended
+
+
+atexit.register(kill_leftovers)
+
+
 class _Managed:
     """Shared async-context-manager plumbing: ``close()`` on exit, whatever happened."""
 
@@ -220,6 +256,7 @@ class Supervised:
                                            stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                            start_new_session=new_session)
         self._pid: int | None = None
+        _LIVE.add(self)
 
     async def wait_pid(self, timeout: float = 10.0) -> int:
         """The command's pid, once the reaper has forked it."""
@@ -242,7 +279,29 @@ class Supervised:
     @property
     def finished(self) -> bool:
         """True once the reaper exited: the command and all its descendants are gone."""
-        return self.reaper.poll() is not None
+        if self.reaper.poll() is None:
+            return False
+        _LIVE.discard(self)
+        return True
+
+    def kill_now(self) -> bool:
+        """Synchronous last resort (finalizers, exit): SIGKILL the command, its children and the
+        reaper, and reap the reaper. Returns False if everything had finished already."""
+        if self.finished:
+            return False
+        pid = self._pid
+        if pid is None:
+            with contextlib.suppress(OSError, ValueError):
+                pid = int(self.pidfile.read_text())
+        victims = [pid, *children_of(pid)] if pid is not None else []
+        for victim in [*victims, self.reaper.pid]:
+            if alive(victim):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(victim, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.reaper.wait(5)
+        _LIVE.discard(self)
+        return True
 
     @property
     def running(self) -> bool:
@@ -272,6 +331,7 @@ class Supervised:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
         await _wait_exit(self.reaper, 10)
+        _ = self.finished  # unregisters
 
 
 class PgCluster(_Managed):
@@ -290,7 +350,7 @@ class PgCluster(_Managed):
     """
 
     def __init__(self, *, port: int | None = None) -> None:
-        self.base = Path(tempfile.mkdtemp(prefix="relay-faults-pg-"))
+        self.base = make_dir("relay-faults-pg-")
         self.data = self.base / "data"
         self.log_path = self.base / "postgres.log"
         self.port = port or free_port()
@@ -410,18 +470,19 @@ class PgCluster(_Managed):
         finally:
             if self.server is not None and not self.server.finished:
                 await self.server.kill_all()
-            shutil.rmtree(self.base, ignore_errors=True)
+            remove_dir(self.base)
 
 
 class RedisServer(_Managed):
-    """A private ``redis-server`` (no persistence: ``--save '' --appendonly no``) on a free port.
-    ``kill9()`` loses every key; ``start()`` again listens on the same port, empty."""
+    """A private ``redis-server`` (no persistence: ``--save '' --appendonly no``) on a free port,
+    run under ``reaper.py``. ``kill9()`` loses every key; ``start()`` again listens on the same
+    port, empty."""
 
     def __init__(self, *, port: int | None = None) -> None:
         self.port = port or free_port()
-        self.base = Path(tempfile.mkdtemp(prefix="relay-faults-redis-"))
+        self.base = make_dir("relay-faults-redis-")
         self.log_path = self.base / "redis.log"
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.server: Supervised | None = None
         self._closed = False
 
     @property
@@ -430,22 +491,22 @@ class RedisServer(_Managed):
 
     @property
     def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        return self.server is not None and self.server.running
 
     async def start(self, timeout: float = 30.0) -> None:
         """Start the server and wait until it answers PING."""
         if self.running:
             return
         binary = shutil.which("redis-server") or "/usr/bin/redis-server"
-        with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(
-                [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                 "--dir", str(self.base), "--daemonize", "no", "--protected-mode", "no", "--loglevel", "warning"],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        self.server = Supervised(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(self.base), "--daemonize", "no", "--protected-mode", "no", "--loglevel", "warning"],
+            cwd=self.base, env=dict(os.environ), log_path=self.log_path, pidfile=self.base / "redis.reaper.pid")
+        await self.server.wait_pid()
         deadline = time.monotonic() + timeout
         while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited ({self.proc.returncode}):\n{log_tail(self.log_path)}")
+            if self.server.finished:
+                raise RuntimeError(f"redis-server exited ({self.server.returncode}):\n{log_tail(self.log_path)}")
             client = aioredis.from_url(self.url, socket_connect_timeout=1, socket_timeout=1)
             try:
                 if await client.ping():
@@ -459,17 +520,21 @@ class RedisServer(_Managed):
             await asyncio.sleep(0.05)
 
     async def kill9(self) -> None:
-        """SIGKILL the server and reap it."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            await _wait_exit(self.proc, 10)
+        """SIGKILL the server and wait until it is gone."""
+        server = self.server
+        if server is not None and not server.finished:
+            server.signal(signal.SIGKILL)
+            if not await server.wait(10):
+                await server.kill_all()
 
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        await self.kill9()
-        shutil.rmtree(self.base, ignore_errors=True)
+        try:
+            await self.kill9()
+        finally:
+            remove_dir(self.base)
 
 
 class RelayProcess(_Managed):

@@ -77,10 +77,11 @@ class RecordingConsumer:
                 await self._task
             self._task = None
 
-    def first_after(self, seq: int, since: float) -> float | None:
-        """Arrival time of the first frame with seq > ``seq`` that arrived at or after ``since``."""
+    def first_after(self, seq: int, since: float, dids: set[str] | None = None) -> float | None:
+        """Arrival time of the first frame with seq > ``seq`` that arrived at or after ``since``
+        (and, given ``dids``, concerns one of those accounts)."""
         for f in self.frames:
-            if f.at >= since and f.seq > seq:
+            if f.at >= since and f.seq > seq and (dids is None or f.did in dids):
                 return f.at
         return None
 
@@ -125,8 +126,10 @@ class RecordingConsumer:
 
 @dataclass(frozen=True, slots=True)
 class Answer:
-    """One probe answer: ``status`` is the HTTP status, ``None`` when nothing answered."""
+    """One probe answer: ``status`` is the HTTP status, ``None`` when nothing answered; ``sent``
+    and ``at`` are when the request was sent and answered."""
 
+    sent: float
     at: float
     status: int | None
     seq: int | None = None
@@ -136,7 +139,7 @@ class Poller:
     """Polls ``GET url`` every ``interval`` s in the background, recording every :class:`Answer`
     (``seq`` is the ``seq`` field of a JSON body, when there is one)."""
 
-    def __init__(self, url: str, *, interval: float = 0.25, timeout: float = 2.0) -> None:
+    def __init__(self, url: str, *, interval: float = 0.25, timeout: float = 5.0) -> None:
         self.url = url
         self.interval = interval
         self.timeout = timeout
@@ -156,6 +159,7 @@ class Poller:
     async def ask(self, http: httpx.AsyncClient) -> Answer:
         """One request now (also recorded)."""
         seq: int | None = None
+        sent = time.monotonic()
         try:
             r = await http.get(self.url)
             status: int | None = r.status_code
@@ -164,7 +168,7 @@ class Poller:
                 seq = value if isinstance(value, int) else None
         except httpx.HTTPError:
             status = None
-        answer = Answer(time.monotonic(), status, seq)
+        answer = Answer(sent, time.monotonic(), status, seq)
         self.answers.append(answer)
         return answer
 
@@ -176,7 +180,8 @@ class Poller:
                 await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - t0)))
 
     def between(self, start: float, end: float) -> list[Answer]:
-        return [a for a in self.answers if start <= a.at <= end]
+        """Answers to requests sent at or after ``start`` and answered by ``end``."""
+        return [a for a in self.answers if a.sent >= start and a.at <= end]
 
     def max_seq_before(self, t: float) -> int:
         return max((a.seq for a in self.answers if a.at < t and a.seq is not None), default=0)

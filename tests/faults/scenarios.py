@@ -10,12 +10,15 @@ holds the comparison with the ground truth and :meth:`ScenarioResult.violations`
 promise (the tests assert there are none).
 
 The promise checked: every verified event, exactly once, in order, across the failure; the relay
-process survives; its seq moves again within ``resume_limit`` seconds of the dependency's return;
+process survives; within ``resume_limit`` seconds of the dependency's return every consumer receives,
+for the accounts of every host, an event sequenced after that return ("resume": ingest moves again
+for every upstream, and the stream reaches the consumers);
 ``GET /_ready`` answers 503 while the dependency is down and 200 after it is back.
 
-Timing words: ``down_at`` is when the fault was injected, ``back_at`` when the dependency was back
-(PostgreSQL / Redis accepting connections again, the restarted relay answering ``/_health``, the
-end of an upstream disconnect storm). Every duration is measured with ``time.monotonic()``.
+Timing words: ``down_at`` is when the fault was injected, ``restart_at`` when we began to bring the
+dependency back, ``back_at`` when it was back (PostgreSQL / Redis accepting connections again, the
+restarted relay answering ``/_health``, the end of an upstream disconnect storm). Every duration is
+measured with ``time.monotonic()``.
 """
 
 from __future__ import annotations
@@ -23,19 +26,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import random
-import shutil
-import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import TracebackType
 
 import httpx
 
 from relay.sim import SimConfig, SimFleet
-from tests.faults.harness import PgCluster, RedisServer, RelayProcess, log_summary, log_tail
+from tests.faults.harness import (
+    PgCluster,
+    RedisServer,
+    RelayProcess,
+    log_summary,
+    make_dir,
+    remove_dir,
+)
 from tests.faults.observe import Poller, RecordingConsumer, Tally, caught_up, compare, final_revs, wait_until
 
 ADMIN_TOKEN = "faults-admin-token"
@@ -67,18 +73,29 @@ class Settings:
     pg_kill_outage: float = 10.0
     pg_down_outage: float = 30.0
     redis_outage: float = 8.0
-    storm_seconds: float = 6.0
+    #: upstream storm: drops per host before it ends, how long each connection lives, bound
+    storm_drops: int = 4
+    storm_hold: float = 0.25
+    storm_max: float = 30.0
 
 
 @dataclass
 class FaultTimes:
-    """When a fault began and when the dependency was back; ``unready`` lists the relay processes
-    whose ``/_ready`` must answer 503 in between (empty when the outage is too short to observe)."""
+    """When a fault began (``down_at``), when we began to bring the dependency back
+    (``restart_at``) and when it was back (``back_at``, e.g. accepting connections again).
+    ``unready`` lists the relay processes whose ``/_ready`` must answer 503 to every request sent
+    after ``down_at + ready_grace`` and answered before ``restart_at`` (empty when the outage is too
+    short to observe)."""
 
     down_at: float
     back_at: float
+    restart_at: float = 0.0
     unready: list[RelayProcess] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.restart_at:
+            self.restart_at = self.back_at
 
 
 @dataclass
@@ -139,7 +156,8 @@ class ScenarioResult:
         if not self.relays_alive:
             out.append("a relay process died")
         if not self.resume_s <= s.resume_limit:
-            out.append(f"seq moved again {self.resume_s:.2f} s after the dependency returned (limit {s.resume_limit} s)")
+            out.append(f"ingest resumed {self.resume_s:.2f} s after the dependency returned (limit {s.resume_limit} s; "
+                       "the slowest consumer/host pair)")
         out += self.readiness
         return out
 
@@ -207,7 +225,7 @@ class Rig:
         self.settings = settings
         self.scale_out = scale_out
         self.fanout_count = fanouts
-        self.workdir = Path(tempfile.mkdtemp(prefix="relay-faults-"))
+        self.workdir = make_dir("relay-faults-")
         self.pg = PgCluster()
         self.redis: RedisServer | None = RedisServer() if scale_out else None
         self.fleet = SimFleet(SimConfig(hosts=settings.hosts, accounts_per_host=settings.accounts_per_host,
@@ -242,7 +260,7 @@ class Rig:
 
     async def _start(self) -> None:
         stack, s = self._stack, self.settings
-        stack.callback(shutil.rmtree, self.workdir, ignore_errors=True)
+        stack.callback(remove_dir, self.workdir)
         await stack.enter_async_context(self.pg)
         await self.pg.start()
         if self.redis is not None:
@@ -306,7 +324,7 @@ class Rig:
         await traffic.stop()
         if not await wait_until(self.all_caught_up, timeout, give_up=self.any_relay_dead):
             raise RuntimeError("warm-up: consumers did not catch up before any fault:\n"
-                               + "\n".join(f"{self.name_of(r)}: {log_tail(r.log_path)}" for r in self.relays))
+                               + "\n".join(f"{self.name_of(r)}: {log_summary(r.log_path)}" for r in self.relays))
 
 
 Fault = Callable[[Rig], Awaitable[FaultTimes]]
@@ -334,14 +352,14 @@ async def _relay_revs(relay: RelayProcess) -> dict[str, str]:
 
 
 def _readiness(rig: Rig, times: FaultTimes, final: dict[str, int | None]) -> list[str]:
-    """Readiness violations: 503 throughout ``[down_at + ready_grace, back_at]`` for the processes in
-    ``times.unready``, a 200 within ``ready_within`` of ``back_at`` and at the end for every process."""
+    """Readiness violations: 503 throughout ``[down_at + ready_grace, restart_at]`` for the processes
+    in ``times.unready``, a 200 within ``ready_within`` of ``back_at`` and at the end for every process."""
     s = rig.settings
     out: list[str] = []
     unready = {rig.name_of(r) for r in times.unready}
     for name, poller in rig.ready.items():
         if name in unready:
-            window = poller.between(times.down_at + s.ready_grace, times.back_at)
+            window = poller.between(times.down_at + s.ready_grace, times.restart_at)
             codes = sorted({a.status for a in window}, key=str)
             if not window:
                 out.append(f"/_ready of {name}: no answer recorded while the dependency was down")
@@ -413,9 +431,17 @@ async def run_scenario(name: str, fault: Fault, settings: Settings | None = None
             if relay_revs.get(did) == rev and all(c.last_rev.get(did) == rev for c in rig.consumers))
         baseline = max([c.max_seq_before(times.back_at) for c in rig.consumers]
                        + [rig.health.max_seq_before(times.back_at)])
-        firsts = [c.first_after(baseline, times.back_at) for c in rig.consumers]
-        result.resume_s = max((f - times.back_at if f is not None else math.inf) for f in firsts)
-        result.notes.append(f"resume baseline seq {baseline}")
+        by_host: dict[str, set[str]] = {}
+        for acct in rig.fleet.accounts:
+            by_host.setdefault(acct.host.hostname, set()).add(acct.did)
+        resumed = {(c.name, host): c.first_after(baseline, times.back_at, dids)
+                   for c in rig.consumers for host, dids in by_host.items()}
+        result.resume_s = max((f - times.back_at if f is not None else math.inf) for f in resumed.values())
+        result.notes.append(f"resume (seconds after the return until an event sequenced after it arrived, per "
+                            f"consumer and host; baseline seq {baseline}): "
+                            + ", ".join(f"{c}/{h.rsplit(':', 1)[-1]}="
+                                        + (f"{f - times.back_at:.2f}" if f is not None else "never")
+                                        for (c, h), f in resumed.items()))
         result.readiness = _readiness(rig, times, final)
         result.logs = {rig.name_of(r): log_summary(r.log_path) for r in rig.relays}
     result.duration_s = time.monotonic() - t_start
@@ -429,8 +455,9 @@ async def pg_kill(rig: Rig) -> FaultTimes:
     down = time.monotonic()
     await rig.pg.kill9()
     await asyncio.sleep(max(0.0, rig.settings.pg_kill_outage - (time.monotonic() - down)))
+    restart = time.monotonic()
     await rig.pg.start()
-    return FaultTimes(down, time.monotonic(), unready=rig.relays)
+    return FaultTimes(down, time.monotonic(), restart, unready=rig.relays)
 
 
 async def pg_fast_restart(rig: Rig) -> FaultTimes:
@@ -446,8 +473,9 @@ async def pg_down(rig: Rig) -> FaultTimes:
     down = time.monotonic()
     await rig.pg.stop("fast")
     await asyncio.sleep(max(0.0, rig.settings.pg_down_outage - (time.monotonic() - down)))
+    restart = time.monotonic()
     await rig.pg.start()
-    return FaultTimes(down, time.monotonic(), unready=rig.relays)
+    return FaultTimes(down, time.monotonic(), restart, unready=rig.relays)
 
 
 async def redis_kill(rig: Rig) -> FaultTimes:
@@ -457,8 +485,9 @@ async def redis_kill(rig: Rig) -> FaultTimes:
     down = time.monotonic()
     await rig.redis.kill9()
     await asyncio.sleep(max(0.0, rig.settings.redis_outage - (time.monotonic() - down)))
+    restart = time.monotonic()
     await rig.redis.start()
-    return FaultTimes(down, time.monotonic(), unready=rig.relays)
+    return FaultTimes(down, time.monotonic(), restart, unready=rig.relays)
 
 
 async def relay_kill(rig: Rig) -> FaultTimes:
@@ -467,29 +496,46 @@ async def relay_kill(rig: Rig) -> FaultTimes:
     assert rig.writer is not None
     down = time.monotonic()
     await rig.writer.kill9()
+    restart = time.monotonic()
     back = await rig.writer.start()
-    return FaultTimes(down, back)
+    return FaultTimes(down, back, restart)
 
 
 async def upstream_storm(rig: Rig) -> FaultTimes:
-    """(f) for ``storm_seconds`` every host aborts all its ``subscribeRepos`` connections every
-    0.5 s (TCP abort, possibly mid-frame) and after 10 % of the commits it sends (the simulator's
-    ``disconnect`` fault); the storm's end counts as the dependency's return."""
-    rng = random.Random(rig.settings.seed)
-    for host in rig.fleet.hosts:
-        host.set_fault("disconnect", 0.1)
+    """(f) an upstream disconnect storm: every host aborts each ``subscribeRepos`` connection of the
+    relay ``storm_hold`` s after it was opened (``SimHost.drop_connections``: a TCP abort, possibly
+    mid-frame; by then the relay has read frames on it: the backlog it missed and live ones). The
+    storm lasts until every host has dropped ``storm_drops`` connections (at most ``storm_max`` s);
+    its end counts as the dependency's return.
+
+    Ending on a count rather than a clock makes the outcome deterministic: a relay that waits
+    longer after every broken connection, although each one delivered frames, is in its longest
+    wait yet when the storm ends (with a 1 s base doubling per failure: 8-16 s after four), while
+    one that starts over after a connection that delivered frames is back within ~1 s."""
+    s = rig.settings
+    hosts = rig.fleet.hosts
     down = time.monotonic()
-    dropped = 0
-    try:
-        while time.monotonic() - down < rig.settings.storm_seconds:
-            await asyncio.sleep(0.4 + rng.random() * 0.2)
-            dropped += sum(h.drop_connections() for h in rig.fleet.hosts)
-    finally:
-        for host in rig.fleet.hosts:
-            host.set_fault("disconnect", 0)
-    return FaultTimes(down, time.monotonic(), notes=[f"connections dropped by the hosts: {dropped} on demand, "
-                                                     f"{sum(h.connections_total for h in rig.fleet.hosts)} "
-                                                     "connections accepted in all"])
+    drops = {h.hostname: 0 for h in hosts}
+    known = {h.hostname: h.connections_total for h in hosts}
+    # the connections open when the storm starts have delivered frames for a while: drop them first
+    opened: dict[str, float | None] = {h.hostname: down - s.storm_hold for h in hosts}
+    while time.monotonic() - down < s.storm_max and min(drops.values()) < s.storm_drops:
+        now = time.monotonic()
+        for host in hosts:
+            name = host.hostname
+            if host.connections_total != known[name]:  # a new connection since we last looked
+                known[name] = host.connections_total
+                opened[name] = now
+            since = opened[name]
+            if since is not None and now - since >= s.storm_hold and host.subscriber_count:
+                host.drop_connections()
+                drops[name] += 1
+                opened[name] = None  # count the next connection, not this one again
+        await asyncio.sleep(0.05)
+    back = time.monotonic()
+    return FaultTimes(down, back, notes=[
+        f"storm: {back - down:.1f} s, connections dropped per host {sorted(drops.values())}, "
+        f"{sum(h.connections_total for h in hosts)} connections accepted in all"])
 
 
 SCENARIOS: dict[str, tuple[Fault, bool]] = {
