@@ -5,10 +5,13 @@ Contracts:
 
 * Nothing here touches the machine's shared PostgreSQL (5432) or Redis (6379): every server is
   started from its own binary into its own temporary directory, on its own port.
-* Every class is an async context manager; leaving it (also on error or cancellation) ends every
-  process it started (``SIGKILL`` at the latest) and removes its directory. ``close()`` is
-  idempotent. Processes are only ever signalled by their own id (the relay's also by its own
-  process group, which contains only its validation workers).
+* Every server runs under ``reaper.py`` (a child subreaper: whatever a killed server orphans is
+  reaped, no zombies). Every class is an async context manager; leaving it (also on error or
+  cancellation) ends every process it started (``SIGKILL`` at the latest) and removes its
+  directory; ``close()`` is idempotent. Should that cleanup not run (a timeout, an interrupted
+  event loop), :func:`kill_leftovers` (the suite's fixture finalizer, and ``atexit``) ends them.
+  Processes are only ever signalled by their own id: the server, the children it has, its reaper,
+  and for the relay whatever of its own session still runs ``relay.cli`` or a validation worker.
 * PostgreSQL refuses to run as root. When the suite runs as root, the cluster runs as an
   unprivileged system user (:data:`PG_USER`, created with ``useradd --system`` if missing) that owns
   the cluster's directory; otherwise it runs as the current user.
