@@ -26,6 +26,10 @@ Connection faults (frames stay valid; only delivery misbehaves):
 * ``stall`` – the host stops sending for ``SimConfig.stall_seconds`` while keeping the socket.
 * ``disconnect`` – the TCP connection is aborted right after the affected frame.
 
+``SimHost.drop_connections()`` aborts every current subscriber at once, on demand (the log is
+kept, so a subscriber reconnecting with its cursor misses nothing); ``tests/faults`` uses it with
+``disconnect`` for an upstream disconnect storm.
+
 Account faults (valid events that change what the relay may redistribute):
 
 * ``deactivate`` / ``takedown`` – ``#account active=false`` (status ``deactivated`` /

@@ -101,6 +101,7 @@ class SimHost:
         self.stall_seconds = stall_seconds
         self.frames_sent = 0
         self.connections_total = 0
+        self.connections_dropped = 0
         self._subscribers: set[ServerConnection] = set()
         self._server: Server | None = None
         self._waiter: asyncio.Future[None] | None = None
@@ -148,8 +149,18 @@ class SimHost:
         """Empty the published log and drop every subscriber (second half of a wipe)."""
         self.log.clear()
         self.published_seq = 0
+        self.drop_connections()
+
+    def drop_connections(self) -> int:
+        """Abort every ``subscribeRepos`` connection now (TCP abort, possibly mid-frame), keeping
+        the log: a subscriber that reconnects with its cursor gets every frame it missed. Returns
+        how many connections were dropped (``connections_dropped`` counts them all)."""
+        dropped = 0
         for ws in list(self._subscribers):
             ws.transport.abort()
+            dropped += 1
+        self.connections_dropped += dropped
+        return dropped
 
     # -- emitting ----------------------------------------------------------------------------
     def next_seq(self) -> int:

@@ -194,3 +194,25 @@ async def test_connection_faults_lose_nothing(kind: str) -> None:
             assert max(gaps) >= 0.5
         else:
             assert sum(1 for g in gaps if g >= 0.04) >= 1
+
+
+async def test_drop_connections_on_demand_keeps_the_log() -> None:
+    async with SimFleet(SimConfig(hosts=1, accounts_per_host=4, seed=41)) as fleet:
+        host = fleet.hosts[0]
+        start = host.published_seq
+        follower = asyncio.create_task(_follow(host.url, start + 40))
+        for _ in range(100):
+            if host.subscriber_count:
+                break
+            await asyncio.sleep(0.02)
+        assert host.drop_connections() == 1
+        for _ in range(4):
+            await fleet.generate(10)
+            for _ in range(100):  # the follower reconnects with its cursor
+                if host.subscriber_count:
+                    break
+                await asyncio.sleep(0.02)
+            host.drop_connections()
+        seqs, connections, _ = await follower
+        assert seqs == list(range(1, start + 41))
+        assert connections > 1 and host.connections_dropped >= 2
