@@ -224,14 +224,18 @@ class ConsumerSession:
         b = self._b
         cursor = self.cursor
         assert cursor is not None
-        latest = await b.store.latest_seq()
-        if cursor > (latest or 0):
+        latest = await b.store.latest_seq() or 0
+        if cursor > latest + 1:
             b.stats.future_cursor += 1
             self.close_frame = encode_error_frame(FUTURE_CURSOR, "cursor is ahead of the stream")
             return
         oldest = await b.store.oldest_seq()
         if cursor == 0:
             last = 0
+        elif cursor == latest + 1:
+            # "from the next event on" (I-D §4.3: seq >= cursor): what a consumer that saw the
+            # latest event reconnects with; nothing to replay, it waits for the next event
+            last = latest
         elif oldest is None or cursor < oldest:
             b.stats.outdated_cursor += 1
             yield [encode_info_frame(OUTDATED_CURSOR, "cursor is older than the backfill window")]

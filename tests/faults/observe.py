@@ -8,7 +8,7 @@ Contracts:
   disconnect, error frame or failed connection attempt (every 0.1 s), with ``cursor = last seq +
   1`` (cursors are inclusive), or its initial cursor if it has seen nothing yet. It records every
   event frame as a :class:`Seen` in arrival order, never deduplicating: duplicates are what it is
-  there to find. A ``FutureCursor`` answer (the relay has not sequenced ``last seq + 1`` yet) is
+  there to find. A ``FutureCursor`` answer (a cursor beyond the relay's next seq: never expected) is
   retried with the same cursor.
 * :class:`Poller` asks each endpoint every ``interval`` seconds and records every answer
   (status code, or ``None`` for no answer) with its ``time.monotonic()``.

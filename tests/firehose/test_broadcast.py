@@ -72,14 +72,17 @@ async def test_cursor_rules(ingest: Ingest, broadcaster: Broadcaster, transport:
         assert await collect(ws_url(hp, 40), until_seq=50) == list(range(40, 51))
         # older than the window: #info OutdatedCursor, then the whole window
         assert await collect(ws_url(hp, 5), until_seq=50) == [("info", "OutdatedCursor"), *range(21, 51)]
-        # future cursor: error frame then close
-        assert await collect(ws_url(hp, 51)) == [("error", "FutureCursor")]
+        # future cursor (beyond latest + 1): error frame then close
+        assert await collect(ws_url(hp, 52)) == [("error", "FutureCursor")]
         assert broadcaster.stats.future_cursor == 1
-        # no cursor: live only
+        # no cursor: live only; cursor = latest + 1 ("from the next event on"): waits for it
         live = asyncio.create_task(collect(ws_url(hp), until_seq=55))
-        await wait_until(lambda: broadcaster.consumer_count == 1)
+        following = asyncio.create_task(collect(ws_url(hp, 51), until_seq=55))
+        await wait_until(lambda: broadcaster.consumer_count == 2)
         await ingest.add(5)
         assert await live == [51, 52, 53, 54, 55]
+        assert await following == [51, 52, 53, 54, 55]
+        assert broadcaster.stats.future_cursor == 1
         # in-window cursor followed by live events
         task = asyncio.create_task(collect(ws_url(hp, 50), until_seq=60))
         await wait_until(lambda: broadcaster.consumer_count == 1)
