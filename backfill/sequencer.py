@@ -435,25 +435,29 @@ class Sequencer:
             await self._committed(prepared)
             return
 
-    async def _reconnect(self, batch: BatchWrite) -> bool:
-        """After a transient failure: hold the lease again (re-taking it if its connection died)
-        and tell whether ``batch`` was committed after all (the high-water mark moved to its end,
-        e.g. the connection dropped after COMMIT). Raises ``SequencerLockedError`` if another
-        writer took the lease meanwhile, ``SequencerConflictError`` if the mark is elsewhere."""
-        high: int | None = None
+    async def _hold_lease(self) -> int:
+        """The stored high-water mark, read through the lease; a lease whose connection died is
+        released and taken again. Raises ``SequencerLockedError`` if another writer took it
+        meanwhile, and the store's own (transient) error while it is still unavailable."""
         if self._lease is not None:
             try:
-                high = await self._lease.high_water()
+                return await self._lease.high_water()
             except Exception as exc:
                 if not self.store.is_transient(exc):
                     raise
                 with contextlib.suppress(Exception):
                     await self._lease.release()
                 self._lease = None
-        if self._lease is None:
-            self._lease = await self.store.acquire_writer(wait=False)
-            high = await self._lease.high_water()
-            log.warning("sequencer: writer lease re-taken", extra={"high_water": high})
+        self._lease = await self.store.acquire_writer(wait=False)
+        high = await self._lease.high_water()
+        log.warning("sequencer: writer lease re-taken", extra={"high_water": high})
+        return high
+
+    async def _reconnect(self, batch: BatchWrite) -> bool:
+        """After a transient failure: hold the lease again (``_hold_lease``) and tell whether
+        ``batch`` was committed after all (the high-water mark moved to its end, e.g. the
+        connection dropped after COMMIT). Raises ``SequencerConflictError`` if the mark is elsewhere."""
+        high = await self._hold_lease()
         if high == batch.expected_high_water:
             return False
         if high == batch.new_high_water:
@@ -481,10 +485,12 @@ class Sequencer:
                         extra={"retries": self._outage_attempts})
             self.unavailable = None
 
-    def _fatal(self, exc: BaseException, prepared: _Prepared) -> None:
+    def _fatal(self, exc: BaseException, prepared: _Prepared | None = None) -> None:
+        """Stop for good (another writer); fail ``prepared``'s submits, if given."""
         self._failure = exc
         log.error("sequencer stopped: %s", exc)
-        self._fail_items(prepared.items, exc)
+        if prepared is not None:
+            self._fail_items(prepared.items, exc)
 
     async def _failed_commit(self, prepared: _Prepared, exc: BaseException) -> None:
         """A commit refused for a reason retrying cannot fix: void every batch numbered after this
@@ -496,8 +502,7 @@ class Sequencer:
         try:
             await self._recover()
         except (SequencerLockedError, SequencerConflictError) as fatal:
-            self._failure = fatal
-            log.error("sequencer stopped: %s", fatal)
+            self._fatal(fatal)
         self._next_high_water = self._high_water
         self._numbering.set()
         self._batch_failed(prepared.items, exc)
@@ -549,23 +554,21 @@ class Sequencer:
         self._fail_items(items, exc)
 
     async def _recover(self) -> None:
-        """After a failed write: the commit may or may not have happened (connection lost), and
-        the lease may be gone. Reload the high-water mark, re-taking the lease if needed."""
-        assert self._lease is not None
-        try:
-            self._high_water = await self._lease.high_water()
+        """After a refused write: the commit may or may not have happened, and the lease may be
+        gone. Reload the high-water mark through the lease (``_hold_lease``), waiting while the
+        store is unavailable — an outage during recovery is not a reason to stop for good."""
+        while True:
+            try:
+                self._high_water = await self._hold_lease()
+            except SequencerLockedError:
+                raise
+            except Exception as exc:
+                if self.store.is_transient(exc) and not self._closed:
+                    await self._wait_for_store(exc)
+                    continue
+                raise SequencerConflictError(f"writer lease lost and not recoverable: {exc}") from exc
+            self._store_back()
             return
-        except Exception:
-            pass
-        await self._lease.release()
-        self._lease = None
-        try:
-            self._lease = await self.store.acquire_writer(wait=False)
-            self._high_water = await self._lease.high_water()
-        except SequencerLockedError:
-            raise
-        except Exception as exc:
-            raise SequencerConflictError(f"writer lease lost and not recoverable: {exc}") from exc
 
 
 @dataclass(slots=True)

@@ -43,6 +43,9 @@ class FaultyLease(WriterLease):
         await self.inner.commit_batch(batch)
 
     async def high_water(self) -> int:
+        if self.faults.lease_failures > 0:
+            self.faults.lease_failures -= 1
+            raise OSError("store unreachable while recovering (injected)")
         return await self.inner.high_water()
 
     async def release(self) -> None:
@@ -57,6 +60,7 @@ class Faults:
         self.go = asyncio.Event()
         self.down = False  # while True every commit fails as "unreachable"
         self.refused = 0
+        self.lease_failures = 0  # the next this-many lease reads fail as "unreachable"
 
 
 async def faulty_store(path: Path, faults: Faults) -> Store:
@@ -82,13 +86,18 @@ def commits_of(consumer: Consumer, did: str) -> list[str | None]:
     return [e.rev for e in consumer.events if e.t == "#commit" and e.did == did]
 
 
-@pytest.mark.parametrize("error,refused", [(RuntimeError("write refused"), True), (OSError("connection lost"), False)],
-                         ids=["refused", "unavailable"])
+@pytest.mark.parametrize("error,refused,lease_failures", [
+    (RuntimeError("write refused"), True, 0),
+    (OSError("connection lost"), False, 0),
+    (RuntimeError("write refused"), True, 2),
+], ids=["refused", "unavailable", "refused-then-unreachable"])
 async def test_failed_write_rolls_the_lane_back_and_nothing_chains_on_the_unsaved_commit(
-    relay_factory: Any, tmp_path: Path, error: BaseException, refused: bool
+    relay_factory: Any, tmp_path: Path, error: BaseException, refused: bool, lease_failures: int
 ) -> None:
     """``refused``: a write error retrying cannot fix — N's batch fails, the lane rolls back, the
-    run re-reads. ``unavailable``: the store is unreachable — the batch is held and retried."""
+    run re-reads. ``unavailable``: the store is unreachable — the batch is held and retried.
+    ``refused-then-unreachable``: the store also becomes unreachable while the sequencer recovers
+    from the refused write; it waits for it instead of stopping for good."""
     fleet = SimFleet(SimConfig(hosts=1, accounts_per_host=1, seed=11))
     await fleet.start()
     faults = Faults(error)
@@ -120,6 +129,7 @@ async def test_failed_write_rolls_the_lane_back_and_nothing_chains_on_the_unsave
                             and service.lanes.state(did).rev == chained[-1], "accepted in flight")
                 await asyncio.sleep(0.05)  # (spacing only; nothing is asserted on it)
             rev_n1 = chained[-1]
+            faults.lease_failures = lease_failures
             faults.go.set()  # now the store fails N's batch
             if refused:
                 # the lane falls back to what is stored: N-1 (N and N+1 are re-read afterwards)
@@ -136,9 +146,11 @@ async def test_failed_write_rolls_the_lane_back_and_nothing_chains_on_the_unsave
             assert not [e for e in consumer.events if e.t == "#sync"]  # no repair was needed
             check_stream(consumer.events)
             stats = service.sequencer.stats
+            assert service.sequencer.state == "running"
             if refused:
                 # N's batch failed, the two numbered behind it were voided, the queued one fenced off
                 assert stats.failed_batches >= 3 and stats.fenced >= 1
+                assert faults.lease_failures == 0 and stats.retries >= (1 if lease_failures else 0)
             else:  # held and retried: nothing failed, nothing was re-read
                 assert stats.failed_batches == 0 and stats.retries >= 1 and stats.fenced == 0
             stored = await service.store.get_account(did)
