@@ -154,18 +154,6 @@ class AccountLanes:
             return lane.head
         return self._idle.peek(did)
 
-    def forget(self, did: str) -> None:
-        """The stored state changed out of band: reload it before the next judgement."""
-        self._idle.pop(did, None)
-        lane = self._lanes.get(did)
-        if lane is not None:
-            lane.stale = True
-
-    @property
-    def active(self) -> int:
-        """Lanes with work queued or in flight."""
-        return len(self._lanes)
-
     # -- entry points --------------------------------------------------------------------------
     def submit(self, work: Work) -> None:
         """Queue an upstream frame in its account's lane (judged after everything queued before)."""
@@ -334,7 +322,10 @@ class AccountLanes:
             self._hold(lane, work)
             return None
         verdict = await self._judge(did, work.uf.raw, state if known else None, ident.signing_key)
-        return await self._apply(lane, work, state, verdict)
+        event = await self._apply(lane, work, state, verdict)
+        if event is not None:
+            self._advance(lane, event, event.account)
+        return event
 
     def _hold(self, lane: _Lane, work: Work) -> None:
         if len(lane.buffer) < MAX_BUFFER_PER_ACCOUNT:
@@ -344,6 +335,8 @@ class AccountLanes:
             self.count("ignore", Reason.RESYNC_BUFFER_FULL)
 
     async def _apply(self, lane: _Lane, work: Work, state: AccountState, verdict: Verdict) -> PendingEvent | None:
+        """The event an accepted verdict becomes (its ``account`` is the new head; the caller puts
+        it in flight), or None after counting, holding or marking the account desynchronized."""
         self.count(verdict.kind, verdict.reason)
         if verdict.kind == "accept" and verdict.new_state is not None:
             # The verdict's state is a fresh object (unpickled from a worker, or built by the
@@ -362,7 +355,6 @@ class AccountLanes:
             else:
                 event = PendingEvent(work.kind, work.did, outgoing_body(work.kind, work.uf.frame.body),
                                      new_state.rev, new_state)
-            self._advance(lane, event, new_state)
             return event
         if verdict.kind != "accept":
             log.debug("verdict", extra=fields(did=work.did, kind=verdict.kind, reason=verdict.reason,
@@ -504,7 +496,6 @@ class AccountLanes:
                 work.fence = Fence()
                 event = await self._apply(lane, work, head, verdict)
                 if event is not None:
-                    lane.inflight.pop()  # _apply advanced the head; submit_own tracks it instead
                     await self.submit_own(lane, event)
                 elif verdict.kind == "desync":
                     lane.buffer = buffered[buffered.index(work) + 1:] + lane.buffer

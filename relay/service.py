@@ -261,10 +261,11 @@ class RelayService:
     async def readiness(self) -> list[str]:
         """Why this process should not receive traffic now (empty: ready). Checks the store
         (a read within 2 s), the sequencer (``running``; not ``retrying``/``failed``) and, in
-        scale-out, the Redis bus (a PING within 2 s). Also refreshes the matching gauges."""
+        scale-out, the Redis bus (a PING within 2 s). Also refreshes the matching gauges (and
+        ``relay_current_seq`` from the same store read)."""
         reasons: list[str] = []
         try:
-            await asyncio.wait_for(self.store.latest_seq(), 2.0)
+            self.metrics.current_seq.set(await asyncio.wait_for(self.store.latest_seq(), 2.0))
             self.metrics.store_up.set(1)
         except Exception as exc:
             self.metrics.store_up.set(0)
@@ -285,14 +286,12 @@ class RelayService:
         return reasons
 
     async def refresh_gauges(self) -> None:
+        """Before a scrape: readiness (store, sequencer, bus, current seq) and host statuses. The
+        resync queue gauge is kept current by the queue itself."""
         await self.readiness()
-        with contextlib.suppress(Exception):
-            self.metrics.current_seq.set(await self.store.latest_seq())
         if self.hosts is not None:
             with contextlib.suppress(Exception):
                 await self.hosts.refresh_status_gauge()
-        if self.resync is not None:
-            self.metrics.resync_queue.set(self.resync.pending)
 
     async def set_local_status(self, did: str, local_status: str) -> AccountState:
         if self.lanes is None or self.hosts is None:

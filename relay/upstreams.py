@@ -106,8 +106,9 @@ class Upstreams:
                     limits[i] = (float(value), window)
         return SubscriberConfig(rate_limits=limits, backoff_base=self.backoff_base, backoff_max=30.0)
 
-    def _subscriber(self, run: _HostRun | None, hostname: str, url: str, cursor: int | None,
+    def _subscriber(self, hostname: str, url: str, cursor: int | None,
                     config: SubscriberConfig) -> tuple[HostSubscriber, Fence]:
+        """A subscriber and the fence all its events share."""
         fence = Fence()
         subscriber = HostSubscriber(url, self._on_frame(hostname, fence), cursor=cursor, config=config,
                                     on_cursor_reset=self._on_reset(hostname), resolve=self.guard.connect_address)
@@ -124,7 +125,7 @@ class Upstreams:
         url = host_base_url(host.hostname, insecure=self.config.allow_insecure_hosts, websocket=True)
         # A new host is read from the start of its backfill window (cursor 0), so nothing it
         # emitted before it was added is missed; later runs resume from the durable cursor.
-        subscriber, fence = self._subscriber(None, host.hostname, url, cursor or 0, self.subscriber_config(host))
+        subscriber, fence = self._subscriber(host.hostname, url, cursor or 0, self.subscriber_config(host))
         run = _HostRun(host.hostname, subscriber, fence, asyncio.Queue(self.max_in_flight_per_host))
         self._runs[host.hostname] = run
         run.drainer = asyncio.create_task(self._drain(run), name=f"drain:{host.hostname}")
@@ -157,7 +158,7 @@ class Upstreams:
                 return
             run.restart.clear()
             run.restarts += 1
-            run.subscriber, run.fence = self._subscriber(run, run.hostname, subscriber.host, subscriber.cursor,
+            run.subscriber, run.fence = self._subscriber(run.hostname, subscriber.host, subscriber.cursor,
                                                          subscriber.config)
             log.info("subscription restarted", extra=fields(host=run.hostname, cursor=subscriber.cursor))
 
@@ -210,10 +211,6 @@ class Upstreams:
     async def close(self) -> None:
         self._closed = True
         await asyncio.gather(*(self.stop_host(h) for h in list(self._runs)), return_exceptions=True)
-
-    def subscriber(self, hostname: str) -> HostSubscriber | None:
-        run = self._runs.get(hostname)
-        return run.subscriber if run else None
 
     async def watch_hosts(self, *, idle_after: float = 1800.0, offline_after: int = 5) -> None:
         """Derive idle/offline/active host statuses from the subscribers (call periodically)."""
