@@ -13,17 +13,12 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from firehose.broadcast import Broadcaster
 from firehose.frames import decode_frame
+from tests.waiting import until
 
 from .conftest import Ingest
 from .servers import serve, ws_url
 
 pytestmark = pytest.mark.timeout(60)
-
-
-async def wait_until(pred, timeout: float = 5.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not pred():
-            await asyncio.sleep(0.005)
 
 
 async def collect(url: str, *, until_seq: int | None = None, count: int | None = None, delay: float = 0.0):
@@ -78,14 +73,14 @@ async def test_cursor_rules(ingest: Ingest, broadcaster: Broadcaster, transport:
         # no cursor: live only; cursor = latest + 1 ("from the next event on"): waits for it
         live = asyncio.create_task(collect(ws_url(hp), until_seq=55))
         following = asyncio.create_task(collect(ws_url(hp, 51), until_seq=55))
-        await wait_until(lambda: broadcaster.consumer_count == 2)
+        await until(lambda: broadcaster.consumer_count == 2)
         await ingest.add(5)
         assert await live == [51, 52, 53, 54, 55]
         assert await following == [51, 52, 53, 54, 55]
         assert broadcaster.stats.future_cursor == 1
         # in-window cursor followed by live events
         task = asyncio.create_task(collect(ws_url(hp, 50), until_seq=60))
-        await wait_until(lambda: broadcaster.consumer_count == 1)
+        await until(lambda: broadcaster.consumer_count == 1)
         await ingest.add(5)
         assert await task == list(range(50, 61))
 
@@ -133,9 +128,9 @@ async def test_slow_catching_up_consumer_is_never_dropped(ingest: Ingest) -> Non
     try:
         async with serve(b, "websockets") as hp:
             reader = asyncio.create_task(collect(ws_url(hp, 0), until_seq=300, delay=0.002))
-            await wait_until(lambda: store.reads_started >= 1)  # replaying; its first read is held
+            await until(lambda: store.reads_started >= 1)  # replaying; its first read is held
             await ingest.add(180, batch=30)  # live events meanwhile: 180 > its live buffer of 15
-            await wait_until(lambda: b.stats.replay_overflows >= 1)
+            await until(lambda: b.stats.replay_overflows >= 1)
             assert b.stats.too_slow == 0  # a replaying consumer's overflow is not "too slow"
             store.gate.set()
             got = await reader
@@ -159,10 +154,10 @@ async def test_stalled_live_consumer_gets_too_slow_and_is_closed(ingest: Ingest,
             sock.connect((host, int(port)))
             healthy = asyncio.create_task(collect(ws_url(hp), until_seq=400))
             async with connect(ws_url(hp), sock=sock, max_queue=1, max_size=None) as stalled:
-                await wait_until(lambda: b.consumer_count == 2)
+                await until(lambda: b.consumer_count == 2)
                 await ingest.add(400, batch=10, payload=b"z" * 32768)  # ~13 MB: fills every buffer
-                await wait_until(lambda: b.stats.too_slow == 1, timeout=15)
-                await wait_until(lambda: b.consumer_count == 1, timeout=15)
+                await until(lambda: b.stats.too_slow == 1, timeout=15)
+                await until(lambda: b.consumer_count == 1, timeout=15)
                 # the stalled consumer's connection is closed by the server
                 with pytest.raises(ConnectionClosed):
                     async with asyncio.timeout(15):
@@ -202,7 +197,7 @@ async def test_slow_live_consumer_receives_consumer_too_slow(ingest: Ingest, tra
     try:
         async with serve(b, transport) as hp:
             reader = asyncio.create_task(collect(ws_url(hp), until_seq=10_000, delay=0.003))
-            await wait_until(lambda: b.consumer_count == 1)
+            await until(lambda: b.consumer_count == 1)
             await ingest.add(400, batch=20, payload=b"s" * 32768)
             got = await asyncio.wait_for(reader, 30)
         assert got[-1] == ("error", "ConsumerTooSlow")

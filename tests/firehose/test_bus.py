@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
 from firehose.broadcast import Broadcaster
 from firehose.bus import BusClosed, InProcessBus, RedisStreamBus
 from firehose.state import SequencedEvent
+from tests.waiting import until
 
 from .conftest import Ingest, commit_frame
 
@@ -76,6 +79,34 @@ async def test_redis_bus_round_trip_and_positions(redis_bus: RedisStreamBus) -> 
     await after.close()
 
 
+@contextlib.asynccontextmanager
+async def live_frames(b: Broadcaster, timeout: float = 10.0) -> AsyncIterator[Callable[[int], Awaitable[list[bytes]]]]:
+    """A live session registered on ``b`` before ``b`` starts (from seq 0); yields ``take(n)``,
+    the session's first ``n`` frames. Closes the session and ``b`` on the way out."""
+    batches = b.session(None).frame_batches()
+    first = asyncio.create_task(anext(batches))
+    await until(lambda: b.consumer_count == 1, "the session to register", timeout)
+    await b.start(after_seq=0)
+    got: list[bytes] = []
+
+    async def take(n: int) -> list[bytes]:
+        if not got:
+            got.extend(await asyncio.wait_for(first, timeout))
+        while len(got) < n:
+            got.extend(await asyncio.wait_for(anext(batches), timeout))
+        return got
+
+    try:
+        yield take
+    finally:
+        if not first.done():
+            first.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await first
+        await batches.aclose()
+        await b.close()
+
+
 async def test_redis_trim_gap_is_filled_from_the_store(ingest: Ingest, redis_url: str) -> None:
     stream = f"test:fh:{uuid.uuid4().hex}"
     publisher = RedisStreamBus(redis_url, stream, maxlen=5, approximate_trim=False)
@@ -85,18 +116,9 @@ async def test_redis_trim_gap_is_filled_from_the_store(ingest: Ingest, redis_url
         await ingest.add(20)  # the stream now only holds seq 16..20 (prev of 16 is 15)
         assert await publisher.redis.xlen(stream) == 5
         b = Broadcaster(ingest.store, consumer)
-        session = b.session(None)
-        batches = session.frame_batches()
-        first = asyncio.create_task(anext(batches))
-        await asyncio.sleep(0.01)  # registered, waiting for live events
-        await b.start(after_seq=0)
-        got = list(await asyncio.wait_for(first, 5))
-        while len(got) < 20:
-            got.extend(await asyncio.wait_for(anext(batches), 5))
-        assert got == [commit_frame(i) for i in range(1, 21)]
-        assert b.stats.bus_gaps_filled == 1
-        await batches.aclose()
-        await b.close()
+        async with live_frames(b) as take:
+            assert await take(20) == [commit_frame(i) for i in range(1, 21)]
+            assert b.stats.bus_gaps_filled == 1
     finally:
         await publisher.redis.delete(stream)
         await publisher.close()
@@ -140,21 +162,12 @@ async def test_a_lost_publish_is_never_a_hole(ingest: Ingest, redis_url: str, lo
     consumer = RedisStreamBus(redis_url, stream, block_ms=100)
     try:
         b = Broadcaster(ingest.store, consumer)
-        session = b.session(None)
-        batches = session.frame_batches()
-        first = asyncio.create_task(anext(batches))
-        await asyncio.sleep(0.01)  # registered, waiting for live events
-        await b.start(after_seq=0)
-        ingest.bus = LossyBus(publisher, lost)
-        publisher._last_published = None  # a restarted ingest knows no previous seq
-        await ingest.add(10, batch=10)
-        got = list(await asyncio.wait_for(first, 5))
-        while len(got) < 10:
-            got.extend(await asyncio.wait_for(anext(batches), 5))
-        assert got == [commit_frame(i) for i in range(1, 11)]
-        assert b.stats.bus_gaps_filled >= 1
-        await batches.aclose()
-        await b.close()
+        async with live_frames(b) as take:
+            ingest.bus = LossyBus(publisher, lost)
+            publisher._last_published = None  # a restarted ingest knows no previous seq
+            await ingest.add(10, batch=10)
+            assert await take(10) == [commit_frame(i) for i in range(1, 11)]
+            assert b.stats.bus_gaps_filled >= 1
     finally:
         await publisher.redis.delete(stream)
         await publisher.close()
@@ -165,20 +178,11 @@ async def test_bus_down_the_fan_out_follows_the_store(ingest: Ingest) -> None:
     """Redis unreachable: what is stored still reaches live consumers (from the store)."""
     dead = RedisStreamBus("redis://127.0.0.1:1/15", "test:fh:dead")  # nothing listens on port 1
     b = Broadcaster(ingest.store, dead)
-    session = b.session(None)
-    batches = session.frame_batches()
-    first = asyncio.create_task(anext(batches))
-    await asyncio.sleep(0.01)
-    await b.start(after_seq=0)
     try:
-        ingest.bus = InProcessBus()  # the ingest publishes elsewhere; this fan-out sees only the store
-        await ingest.add(5)
-        got = list(await asyncio.wait_for(first, 10))
-        while len(got) < 5:
-            got.extend(await asyncio.wait_for(anext(batches), 10))
-        assert got == [commit_frame(i) for i in range(1, 6)]
-        assert b.stats.bus_errors >= 1
+        async with live_frames(b) as take:
+            ingest.bus = InProcessBus()  # the ingest publishes elsewhere; this fan-out sees only the store
+            await ingest.add(5)
+            assert await take(5) == [commit_frame(i) for i in range(1, 6)]
+            assert b.stats.bus_errors >= 1
     finally:
-        await batches.aclose()
-        await b.close()
         await dead.close()

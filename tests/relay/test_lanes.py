@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ import pytest
 from backfill.store import BatchWrite, Store, WriterLease, open_store
 from relay.sim import SimConfig, SimFleet
 from tests.relay.e2e import Consumer, check_stream, crawl
+from tests.waiting import until
 
 
 class FaultyLease(WriterLease):
@@ -72,14 +72,6 @@ async def faulty_store(path: Path, faults: Faults) -> Store:
 
     store.acquire_writer = acquire_writer  # type: ignore[method-assign]
     return store
-
-
-async def until(predicate: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
 
 
 def commits_of(consumer: Consumer, did: str) -> list[str | None]:
