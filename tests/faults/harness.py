@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Self
@@ -135,40 +136,39 @@ def alive(pid: int) -> bool:
     return state is not None and state not in ("Z", "X")
 
 
-def children_of(pid: int) -> list[int]:
-    """Direct children of ``pid`` (from /proc)."""
-    kids: list[int] = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat", "rb") as fh:
-                stat = fh.read().decode(errors="replace")
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                kids.append(int(d))
-        except (OSError, IndexError, ValueError):
-            continue
-    return kids
-
-
-def session_members(sids: set[int]) -> list[int]:
-    """Running processes whose session id is in ``sids`` and which run this project's Python
-    (``relay.cli`` or a validation worker): what is left of relays started with their own session."""
-    found: list[int] = []
+def _proc_stats() -> Iterator[tuple[int, list[str]]]:
+    """``(pid, fields)`` for every process in /proc: the fields of ``/proc/PID/stat`` after the
+    command name (``fields[0]`` state, ``[1]`` parent pid, ``[3]`` session id)."""
     for d in os.listdir("/proc"):
         if not d.isdigit():
             continue
         try:
             with open(f"/proc/{d}/stat", "rb") as fh:
                 fields = fh.read().decode(errors="replace").rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        yield int(d), fields
+
+
+def children_of(pid: int) -> list[int]:
+    """Direct children of ``pid`` (from /proc)."""
+    return [child for child, fields in _proc_stats() if fields[1:2] == [str(pid)]]
+
+
+def session_members(sids: set[int]) -> list[int]:
+    """Running processes whose session id is in ``sids`` and which run this project's Python
+    (``relay.cli`` or a validation worker): what is left of relays started with their own session."""
+    found: list[int] = []
+    for pid, fields in _proc_stats():
+        try:
             if int(fields[3]) not in sids or fields[0] in ("Z", "X"):
                 continue
-            with open(f"/proc/{d}/cmdline", "rb") as fh:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
                 cmdline = fh.read()
         except (OSError, IndexError, ValueError):
             continue
         if b"relay.cli" in cmdline or b"firehose.worker_main" in cmdline:
-            found.append(int(d))
+            found.append(pid)
     return found
 
 

@@ -21,8 +21,9 @@ import asyncio
 import contextlib
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 from websockets.asyncio.client import connect
@@ -44,7 +45,23 @@ class Seen:
     at: float
 
 
-class RecordingConsumer:
+class Background:
+    """Owns one background task: ``_launch`` starts it, ``stop()`` cancels it and waits for it."""
+
+    _task: asyncio.Task[Any] | None = None
+
+    def _launch(self, coro: Coroutine[Any, Any, Any], name: str) -> None:
+        self._task = asyncio.create_task(coro, name=name)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+
+class RecordingConsumer(Background):
     """A ``subscribeRepos`` consumer that records everything and never gives up (see module doc).
 
     ``await start()``; ``await stop()``; ``frames`` is the record, ``last_rev`` the newest
@@ -60,7 +77,6 @@ class RecordingConsumer:
         self.max_seq = 0
         self.connections = 0
         self.errors: Counter[str] = Counter()
-        self._task: asyncio.Task[None] | None = None
 
     @property
     def cursor(self) -> int:
@@ -68,14 +84,7 @@ class RecordingConsumer:
         return self.max_seq + 1 if self.frames else self.initial_cursor
 
     async def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name=f"consumer {self.name}")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        self._launch(self._run(), f"consumer {self.name}")
 
     def first_after(self, seq: int, since: float, dids: set[str] | None = None) -> float | None:
         """Arrival time of the first frame with seq > ``seq`` that arrived at or after ``since``
@@ -135,7 +144,7 @@ class Answer:
     seq: int | None = None
 
 
-class Poller:
+class Poller(Background):
     """Polls ``GET url`` every ``interval`` s in the background, recording every :class:`Answer`
     (``seq`` is the ``seq`` field of a JSON body, when there is one)."""
 
@@ -144,17 +153,9 @@ class Poller:
         self.interval = interval
         self.timeout = timeout
         self.answers: list[Answer] = []
-        self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name=f"poll {self.url}")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        self._launch(self._run(), f"poll {self.url}")
 
     async def ask(self, http: httpx.AsyncClient) -> Answer:
         """One request now (also recorded)."""

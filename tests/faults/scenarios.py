@@ -42,7 +42,16 @@ from tests.faults.harness import (
     make_dir,
     remove_dir,
 )
-from tests.faults.observe import Poller, RecordingConsumer, Tally, caught_up, compare, final_revs, wait_until
+from tests.faults.observe import (
+    Background,
+    Poller,
+    RecordingConsumer,
+    Tally,
+    caught_up,
+    compare,
+    final_revs,
+    wait_until,
+)
 
 ADMIN_TOKEN = "faults-admin-token"
 
@@ -197,23 +206,15 @@ class ScenarioResult:
         return "\n".join(lines)
 
 
-class Traffic:
+class Traffic(Background):
     """Commits at a steady rate from the fleet, in the background, until :meth:`stop`."""
 
     def __init__(self, fleet: SimFleet, rate: float) -> None:
         self.fleet = fleet
         self.rate = rate
-        self._task: asyncio.Task[int] | None = None
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self.fleet.run(self.rate), name="traffic")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        self._launch(self.fleet.run(self.rate), "traffic")
 
 
 class Rig:
@@ -450,14 +451,21 @@ async def run_scenario(name: str, fault: Fault, settings: Settings | None = None
 
 # -- the faults ------------------------------------------------------------------------------
 
+async def _outage(rig: Rig, take_down: Callable[[], Awaitable[None]], seconds: float,
+                  bring_back: Callable[[], Awaitable[None]]) -> FaultTimes:
+    """A dependency taken down, kept down ``seconds`` (from when it went), then brought back;
+    readiness is expected to be 503 meanwhile on every relay."""
+    down = time.monotonic()
+    await take_down()
+    await asyncio.sleep(max(0.0, seconds - (time.monotonic() - down)))
+    restart = time.monotonic()
+    await bring_back()
+    return FaultTimes(down, time.monotonic(), restart, unready=rig.relays)
+
+
 async def pg_kill(rig: Rig) -> FaultTimes:
     """(a) kill -9 of the postmaster and its children; started again after ``pg_kill_outage`` s."""
-    down = time.monotonic()
-    await rig.pg.kill9()
-    await asyncio.sleep(max(0.0, rig.settings.pg_kill_outage - (time.monotonic() - down)))
-    restart = time.monotonic()
-    await rig.pg.start()
-    return FaultTimes(down, time.monotonic(), restart, unready=rig.relays)
+    return await _outage(rig, rig.pg.kill9, rig.settings.pg_kill_outage, rig.pg.start)
 
 
 async def pg_fast_restart(rig: Rig) -> FaultTimes:
@@ -470,24 +478,14 @@ async def pg_fast_restart(rig: Rig) -> FaultTimes:
 
 async def pg_down(rig: Rig) -> FaultTimes:
     """(c) fast shutdown, ``pg_down_outage`` s without a database, start again."""
-    down = time.monotonic()
-    await rig.pg.stop("fast")
-    await asyncio.sleep(max(0.0, rig.settings.pg_down_outage - (time.monotonic() - down)))
-    restart = time.monotonic()
-    await rig.pg.start()
-    return FaultTimes(down, time.monotonic(), restart, unready=rig.relays)
+    return await _outage(rig, lambda: rig.pg.stop("fast"), rig.settings.pg_down_outage, rig.pg.start)
 
 
 async def redis_kill(rig: Rig) -> FaultTimes:
     """(d) scale-out: kill -9 of Redis (its streams are lost), restarted empty on the same port
     after ``redis_outage`` s."""
     assert rig.redis is not None
-    down = time.monotonic()
-    await rig.redis.kill9()
-    await asyncio.sleep(max(0.0, rig.settings.redis_outage - (time.monotonic() - down)))
-    restart = time.monotonic()
-    await rig.redis.start()
-    return FaultTimes(down, time.monotonic(), restart, unready=rig.relays)
+    return await _outage(rig, rig.redis.kill9, rig.settings.redis_outage, rig.redis.start)
 
 
 async def relay_kill(rig: Rig) -> FaultTimes:

@@ -17,6 +17,7 @@ from firehose.frames import decode_frame
 from relay.sim import EXPECTED, SimConfig, SimFleet
 from relay.sim.faults import ACCOUNT_FAULTS, CONNECTION_FAULTS, FRAME_FAULTS
 from tests.sim.harness import RelayJudge, read_frames, ws_url
+from tests.waiting import until
 
 
 async def _judge_all(fleet: SimFleet, steps: int = 0) -> list[tuple[object, object]]:
@@ -178,10 +179,7 @@ async def test_connection_faults_lose_nothing(kind: str) -> None:
         host = fleet.hosts[0]
         start = host.published_seq
         follower = asyncio.create_task(_follow(host.url, start + 30))
-        for _ in range(100):
-            if host.subscriber_count:
-                break
-            await asyncio.sleep(0.02)
+        await until(lambda: host.subscriber_count > 0, "the follower to subscribe")
         host.set_fault(kind, 0.2)
         truth = await fleet.generate(30)
         seqs, connections, gaps = await follower
@@ -201,10 +199,7 @@ async def test_drop_connections_on_demand_keeps_the_log() -> None:
         host = fleet.hosts[0]
         start = host.published_seq
         follower = asyncio.create_task(_follow(host.url, start + 40))
-        for _ in range(100):
-            if host.subscriber_count:
-                break
-            await asyncio.sleep(0.02)
+        await until(lambda: host.subscriber_count > 0, "the follower to subscribe")
         assert host.drop_connections() == 1
         for _ in range(4):
             await fleet.generate(10)
