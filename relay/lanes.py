@@ -98,7 +98,7 @@ class _Lane:
     head: AccountState | None = None
     loaded: bool = False
     stale: bool = False
-    running: bool = False
+    task: asyncio.Task[None] | None = None  # the lane's task while it has jobs (held: never collected)
     jobs: deque[Work | _OpJob] = dataclasses.field(default_factory=deque)
     inflight: list[tuple[PendingEvent, AccountState | None]] = dataclasses.field(default_factory=list)
     buffer: list[Work] = dataclasses.field(default_factory=list)
@@ -134,13 +134,12 @@ class AccountLanes:
         return lane
 
     def _start(self, lane: _Lane) -> None:
-        if not lane.running:
-            lane.running = True
-            asyncio.get_running_loop().create_task(self._run(lane), name=f"lane:{lane.did}")
+        if lane.task is None:
+            lane.task = asyncio.get_running_loop().create_task(self._run(lane), name=f"lane:{lane.did}")
 
     def _maybe_idle(self, lane: _Lane) -> None:
         """A lane with nothing queued, in flight, buffered or awaited keeps only its durable state."""
-        if lane.running or lane.jobs or lane.inflight or lane.buffer or lane.quiet:
+        if lane.task is not None or lane.jobs or lane.inflight or lane.buffer or lane.quiet:
             return
         if self._lanes.get(lane.did) is lane:
             del self._lanes[lane.did]
@@ -216,7 +215,7 @@ class AccountLanes:
                 finally:
                     lane.jobs.popleft()
         finally:
-            lane.running = False
+            lane.task = None
             for job in lane.jobs:  # only when cancelled (shutdown)
                 (job.judged if isinstance(job, Work) else job.done).cancel()
             self._maybe_idle(lane)

@@ -66,6 +66,7 @@ class _HostRun:
     drainer: asyncio.Task[None] | None = None
     last_frame: float = 0.0
     restart: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    stopping: asyncio.Task[None] | None = None  # the subscriber's stop, when a restart asked for it
     restarts: int = 0
 
 
@@ -180,7 +181,7 @@ class Upstreams:
         run.restart.set()
         log.warning("a frame was not stored; re-reading from the acknowledged cursor",
                     extra=fields(host=run.hostname, reason=fence.reason, cursor=run.subscriber.cursor))
-        asyncio.get_running_loop().create_task(run.subscriber.stop())
+        run.stopping = asyncio.get_running_loop().create_task(run.subscriber.stop())
 
     async def stop_host(self, hostname: str) -> None:
         run = self._runs.pop(hostname, None)
