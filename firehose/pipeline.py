@@ -47,11 +47,6 @@ def validate_and_encode(
     return Verdict(verdict.kind, verdict.reason, verdict.new_state, verdict.detail, body_cbor, offset)
 
 
-def _validate_job(frame: bytes, state: AccountState | None, signing_key: str | None, now: float) -> Verdict:
-    """Inline (``workers=0``) validation."""
-    return validate_and_encode(frame, state, signing_key, now)
-
-
 # ``AccountState`` travels to the workers and back as ``account_row`` tuples: pickling slotted
 # dataclasses runs Python-level ``__getstate__``/``__setstate__`` per object, a tuple is pickled in C.
 WireJob = tuple[bytes, tuple[Any, ...] | None, str | None, float]
@@ -145,7 +140,7 @@ class ValidationPool:
         job: Job = (frame, state, signing_key, self.clock() if now is None else now)
         if self._pool is None:
             try:
-                fut.set_result(_validate_job(*job))
+                fut.set_result(validate_and_encode(*job))  # inline (workers=0)
             except Exception as exc:  # validate_and_encode never raises for bad input
                 fut.set_exception(exc)
             return fut
