@@ -85,6 +85,19 @@ async def test_cursor_rules(ingest: Ingest, broadcaster: Broadcaster, transport:
         assert await task == list(range(50, 61))
 
 
+async def test_cursor_one_on_an_empty_stream_waits_for_the_first_event(ingest: Ingest, broadcaster: Broadcaster) -> None:
+    """Nothing sequenced yet: cursor 1 is "from the next event on" (no ``OutdatedCursor``, no
+    ``FutureCursor``); cursor 2 is ahead of the stream."""
+    await broadcaster.start()
+    async with serve(broadcaster, "websockets") as hp:
+        assert await collect(ws_url(hp, 2)) == [("error", "FutureCursor")]
+        first = asyncio.create_task(collect(ws_url(hp, 1), until_seq=3))
+        await until(lambda: broadcaster.consumer_count == 1)
+        await ingest.add(3)
+        assert await first == [1, 2, 3]
+        assert broadcaster.stats.outdated_cursor == 0
+
+
 async def test_handoff_under_concurrent_ingest(ingest: Ingest, broadcaster: Broadcaster) -> None:
     await ingest.add(200)
     await broadcaster.start()

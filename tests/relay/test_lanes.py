@@ -252,3 +252,46 @@ async def test_a_takedown_in_the_lane_wins_over_what_was_in_flight(relay_factory
         assert hidden not in commits_of(consumer, account.did)
         statuses = [e.body.get("status") for e in consumer.events if e.t == "#account" and e.did == account.did]
         assert "takendown" in statuses
+
+
+async def test_only_the_accounts_own_pds_speaks_for_it(relay_factory: Any) -> None:
+    """Another host relaying an account's genuine commit, an ``#identity`` and an ``#account``
+    deactivation for it: all three are rejected ``wrong_host`` (the DID document names a different
+    PDS); the account keeps its host and stays active, and its own PDS's copy of the commit is
+    the one redistributed."""
+    fleet = SimFleet(SimConfig(hosts=2, accounts_per_host=1, seed=15))
+    await fleet.start()
+    try:
+        settings = {"allow_insecure_hosts": True, "plc_url": fleet.plc_url, "validation_workers": 0}
+        async with relay_factory(**settings) as relay, Consumer(relay.ws_url, cursor=0) as consumer:
+            service = relay.service
+            for host in fleet.hosts:
+                await crawl(relay.url, host.hostname)
+            await fleet.generate(4)
+            account = next(a for a in fleet.accounts if a.host is fleet.hosts[0])
+            own, other = fleet.hosts[0], fleet.hosts[1]
+            await consumer.wait_for(lambda evs: account.repo.rev in commits_of(consumer, account.did))
+            assert fleet._mix is not None
+            res = account.repo.apply_writes(fleet._mix.next_writes(account.repo.record_paths()))
+            body = fleet._commit_body(account, res)
+            now = "2026-11-24T00:00:00.000Z"
+            fleet._queue(other, "#commit", body, account.did, rev=res.rev, verdict="reject", reason="wrong_host")
+            fleet._queue(other, "#identity", {"did": account.did, "time": now, "handle": "evil.test"}, account.did,
+                         verdict="reject", reason="wrong_host")
+            fleet._queue(other, "#account", {"did": account.did, "time": now, "active": False,
+                                             "status": "deactivated"}, account.did,
+                         verdict="reject", reason="wrong_host")
+            fleet._queue(own, "#commit", body, account.did, rev=res.rev)
+            fleet._flush_now()
+            await until(lambda: _verdicts(service, "reject", "wrong_host") == 3, "three wrong_host rejections")
+            await consumer.wait_for(lambda evs: res.rev in commits_of(consumer, account.did))
+            await fleet.generate(4)  # a marker from every host: nothing of the above may come after it
+            await consumer.wait_for(lambda evs: account.repo.rev in commits_of(consumer, account.did))
+            assert commits_of(consumer, account.did).count(res.rev) == 1
+            mine = [e for e in consumer.events if e.did == account.did]
+            assert not [e for e in mine if e.t in ("#identity", "#account")
+                        and (e.body.get("handle") == "evil.test" or e.body.get("active") is False)]
+            stored = await service.store.get_account(account.did)
+            assert stored is not None and stored.host == own.hostname and stored.active
+    finally:
+        await fleet.stop()
