@@ -5,7 +5,7 @@ A lane holds, for one DID:
 
 * ``durable`` — the account state as stored (loaded from the store, or confirmed by the
   sequencer for an event this lane submitted);
-* ``head`` — ``durable`` plus every accepted event still in flight: what the next frame is
+* ``head`` (derived) — ``durable`` plus every accepted event still in flight: what the next frame is
   judged against, so consecutive commits chain before the previous one is durable;
 * ``inflight`` — those accepted events, in order, each with the head it produced;
 * ``jobs`` — what waits to be judged, strictly in arrival order: upstream frames (``Work``) and
@@ -95,7 +95,6 @@ class _OpJob:
 class _Lane:
     did: str
     durable: AccountState | None = None
-    head: AccountState | None = None
     loaded: bool = False
     stale: bool = False
     task: asyncio.Task[None] | None = None  # the lane's task while it has jobs (held: never collected)
@@ -103,6 +102,12 @@ class _Lane:
     inflight: list[tuple[PendingEvent, AccountState | None]] = dataclasses.field(default_factory=list)
     buffer: list[Work] = dataclasses.field(default_factory=list)
     quiet: list[asyncio.Future[None]] = dataclasses.field(default_factory=list)
+
+    @property
+    def head(self) -> AccountState | None:
+        """``durable`` plus every accepted event still in flight (what the next frame is judged
+        against). Derived, so dropping failed events from ``inflight`` is the whole rollback."""
+        return self.inflight[-1][1] if self.inflight else self.durable
 
 
 class AccountLanes:
@@ -129,7 +134,7 @@ class AccountLanes:
         if lane is None:
             lane = self._lanes[did] = _Lane(did)
             if did in self._idle:
-                lane.durable = lane.head = self._idle.pop(did)
+                lane.durable = self._idle.pop(did)
                 lane.loaded = True
         return lane
 
@@ -189,7 +194,6 @@ class AccountLanes:
                 break
         if failed:
             lane.inflight = [e for e in lane.inflight if e[0].fence is None or e[0].fence.valid]
-            lane.head = lane.inflight[-1][1] if lane.inflight else lane.durable
         elif result is None:
             self.count("ignore", Reason.ALREADY_SEQUENCED)
             lane.stale = True
@@ -222,7 +226,7 @@ class AccountLanes:
 
     async def _load(self, lane: _Lane) -> None:
         if not lane.loaded or (lane.stale and not lane.inflight):
-            lane.durable = lane.head = await self.store.get_account(lane.did)
+            lane.durable = await self.store.get_account(lane.did)
             lane.loaded = True
             lane.stale = False
 
@@ -249,7 +253,6 @@ class AccountLanes:
 
     def _advance(self, lane: _Lane, event: PendingEvent, head: AccountState | None) -> None:
         lane.inflight.append((event, head))
-        lane.head = head
 
     async def submit_own(self, lane: _Lane, event: PendingEvent) -> SequencedEvent | None:
         """Sequence an event of an operation (not of an upstream frame) and wait until it is
@@ -303,7 +306,7 @@ class AccountLanes:
         if state is None:
             self.count("ignore", Reason.ACCOUNT_THROTTLED)
             if head is None:  # just held: the admission stored it
-                lane.durable = lane.head = await self.store.get_account(work.did)
+                lane.durable = await self.store.get_account(work.did)
         return state
 
     async def _repo_event(self, lane: _Lane, work: Work) -> PendingEvent | None:
@@ -369,7 +372,7 @@ class AccountLanes:
         base = lane.durable or AccountState(did=lane.did, host=hostname)
         marked = dataclasses.replace(base, sync_state="desynchronized", updated_at=self.clock())
         await self.store.upsert_account(marked)
-        lane.durable = lane.head = marked
+        lane.durable = marked
         await self.resync.enqueue(lane.did, hostname)
 
     def _parsed(self, work: Work, kind: type[M]) -> M | None:
@@ -428,7 +431,7 @@ class AccountLanes:
                 verdict = validate_account(msg, held, self.clock())
                 assert verdict.new_state is not None
                 await self.store.upsert_account(verdict.new_state)
-                lane.durable = lane.head = verdict.new_state
+                lane.durable = verdict.new_state
             return None
         verdict = validate_account(msg, state, self.clock())
         self.count(verdict.kind, verdict.reason)
@@ -449,7 +452,7 @@ class AccountLanes:
             state = lane.durable or AccountState(did=did)
             new_state = dataclasses.replace(state, local_status=local_status, updated_at=self.clock())
             await self.store.upsert_account(new_state)  # event upserts never touch local_status
-            lane.durable = lane.head = new_state
+            lane.durable = new_state
             await self.submit_own(lane, PendingEvent(kind="#account", did=did, body=account_event_body(new_state),
                                                      account=new_state))
             return new_state
@@ -480,7 +483,7 @@ class AccountLanes:
                 await self.submit_own(lane, PendingEvent(kind="#sync", did=did, body=sync_body, account=state))
             else:
                 await self.store.upsert_account(state)
-                lane.durable = lane.head = state
+                lane.durable = state
             buffered, lane.buffer = lane.buffer, []
             for work in buffered:
                 rev = str(work.uf.frame.body.get("rev", ""))
