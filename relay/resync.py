@@ -67,10 +67,6 @@ class ResyncManager:
         self.max_repo_bytes = max_repo_bytes
         self._tasks: list[asyncio.Task[None]] = []
 
-    @property
-    def pending(self) -> int:
-        return self.queue.pending
-
     async def start(self) -> None:
         """Start the workers and requeue accounts left desynchronized by a previous run."""
         self._tasks = [asyncio.create_task(self._worker(), name=f"resync-{i}") for i in range(self.workers)]
@@ -87,9 +83,6 @@ class ResyncManager:
             except (asyncio.CancelledError, Exception):
                 pass
         self._tasks = []
-
-    async def enqueue(self, did: str, host: str | None, attempt: int = 0) -> None:
-        await self.queue.enqueue(did, host, attempt)
 
     async def release_throttled(self, hostname: str) -> int:
         """Queue every throttled account of ``hostname`` (its limit was raised)."""
