@@ -10,10 +10,11 @@ from websockets.frames import Frame, Opcode
 from firehose.broadcast import Broadcaster
 from firehose.frames import decode_frame
 from firehose.serve_websockets import _binary_frame_header
+from tests.waiting import until
 
 from .conftest import Ingest
 from .servers import serve, ws_url
-from .test_broadcast import collect, wait_until
+from .test_broadcast import collect
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -32,7 +33,7 @@ async def test_long_replay_while_publishing_is_complete_ordered_without_duplicat
             readers = [
                 asyncio.create_task(collect(ws_url(hp, cursor), until_seq=target)) for cursor in (1, 700)
             ]
-            await wait_until(lambda: b.consumer_count == 2)
+            await until(lambda: b.consumer_count == 2)
             await ingest.add(published, batch=16)  # published while both are replaying
             got_all, got_tail = await asyncio.gather(*readers)
         assert got_all == list(range(1, target + 1))
