@@ -19,6 +19,7 @@ from backfill.errors import MigrationError, SequencerConflictError, SequencerLoc
 from backfill.migrations import discover
 from backfill.store import (
     PENDING_REPAIRS_SQL,
+    REPAIR_DONE_SQL,
     BatchWrite,
     Store,
     WriterLease,
@@ -30,6 +31,12 @@ from backfill.types import HostState
 from firehose.state import AccountState, SequencedEvent, account_row
 
 _SCHEMA_RE = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+
+
+def _numbered(sql: str) -> str:
+    """A statement written with ``?`` placeholders (shared with SQLite) in asyncpg's ``$n`` form."""
+    parts = sql.split("?")
+    return parts[0] + "".join(f"${i}{part}" for i, part in enumerate(parts[1:], start=1))
 
 _ACCOUNT_COLS = "did, host, upstream_status, local_status, rev, commit_cid, data_cid, sync_state, updated_at"
 _HOST_COLS = (
@@ -435,12 +442,12 @@ class PostgresStore(Store):
         result = await self._pool.execute("DELETE FROM domain_bans WHERE domain = $1", domain.strip().lower())
         return result == "DELETE 1"
 
-    async def pending_repairs(self, limit: int = 500) -> list[dict[str, Any]]:
-        rows = await self._pool.fetch(PENDING_REPAIRS_SQL.replace("?", "$1"), limit)
+    async def pending_repairs(self, limit: int = 500, after_id: int = 0) -> list[dict[str, Any]]:
+        rows = await self._pool.fetch(_numbered(PENDING_REPAIRS_SQL), after_id, limit)
         return [dict(row) for row in rows]
 
-    async def mark_repair_consumed(self, row_id: int, at: float, seq: int | None) -> None:
-        await self._pool.execute("UPDATE spark_repair_outbox SET consumed_at = $1, seq = $2 WHERE id = $3", at, seq, row_id)
+    async def mark_repair_consumed(self, row_id: int, at: float, seq: int | None, outcome: str) -> None:
+        await self._pool.execute(_numbered(REPAIR_DONE_SQL), at, seq, outcome, row_id)
 
 
 class _PgLease(WriterLease):

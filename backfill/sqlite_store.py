@@ -425,16 +425,16 @@ class SqliteStore(Store):
         )
         return [audit_entry(*row) for row in reversed(rows)]
 
-    async def pending_repairs(self, limit: int = 500) -> list[dict[str, Any]]:
+    async def pending_repairs(self, limit: int = 500, after_id: int = 0) -> list[dict[str, Any]]:
         def run(conn: sqlite3.Connection) -> list[dict[str, Any]]:
-            cur = conn.execute(PENDING_REPAIRS_SQL, (limit,))
+            cur = conn.execute(PENDING_REPAIRS_SQL, (after_id, limit))
             names = [d[0] for d in cur.description]
             return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
 
         return await self._read(run)
 
-    async def mark_repair_consumed(self, row_id: int, at: float, seq: int | None) -> None:
-        await self._update_one(REPAIR_DONE_SQL, (at, seq, row_id))
+    async def mark_repair_consumed(self, row_id: int, at: float, seq: int | None, outcome: str) -> None:
+        await self._update_one(REPAIR_DONE_SQL, (at, seq, outcome, row_id))
 
 
 def _advance_high_water(conn: sqlite3.Connection, batch: BatchWrite) -> None:

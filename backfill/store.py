@@ -297,22 +297,23 @@ class Store(ABC):
 
     # -- the Spark repair outbox (migration 0070; see backfill.outbox) --------------------------
     @abstractmethod
-    async def pending_repairs(self, limit: int = 500) -> list[dict[str, Any]]:
-        """Unconsumed outbox rows in queue order (columns of ``PENDING_REPAIRS_SQL``)."""
+    async def pending_repairs(self, limit: int = 500, after_id: int = 0) -> list[dict[str, Any]]:
+        """Unconsumed outbox rows with ``id > after_id``, in queue order (columns of
+        ``PENDING_REPAIRS_SQL``)."""
 
     @abstractmethod
-    async def mark_repair_consumed(self, row_id: int, at: float, seq: int | None) -> None:
-        """Mark one outbox row consumed (``seq``: the event it became, None if it became none)."""
+    async def mark_repair_consumed(self, row_id: int, at: float, seq: int | None, outcome: str) -> None:
+        """Mark one outbox row consumed (``seq``: the event it became, None if it became none;
+        ``outcome``: what the relay did with it, see ``backfill.outbox``)."""
 
 
-#: The repair outbox (migration 0070) as ``Store.pending_repairs`` reads it: each queued row with the
-#: account's current statuses (NULL when the relay does not know the account).
+#: The repair outbox (migrations 0070, 0075) as ``Store.pending_repairs`` reads it.
 PENDING_REPAIRS_SQL = (
-    "SELECT o.id, o.kind, o.did, o.rev, o.blocks, o.active, o.status, a.upstream_status, a.local_status "
-    "FROM spark_repair_outbox o LEFT JOIN accounts a ON a.did = o.did "
-    "WHERE o.consumed_at IS NULL ORDER BY o.id LIMIT ?"
+    "SELECT id, kind, did, host, rev, commit_cid, data_cid, blocks, active, status, base_rev, "
+    "base_commit_cid, base_status, observed_at, created_at, run_id "
+    "FROM spark_repair_outbox WHERE consumed_at IS NULL AND id > ? ORDER BY id LIMIT ?"
 )
-REPAIR_DONE_SQL = "UPDATE spark_repair_outbox SET consumed_at = ?, seq = ? WHERE id = ?"
+REPAIR_DONE_SQL = "UPDATE spark_repair_outbox SET consumed_at = ?, seq = ?, outcome = ? WHERE id = ?"
 
 
 def audit_entry(at: float, action: str, target: str, detail: str) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -150,6 +151,8 @@ class HostSubscriber:
         self._stopping = asyncio.Event()
         self._ws: ClientConnection | None = None
         self.connected = asyncio.Event()
+        #: ``time.monotonic()`` when the current (or last) connection opened
+        self.connected_at = 0.0
         self._poison_at: int | None = None  # cursor at which an unreadable frame failed us
         self._delivered = 0  # frames delivered on the current (or last) connection
 
@@ -261,6 +264,7 @@ class HostSubscriber:
         ) as ws:
             self._ws = ws
             self.connections += 1
+            self.connected_at = time.monotonic()
             self.connected.set()
             last_seq: int | None = None
             backwards = 0

@@ -95,6 +95,11 @@ SETTINGS: tuple[Setting, ...] = (
             "processes verifying commits in parallel (0 = in the event loop)", "int"),
     Setting("resync_workers", "RELAY_RESYNC_WORKERS", "--resync-workers", "4",
             "parallel repository resyncs", "int"),
+    Setting("repair_interval", "RELAY_REPAIR_INTERVAL", "--repair-interval", "5s",
+            "how often Spark repairs queued in the outbox are applied", "duration"),
+    Setting("repair_settle", "RELAY_REPAIR_SETTLE", "--repair-settle", "10s",
+            "a Spark repair waits until the relay has read its host's stream this far past the moment "
+            "the job looked (or the host has been quiet this long): the host's clock-skew margin", "duration"),
     Setting("identity_rate", "RELAY_IDENTITY_RATE", "--identity-rate", "200",
             "DID resolutions per second (PLC / did:web), bursts up to 2.5x", "int"),
     Setting("handle_resolver_url", "RELAY_HANDLE_RESOLVER_URL", "--handle-resolver-url", "",
@@ -169,6 +174,8 @@ class RelayConfig:
     crawling_enabled: bool = True
     validation_workers: int = 2
     resync_workers: int = 4
+    repair_interval: float = 5.0
+    repair_settle: float = 10.0
     identity_rate: int = 200
     handle_resolver_url: str = ""
     dns_servers: str = ""

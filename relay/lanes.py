@@ -41,6 +41,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+from backfill.outbox import Repair, RepairOutcome, decide_repair, repaired_state
 from backfill.sequencer import Sequencer
 from backfill.store import Store
 from firehose.lru import BoundedLRU
@@ -50,7 +51,7 @@ from firehose.reasons import Reason
 from firehose.state import AccountState, Fence, PendingEvent, SequencedEvent
 from firehose.subscriber import UpstreamFrame
 from firehose.validate import Verdict, identity_body, outgoing_body, validate_account, validate_identity
-from relay.accounts import account_event_body
+from relay.accounts import account_event_body, now_iso
 from relay.admission import Admission
 from relay.identity import IdentityError, IdentityResolver
 from relay.jsonlog import fields
@@ -470,50 +471,90 @@ class AccountLanes:
 
     async def finish_resync(self, did: str, new_state: AccountState, sync_body: dict[str, Any]) -> None:
         """Emit the ``#sync`` of a completed resync (verified repository at ``new_state``), then
-        judge the frames buffered meanwhile, in order, against it."""
+        judge the frames buffered meanwhile, in order, against it. Skipped (counted) when the
+        account is synced by now at that rev or later (e.g. a Spark repair got there first)."""
 
         async def op(lane: _Lane) -> None:
             current = lane.durable
             state = new_state
             if current is not None:
+                if (current.sync_state == "synced" and current.rev is not None and state.rev is not None
+                        and state.rev <= current.rev):
+                    self.count("ignore", Reason.COVERED_BY_RESYNC)
+                    return
                 state = dataclasses.replace(state, upstream_status=current.upstream_status,
                                             local_status=current.local_status)
-            state = dataclasses.replace(state, sync_state="synced")
-            if state.active:
-                await self.submit_own(lane, PendingEvent(kind="#sync", did=did, body=sync_body, account=state))
-            else:
-                await self.store.upsert_account(state)
-                lane.durable = state
-            buffered, lane.buffer = lane.buffer, []
-            for work in buffered:
-                rev = str(work.uf.frame.body.get("rev", ""))
-                if lane.head is not None and lane.head.rev is not None and rev <= lane.head.rev:
-                    self.count("ignore", Reason.COVERED_BY_RESYNC)
-                    continue
-                head = lane.head
-                assert head is not None and work.signing_key is not None
-                verdict = await self._judge(did, work.uf.raw, head, work.signing_key)
-                # judged again outside its run: sequenced without its fence and without moving
-                # the host cursor (which went past it when it was buffered)
-                work.fence = Fence()
-                event = await self._apply(lane, work, head, verdict)
-                if event is not None:
-                    await self.submit_own(lane, event)
-                elif verdict.kind == "desync":
-                    lane.buffer = buffered[buffered.index(work) + 1:] + lane.buffer
-                    return  # marked again; a new resync is queued
+            await self._install(lane, dataclasses.replace(state, sync_state="synced"), sync_body)
 
         await self.run_op(did, op)
 
-    async def apply_repair(self, event: PendingEvent) -> SequencedEvent | None:
-        """Sequence a repair queued by a Spark job (which wrote the account row itself), in the
-        account's lane; the lane then reloads the stored state."""
+    async def _install(self, lane: _Lane, state: AccountState, sync_body: dict[str, Any] | None) -> int | None:
+        """Make ``state`` (a verified repository, ``synced``) the account's state: with a ``#sync``
+        when ``sync_body`` is given and the account is active, else silently; then judge the
+        frames buffered while it was being resynchronised. Returns the ``#sync``'s seq."""
+        seq: int | None = None
+        if sync_body is not None and state.active:
+            stored = await self.submit_own(lane, PendingEvent(kind="#sync", did=lane.did, body=sync_body,
+                                                              account=state))
+            seq = stored.seq if stored is not None else None
+        else:
+            await self.store.upsert_account(state)
+            lane.durable = state
+        buffered, lane.buffer = lane.buffer, []
+        for work in buffered:
+            rev = str(work.uf.frame.body.get("rev", ""))
+            if lane.head is not None and lane.head.rev is not None and rev <= lane.head.rev:
+                self.count("ignore", Reason.COVERED_BY_RESYNC)
+                continue
+            head = lane.head
+            assert head is not None and work.signing_key is not None
+            verdict = await self._judge(lane.did, work.uf.raw, head, work.signing_key)
+            # judged again outside its run: sequenced without its fence and without moving
+            # the host cursor (which went past it when it was buffered)
+            work.fence = Fence()
+            event = await self._apply(lane, work, head, verdict)
+            if event is not None:
+                await self.submit_own(lane, event)
+            elif verdict.kind == "desync":
+                lane.buffer = buffered[buffered.index(work) + 1:] + lane.buffer
+                break  # marked again; a new resync is queued
+        return seq
 
-        async def op(lane: _Lane) -> SequencedEvent | None:
-            result = await self.submit_own(lane, event)
-            lane.stale = True
-            await self._load(lane)
-            return result
+    async def apply_repair(self, repair: Repair) -> tuple[RepairOutcome, int | None]:
+        """Apply one Spark outbox row in the account's lane, with ``backfill.outbox.decide_repair``'s
+        compare-and-set against the durable state (nothing in flight); returns the outcome and the
+        seq of the event it became (None when it became none)."""
 
-        result: SequencedEvent | None = await self.run_op(event.did, op)
+        async def op(lane: _Lane) -> tuple[RepairOutcome, int | None]:
+            durable = lane.durable
+            outcome = decide_repair(repair, durable)
+            self.count("repair", f"{repair.kind.lstrip('#')}_{outcome.value}")
+            now = self.clock()
+            if outcome == RepairOutcome.DESYNC_CLEARED:
+                assert durable is not None
+                await self._install(lane, dataclasses.replace(durable, sync_state="synced", updated_at=now), None)
+                return outcome, None
+            if outcome != RepairOutcome.APPLIED:
+                return outcome, None
+            if repair.kind == "add":
+                added = AccountState(did=repair.did, host=repair.host, upstream_status=repair.upstream_status,
+                                     sync_state="desynchronized", updated_at=now)
+                await self.store.upsert_account(added)
+                lane.durable = added
+                await self.resync.enqueue(repair.did, repair.host)
+                return outcome, None
+            assert durable is not None
+            if repair.kind == "desync":
+                await self._mark_desynchronized(lane, durable.host)
+                return outcome, None
+            if repair.kind == "#account":
+                changed = dataclasses.replace(durable, upstream_status=repair.upstream_status, updated_at=now)
+                stored = await self.submit_own(lane, PendingEvent(kind="#account", did=repair.did,
+                                                                  body=account_event_body(changed), account=changed))
+                return outcome, stored.seq if stored is not None else None
+            assert repair.blocks is not None and repair.rev is not None
+            body = {"did": repair.did, "blocks": repair.blocks, "rev": repair.rev, "time": now_iso()}
+            return outcome, await self._install(lane, repaired_state(repair, durable, now), body)
+
+        result: tuple[RepairOutcome, int | None] = await self.run_op(repair.did, op)
         return result

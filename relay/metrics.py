@@ -44,6 +44,8 @@ class RelayMetrics:
                                   registry=r)
         self.bytes_out = Counter("relay_bytes_out_total", "Bytes sent to consumers", registry=r)
         self.resync_queue = Gauge("relay_resync_queue", "Accounts waiting for a resync", registry=r)
+        self.repairs_deferred = Gauge("relay_repairs_deferred",
+                                      "Spark repairs waiting for the relay to catch up with their host", registry=r)
         self.store_up = Gauge("relay_store_up", "1 if the database answered the last readiness check, else 0",
                               registry=r)
         self.sequencer_state = Gauge("relay_sequencer_state",

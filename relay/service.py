@@ -24,7 +24,7 @@ from typing import Any
 from starlette.applications import Starlette
 from starlette.routing import BaseRoute, Route, WebSocketRoute
 
-from backfill.outbox import drain_repair_outbox
+from backfill.outbox import DrainResult, drain_repair_outbox
 from backfill.sequencer import Sequencer
 from backfill.store import Store, open_store
 from firehose.broadcast import Broadcaster
@@ -157,6 +157,7 @@ class RelayService:
         await self.resync.start()
         await self.upstreams.start_all()
         self._tasks.append(asyncio.create_task(self._housekeeping(), name="housekeeping"))
+        self._tasks.append(asyncio.create_task(self._repairs(), name="repairs"))
         log.info("relay started", extra=fields(role=self.role, mst=native.STATUS, **config.describe()))
 
     async def _start_firehose_listener(self, bind: str) -> None:
@@ -179,7 +180,7 @@ class RelayService:
         self.metrics.child(self.metrics.verdicts, kind, reason).inc()
 
     async def _housekeeping(self, interval: float = 5.0) -> None:
-        """Host status watch, retention trim, Spark repair outbox drain."""
+        """Host status watch, retention trim."""
         ticks = 0
         while True:
             await asyncio.sleep(interval)
@@ -189,25 +190,39 @@ class RelayService:
                     await self.upstreams.watch_hosts()
                 if ticks % 12 == 0:
                     await self.store.trim(older_than_seconds=self.config.replay_window)
-                if ticks % 6 == 0:
-                    await self._drain_outbox()
             except asyncio.CancelledError:
                 raise
             except Exception:
                 log.exception("housekeeping failed")
 
-    async def _drain_outbox(self) -> None:
-        """Sequence the repairs Spark jobs queued, each in its account's lane."""
-        if self.lanes is None:
-            return
+    async def _repairs(self) -> None:
+        """Apply the Spark outbox every ``repair_interval`` (see ``apply_repairs``)."""
+        while True:
+            await asyncio.sleep(self.config.repair_interval)
+            await self.apply_repairs()
+
+    async def apply_repairs(self) -> DrainResult | None:
+        """Apply the repairs Spark jobs queued, each in its account's lane with a compare-and-set,
+        once the relay has caught up with the row's host (``backfill.outbox``). Store errors are
+        logged once per distinct error and retried the next time; returns None after one."""
+        if self.lanes is None or self.upstreams is None:
+            return None
+        upstreams, settle = self.upstreams, self.config.repair_settle
         try:
-            await drain_repair_outbox(self.store, self.lanes.apply_repair)
-            self._outbox_error = ""
-        except Exception as exc:  # logged once per distinct error, retried next time
+            result = await drain_repair_outbox(
+                self.store, self.lanes.apply_repair,
+                lambda repair: upstreams.caught_up(repair.host, repair.observed_at, settle))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
             message = f"{type(exc).__name__}: {exc}"[:300]
             if message != self._outbox_error:
                 log.warning("repair outbox drain failed", extra=fields(error=message))
             self._outbox_error = message
+            return None
+        self._outbox_error = ""
+        self.metrics.repairs_deferred.set(result.deferred)
+        return result
 
     async def stop(self) -> None:
         for task in self._tasks:

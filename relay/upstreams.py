@@ -24,7 +24,10 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
+from datetime import datetime
+from typing import Any
 
 from backfill.errors import BackfillError
 from backfill.sequencer import Sequencer
@@ -50,6 +53,16 @@ KINDS = ("#commit", "#sync", "#identity", "#account")
 SKIP_PERSIST_EVERY = 100
 
 
+def host_time(stamp: str | None) -> float | None:
+    """A frame's ``time`` (RFC 3339) as epoch seconds, or None when absent or unreadable."""
+    if not stamp:
+        return None
+    try:
+        return datetime.fromisoformat(stamp).timestamp()
+    except ValueError:
+        return None
+
+
 def did_of(kind: str, body: dict[str, object]) -> str | None:
     """The account a frame is about (``repo`` of a ``#commit``, else ``did``), if a valid DID."""
     did = body.get("repo") if kind == "#commit" else body.get("did")
@@ -68,6 +81,26 @@ class _HostRun:
     restart: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     stopping: asyncio.Task[None] | None = None  # the subscriber's stop, when a restart asked for it
     restarts: int = 0
+    #: frames received and not yet done (judged and, if they became an event, stored or dropped)
+    outstanding: int = 0
+    #: one ``[host time, done]`` per frame of the current subscriber, in upstream order, until done
+    marks: deque[list[Any]] = dataclasses.field(default_factory=deque)
+    #: host ``time`` of the latest frame such that it and every frame before it are done
+    done_time: str | None = None
+
+    def mark(self, work: Work) -> list[Any]:
+        entry = [work.uf.frame.body.get("time"), False]
+        self.marks.append(entry)
+        return entry
+
+    def finish(self, entry: list[Any]) -> None:
+        """``entry``'s frame is done: advance ``done_time`` over the done prefix."""
+        entry[1] = True
+        marks = self.marks
+        while marks and marks[0][1]:
+            stamp = marks.popleft()[0]
+            if isinstance(stamp, str):
+                self.done_time = stamp
 
 
 class Upstreams:
@@ -159,6 +192,7 @@ class Upstreams:
                 return
             run.restart.clear()
             run.restarts += 1
+            run.marks.clear()  # the old subscriber's frames that are not done will be read again
             run.subscriber, run.fence = self._subscriber(run.hostname, subscriber.host, subscriber.cursor,
                                                          subscriber.config)
             log.info("subscription restarted", extra=fields(host=run.hostname, cursor=subscriber.cursor))
@@ -231,6 +265,25 @@ class Upstreams:
                 await self.store.set_host_status(hostname, status)
                 log.info("host status", extra=fields(host=hostname, status=status))
 
+    def caught_up(self, hostname: str | None, observed_at: float, settle: float) -> bool:
+        """Has the relay read and finished everything ``hostname`` sent before ``observed_at``
+        (wall-clock seconds)? True when the relay does not follow the host; else when a finished
+        frame is stamped at least ``settle`` seconds after ``observed_at`` (the margin absorbs the
+        host's clock skew), or when the run is connected, has nothing outstanding and has received
+        nothing for ``settle`` seconds, with ``observed_at`` at least ``settle`` seconds ago (an
+        idle host: what it sent before is all here). A disconnected host is never caught up."""
+        run = self._runs.get(hostname) if hostname else None
+        if run is None:
+            return True
+        done = host_time(run.done_time)
+        if done is not None and done >= observed_at + settle:
+            return True
+        sub = run.subscriber
+        if not sub.connected.is_set() or run.outstanding or run.marks:
+            return False
+        quiet = time.monotonic() - max(run.last_frame, sub.connected_at)
+        return quiet >= settle and time.time() - settle >= observed_at
+
     # -- frames in -----------------------------------------------------------------------------
     def _on_frame(self, hostname: str, fence: Fence) -> Callable[[UpstreamFrame], Awaitable[None]]:
         async def on_frame(uf: UpstreamFrame) -> None:
@@ -238,6 +291,7 @@ class Upstreams:
             if run is None:
                 return
             run.last_frame = time.monotonic()
+            run.outstanding += 1
             await run.queue.put(self.dispatch(hostname, uf, fence))
 
         return on_frame
@@ -272,15 +326,19 @@ class Upstreams:
         queue = run.queue
         while True:
             work = await queue.get()
+            submitted = False
             try:
                 event = await work.judged
                 if not work.fence.valid:  # its subscriber is being replaced: it will be re-read
                     if event is not None:
                         self.lanes.dropped(event)
                 elif event is None:
+                    entry = run.mark(work)
                     await self._skip(run, work)
+                    run.finish(entry)
                 else:
-                    await self._submit(run, work, event)
+                    await self._submit(run, work, event, run.mark(work))
+                    submitted = True
             except asyncio.CancelledError:
                 if work.judged.cancelled() and not self._closed:
                     continue  # its lane was cancelled, not this drainer
@@ -289,6 +347,9 @@ class Upstreams:
                 log.info("frame not persisted", extra=fields(host=run.hostname, reason=exc.reason))
             except Exception:
                 log.exception("ingest drain failed", extra=fields(host=run.hostname))
+            finally:
+                if not submitted:
+                    run.outstanding -= 1
 
     async def _skip(self, run: _HostRun, work: Work) -> None:
         """A frame that produced no event: persist the cursor now and then (not every time)."""
@@ -300,17 +361,18 @@ class Upstreams:
             if run.fence is work.fence:
                 sub.ack(seq)
 
-    async def _submit(self, run: _HostRun, work: Work, event: PendingEvent) -> None:
+    async def _submit(self, run: _HostRun, work: Work, event: PendingEvent, entry: list[Any]) -> None:
         event.host = run.hostname
         event.upstream_seq = work.uf.seq
         event.fence = work.fence
         future = await self.sequencer.enqueue(event)
-        future.add_done_callback(lambda f: self._settled(run, work, event, f))
+        future.add_done_callback(lambda f: self._settled(run, work, event, entry, f))
 
-    def _settled(self, run: _HostRun, work: Work, event: PendingEvent,
+    def _settled(self, run: _HostRun, work: Work, event: PendingEvent, entry: list[Any],
                  future: asyncio.Future[SequencedEvent | None]) -> None:
         """Done-callback of a sequencer future: the lane learns the outcome; the upstream cursor
         advances once the event is durable; a lost one restarts the run."""
+        run.outstanding -= 1
         self.lanes.settled(event, future)
         if future.cancelled() or future.exception() is not None:
             if not future.cancelled():
@@ -320,6 +382,7 @@ class Upstreams:
             return
         if run.fence is work.fence:
             run.subscriber.ack(work.uf.seq)
+            run.finish(entry)
         result = future.result()
         if result is None:
             return

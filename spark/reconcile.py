@@ -5,23 +5,29 @@ One task per host pages ``com.atproto.sync.listRepos`` (did, head, rev, active, 
 host's rate limit, SSRF check, timeouts and retries, and for each page compares with the stored
 accounts (outcome per account, written to ``spark_job_results``):
 
-* ``status_diverged`` → the stored upstream status is updated and an ``#account`` event is
-  queued in ``spark_repair_outbox`` (the relay emits it);
-* ``head_diverged`` → the account is marked ``desynchronized`` for the resync job and the
-  relay's own resync workers (an account the relay is ahead on is ``relay_ahead``, untouched);
-* ``added`` → an account the relay did not know, whose DID document names this host as its PDS,
-  is inserted (desynchronized: no state yet); otherwise ``not_added`` (``pds_mismatch`` or the
-  DID resolution failure);
+* ``status_diverged`` → an ``#account`` with the host's status is queued;
+* ``head_diverged`` → a ``desync`` is queued (the relay marks the account desynchronized and
+  resyncs it); an account the relay is ahead on is ``relay_ahead``, untouched;
+* ``added`` → an account the relay did not know, whose DID document names this host as its PDS:
+  an ``add`` is queued (the relay stores it desynchronized and resyncs it); otherwise
+  ``not_added`` (``pds_mismatch`` or the DID resolution failure);
 * ``host_mismatch`` → listed here but the relay has it on another host (reported only);
-* ``missing_on_host`` → the relay has it on this host but the host does not list it (reported);
+* an account the relay has on this host that the host does not list is checked with
+  ``getRepoStatus`` and its DID document (``confirm_missing``): ``deleted`` (an ``#account``
+  ``deleted`` is queued), ``status_diverged``, ``moved_away`` or ``missing_on_host`` (reported);
 * ``invalid_entry`` → a malformed entry (reason ``bad_did``/``bad_head``/``bad_rev``; ignored);
 * ``ok`` otherwise. A host that cannot be listed yields one ``host_failed`` entry in the summary.
 
-Idempotent: the second run over the same data finds nothing to change.
+Nothing here writes account state: every finding is a row in ``spark_repair_outbox`` that the
+running relay applies in the account's lane with a compare-and-set, once it has caught up with
+the host past the moment the page was fetched (``backfill.outbox``), so a finding the relay's own
+stream has overtaken is discarded as stale. Idempotent: a second run after the relay applied
+the first finds nothing to change.
 """
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -30,14 +36,14 @@ from spark.config import JobConfig
 from spark.db import JobDB, connect_db
 from spark.fetch import FetchError, HostFetcher, base_url_for
 from spark.identity import IdentityClient, IdentityError
+from spark.partitioning import batched
 from spark.relaydb import (
+    Finding,
     ResultRow,
     accounts_by_did,
-    add_accounts,
-    apply_status_changes,
     dids_on_host,
     finish_run,
-    mark_desynchronized,
+    queue_findings,
     start_run,
     write_results,
 )
@@ -113,15 +119,57 @@ def confirm_added(rows: list[ResultRow], identities: IdentityClient, host_url: s
 
 
 def _apply_page(db: JobDB, cfg: JobConfig, host: str, rows: list[ResultRow],
-                stored: dict[str, StoredAccount]) -> None:
-    added = [(r.did, host, r.reason or "active") for r in rows if r.outcome == "added"]
-    status = [(r.did, host, r.reason or "active") for r in rows if r.outcome == "status_diverged"]
-    desync = [r.did for r in rows if r.outcome == "head_diverged" and stored[r.did].sync_state == "synced"]
+                stored: dict[str, StoredAccount], observed_at: float) -> None:
+    """Queue the page's findings for the relay (it applies them with a compare-and-set) and write
+    the results, in one transaction."""
+    findings = []
+    for r in rows:
+        base = stored.get(r.did)
+        if r.outcome == "added":
+            findings.append(Finding("add", r.did, host, r.reason or "active", None, observed_at))
+        elif r.outcome == "status_diverged":
+            findings.append(Finding("#account", r.did, host, r.reason or "active", base, observed_at))
+        elif r.outcome == "head_diverged" and base is not None and base.sync_state == "synced":
+            findings.append(Finding("desync", r.did, host, base.upstream_status, base, observed_at))
     with db.transaction():
-        add_accounts(db, added)
-        apply_status_changes(db, cfg.run_id, status)
-        mark_desynchronized(db, desync)
+        queue_findings(db, cfg.run_id, findings)
         write_results(db, cfg.run_id, JOB, rows)
+
+
+def confirm_missing(fetcher: HostFetcher, identities: IdentityClient, host: str, base_url: str,
+                    stored: StoredAccount) -> ResultRow:
+    """An account the relay has on ``host`` that the host does not list: ask the host
+    (``getRepoStatus``) and the DID document. ``deleted`` when the host no longer has the repository
+    (``RepoNotFound``) or reports it deleted, or the DID is gone (tombstoned); ``status_diverged``
+    when the host reports another inactive status; ``moved_away`` when the DID document names
+    another PDS (the relay follows the move through ``#identity``: nothing queued); else
+    ``missing_on_host`` (reported only; reason: what could not be confirmed)."""
+    did = stored.did
+    try:
+        pds = identities.resolve(did).pds
+    except IdentityError as exc:
+        if exc.reason == "did_not_found":
+            return ResultRow(did, host, "deleted", "did_not_found")
+        return ResultRow(did, host, "missing_on_host", exc.reason)
+    if not same_host(pds, base_url):
+        return ResultRow(did, host, "moved_away", None)
+    try:
+        status = fetcher.get("/xrpc/com.atproto.sync.getRepoStatus", {"did": did}).json()
+    except FetchError as exc:
+        if exc.reason == "repo_not_found":
+            return ResultRow(did, host, "deleted", "repo_not_found")
+        return ResultRow(did, host, "missing_on_host", exc.reason)
+    except ValueError:
+        return ResultRow(did, host, "missing_on_host", "bad_status")
+    if not isinstance(status, dict) or status.get("active", True) is not False:
+        return ResultRow(did, host, "missing_on_host", "listed_active")
+    reported = status.get("status")
+    reported = reported if isinstance(reported, str) and reported else "deactivated"
+    if reported == "deleted":
+        return ResultRow(did, host, "deleted", "status_deleted")
+    if reported != stored.upstream_status:
+        return ResultRow(did, host, "status_diverged", reported)
+    return ResultRow(did, host, "missing_on_host", "inactive")
 
 
 def list_repos(fetcher: HostFetcher) -> Iterator[list[dict[str, Any]]]:
@@ -153,20 +201,32 @@ def reconcile_host(cfg: JobConfig, host: str) -> Iterator[tuple[str, str, int]]:
         identities = IdentityClient(cfg.fetch)
         try:
             for entries in list_repos(fetcher):
+                observed_at = time.time()  # the page shows the host's state at least this recent
                 seen.update(e["did"] for e in entries)
                 stored = accounts_by_did(db, [e["did"] for e in entries])
                 rows = [compare_entry(host, e, stored.get(e["did"])) for e in entries]
                 rows = confirm_added(rows, identities, base)
-                _apply_page(db, cfg, host, rows, stored)
+                _apply_page(db, cfg, host, rows, stored, observed_at)
                 for row in rows:
                     counts[row.outcome] += 1
         except (FetchError, ValueError, AttributeError) as exc:
             counts[f"host_failed:{getattr(exc, 'reason', 'bad_listing')}"] += 1
         else:
             missing = sorted(dids_on_host(db, host) - seen)
-            with db.transaction():
-                write_results(db, cfg.run_id, JOB, [ResultRow(did, host, "missing_on_host") for did in missing])
-            counts["missing_on_host"] += len(missing)
+            for chunk in batched(missing, PAGE_LIMIT):
+                stored = accounts_by_did(db, chunk)
+                rows = [confirm_missing(fetcher, identities, host, base, stored[did]) for did in chunk]
+                observed_at = time.time()
+                findings = []
+                for r in rows:
+                    status = "deleted" if r.outcome == "deleted" else r.reason or ""
+                    if r.outcome in ("deleted", "status_diverged") and stored[r.did].upstream_status != status:
+                        findings.append(Finding("#account", r.did, host, status, stored[r.did], observed_at))
+                with db.transaction():
+                    queue_findings(db, cfg.run_id, findings)
+                    write_results(db, cfg.run_id, JOB, rows)
+                for row in rows:
+                    counts[row.outcome] += 1
         finally:
             identities.close()
     for outcome, n in counts.items():

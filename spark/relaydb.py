@@ -1,8 +1,9 @@
 """Every SQL statement the Spark jobs run against the relay database, in one place.
 
-Relay tables (owned by ``backfill/`` migrations 0001–0049) are read and updated through the
-columns of ``backfill.types.AccountState``; the jobs' own tables come from migration 0070
-(``spark_job_runs``, ``spark_job_results``, ``spark_repair_outbox``). All writes are idempotent:
+Relay tables (owned by ``backfill/`` migrations 0001–0049) are only read, through the columns
+of ``backfill.types.AccountState``; the jobs write their own tables (migrations 0070, 0075:
+``spark_job_runs``, ``spark_job_results``, ``spark_repair_outbox``). The relay is the single
+writer of account state: it applies the outbox (``backfill.outbox``). All writes are idempotent:
 re-applying a batch leaves the database as it was.
 """
 
@@ -157,6 +158,16 @@ def result_counts(db: JobDB, run_id: str) -> dict[str, int]:
 
 
 # -- repairs ------------------------------------------------------------------------------
+# The jobs never write ``accounts``: each finding is queued in ``spark_repair_outbox`` with what
+# the job saw (``base_*``) and when it looked (``observed_at``), and the running relay applies it
+# in the account's lane with a compare-and-set (``backfill.outbox``).
+
+_QUEUE_SQL = (
+    "INSERT INTO spark_repair_outbox (dedupe_key, kind, did, host, rev, commit_cid, data_cid, blocks, active, "
+    "status, base_rev, base_commit_cid, base_status, observed_at, run_id, created_at) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (dedupe_key) DO NOTHING"
+)
+
 
 @dataclass(slots=True)
 class SyncRepair:
@@ -166,74 +177,48 @@ class SyncRepair:
     commit_cid: str
     data_cid: str
     blocks: bytes
+    base: StoredAccount | None = None  # the relay's row as the job read it
+    observed_at: float = 0.0  # when the repository was fetched
 
 
-def apply_sync_repairs(db: JobDB, run_id: str, repairs: Sequence[SyncRepair]) -> None:
-    """Write back verified state and queue one ``#sync`` per repaired account.
+@dataclass(slots=True)
+class Finding:
+    """A reconcile finding for the relay: ``kind`` ``#account`` (``status`` is the host's),
+    ``desync`` or ``add`` (``status`` is the listed one)."""
 
-    The update only moves an account forward (``rev`` not older than the stored one), so a live
-    relay that advanced meanwhile is not rolled back; the outbox row is keyed by did+rev, so a
-    rerun queues nothing new.
-    """
+    kind: str
+    did: str
+    host: str
+    status: str = "active"
+    base: StoredAccount | None = None
+    observed_at: float = 0.0
+
+
+def queue_sync_repairs(db: JobDB, run_id: str, repairs: Sequence[SyncRepair]) -> None:
+    """Queue one ``#sync`` repair per verified repository. Keyed by did+rev+commit, so a rerun
+    (or a second job finding the same state) queues nothing new."""
     now = time.time()
-    db.executemany(
-        "UPDATE accounts SET rev = ?, commit_cid = ?, data_cid = ?, sync_state = 'synced', "
-        "updated_at = ? WHERE did = ? AND (rev IS NULL OR rev <= ?)",
-        [(r.rev, r.commit_cid, r.data_cid, now, r.did, r.rev) for r in repairs],
-    )
-    db.executemany(
-        "INSERT INTO spark_repair_outbox (dedupe_key, kind, did, host, rev, commit_cid, data_cid, "
-        "blocks, run_id, created_at) VALUES (?, '#sync', ?, ?, ?, ?, ?, ?, ?, ?) "
-        "ON CONFLICT (dedupe_key) DO NOTHING",
-        [
-            (f"#sync|{r.did}|{r.rev}|{r.commit_cid}", r.did, r.host, r.rev, r.commit_cid, r.data_cid,
-             r.blocks, run_id, now)
-            for r in repairs
-        ],
-    )
+    db.executemany(_QUEUE_SQL, [
+        (f"#sync|{r.did}|{r.rev}|{r.commit_cid}", "#sync", r.did, r.host, r.rev, r.commit_cid, r.data_cid,
+         r.blocks, None, None, r.base.rev if r.base else None, r.base.commit_cid if r.base else None,
+         r.base.upstream_status if r.base else None, r.observed_at or now, run_id, now)
+        for r in repairs
+    ])
 
 
-def apply_status_changes(db: JobDB, run_id: str, changes: Sequence[tuple[str, str | None, str]]) -> None:
-    """``changes``: (did, host, new upstream status). Updates the account and queues ``#account``."""
+def queue_findings(db: JobDB, run_id: str, findings: Sequence[Finding]) -> None:
+    """Queue reconcile's findings (one row per account and kind per run)."""
     now = time.time()
-    db.executemany(
-        "UPDATE accounts SET upstream_status = ?, updated_at = ? WHERE did = ? AND upstream_status <> ?",
-        [(status, now, did, status) for did, _host, status in changes],
-    )
-    db.executemany(
-        "INSERT INTO spark_repair_outbox (dedupe_key, kind, did, host, active, status, run_id, created_at) "
-        "VALUES (?, '#account', ?, ?, ?, ?, ?, ?) ON CONFLICT (dedupe_key) DO NOTHING",
-        [
-            (f"#account|{did}|{status}|{run_id}", did, host, status == "active",
-             None if status == "active" else status, run_id, now)
-            for did, host, status in changes
-        ],
-    )
-
-
-def mark_desynchronized(db: JobDB, dids: Sequence[str]) -> None:
-    """Flag accounts for the resync job and the relay's own resync workers."""
-    now = time.time()
-    db.executemany(
-        "UPDATE accounts SET sync_state = 'desynchronized', updated_at = ? "
-        "WHERE did = ? AND sync_state = 'synced'",
-        [(now, did) for did in dids],
-    )
-
-
-def add_accounts(db: JobDB, rows: Sequence[tuple[str, str, str]]) -> None:
-    """``rows``: (did, host, upstream status). New accounts start desynchronized (no state yet)."""
-    now = time.time()
-    db.executemany(
-        "INSERT INTO accounts (did, host, upstream_status, local_status, sync_state, updated_at) "
-        "VALUES (?, ?, ?, 'active', 'desynchronized', ?) ON CONFLICT (did) DO NOTHING",
-        [(did, host, status, now) for did, host, status in rows],
-    )
-    # keep the hosts' account counts exact (what Store.upsert_account maintains), idempotently
-    db.executemany(
-        "UPDATE hosts SET account_count = (SELECT count(*) FROM accounts WHERE host = ?) WHERE hostname = ?",
-        [(host, host) for host in sorted({host for _, host, _ in rows})],
-    )
+    rows = []
+    for f in findings:
+        active = f.status == "active"
+        base = f.base
+        rows.append((
+            f"{f.kind}|{f.did}|{f.status}|{run_id}", f.kind, f.did, f.host, None, None, None, None, active,
+            None if active else f.status, base.rev if base else None, base.commit_cid if base else None,
+            base.upstream_status if base else None, f.observed_at or now, run_id, now,
+        ))
+    db.executemany(_QUEUE_SQL, rows)
 
 
 def relay_seq(db: JobDB) -> int:

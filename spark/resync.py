@@ -7,16 +7,21 @@ check, timeouts and retries — see ``spark.partitioning`` and ``spark.fetch``):
 the signing key, verify signature + every block hash + the full MST (``mst.verify``), compare with
 the stored state (``spark.repo_check.judge``). Every ``cfg.write_batch`` repositories one
 transaction writes the results rows (did, host, outcome ok/repaired/failed, reason, records,
-bytes), the repaired accounts' rev/commit/data/sync state, and one ``#sync`` row per repaired
-account into ``spark_repair_outbox``, which the running relay drains (``backfill.outbox``).
+bytes) and one ``#sync`` row per repaired account into ``spark_repair_outbox``. The job never
+writes account state: the running relay applies each row in the account's lane with a
+compare-and-set against its state at that moment (``backfill.outbox``), so ``repaired`` means
+"a repair was queued"; the row's ``outcome`` says whether the relay applied it or found it stale
+(the relay had caught up meanwhile).
 
 Resumable: a rerun with the same run id skips repositories that already have a result
-(``retry_failed`` re-attempts the failed ones). Idempotent: a fresh run over repaired accounts
-finds them ``ok`` and writes nothing to the accounts or the outbox.
+(``retry_failed`` re-attempts the failed ones). Idempotent: a fresh run over accounts the relay
+has repaired finds them ``ok`` and queues nothing; one before the relay applied the first run's
+rows queues nothing new either (the rows are keyed by did, rev and commit).
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
@@ -31,8 +36,8 @@ from spark.relaydb import (
     AccountFilter,
     ResultRow,
     SyncRepair,
-    apply_sync_repairs,
     finish_run,
+    queue_sync_repairs,
     result_counts,
     start_run,
     write_results,
@@ -53,6 +58,7 @@ def check_account(
         fetched = fetch_verified(fetcher, identities, account.did)
     except CheckError as exc:
         return ResultRow(account.did, account.host, "failed", exc.reason), None
+    observed_at = time.time()  # the host's state is at least this recent
     verdict = judge(account, fetched)
     row = ResultRow(
         account.did, account.host, verdict.outcome, verdict.reason,
@@ -62,7 +68,7 @@ def check_account(
         return row, None
     repair = SyncRepair(
         did=account.did, host=account.host, rev=fetched.rev, commit_cid=fetched.commit_cid,
-        data_cid=fetched.data_cid, blocks=sync_blocks(fetched),
+        data_cid=fetched.data_cid, blocks=sync_blocks(fetched), base=account, observed_at=observed_at,
     )
     return row, repair
 
@@ -75,7 +81,7 @@ def resync_partition(cfg: JobConfig, accounts: Iterable[StoredAccount]) -> Itera
             rows = [row for row, _ in batch]
             repairs = [repair for _, repair in batch if repair is not None]
             with db.transaction():
-                apply_sync_repairs(db, cfg.run_id, repairs)
+                queue_sync_repairs(db, cfg.run_id, repairs)
                 write_results(db, cfg.run_id, JOB, rows)
             for row in rows:
                 yield row.outcome, row.reason or ""

@@ -313,7 +313,8 @@ async def test_unreachable_host_goes_offline(relay_factory) -> None:  # type: ig
 @pytest.mark.parametrize("backend", ["sqlite", "postgres"])
 async def test_spark_repair_outbox_is_drained_into_the_stream(relay_factory, pg_dsn: str, tmp_path,  # type: ignore[no-untyped-def]
                                                               backend: str) -> None:
-    """A Spark job queues an #account repair; the running relay sequences it (single writer)."""
+    """A Spark job queues an #account finding; the running relay applies it in the account's lane
+    (single writer) and sequences the event, once."""
     import uuid
 
     import asyncpg
@@ -326,22 +327,25 @@ async def test_spark_repair_outbox_is_drained_into_the_stream(relay_factory, pg_
     def queue_repair() -> None:
         db = connect_db(database_url)
         try:
-            db.execute("INSERT INTO spark_repair_outbox (dedupe_key, kind, did, active, status, created_at) "
-                       "VALUES (?, ?, ?, ?, ?, ?)", f"#account|{DID_A}|deactivated", "#account", DID_A, False,
-                       "deactivated", 1.0)
+            db.execute("INSERT INTO spark_repair_outbox (dedupe_key, kind, did, active, status, base_status, "
+                       "observed_at, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)", f"#account|{DID_A}|deactivated",
+                       "#account", DID_A, False, "deactivated", "active", 1.0, 1.0)
         finally:
             db.close()
 
     async with relay_factory(database_url=database_url) as relay:
-        await relay.service.store.upsert_account(AccountState(did=DID_A, host="pds.example.com",
-                                                              upstream_status="deactivated"))
+        await relay.service.store.upsert_account(AccountState(did=DID_A, host="pds.example.com"))
         await asyncio.to_thread(queue_repair)
         async with connect(relay.ws_url + "?cursor=0") as ws:
-            await relay.service._drain_outbox()
+            applied = await relay.service.apply_repairs()
+            assert applied is not None and (applied.consumed, applied.deferred) == (1, 0)
             header, body = _decode(await asyncio.wait_for(ws.recv(), 5))
         assert header["t"] == "#account" and body["did"] == DID_A
         assert body["active"] is False and body["status"] == "deactivated"
-        await relay.service._drain_outbox()  # consumed: nothing is emitted twice
+        stored = await relay.service.store.get_account(DID_A)
+        assert stored is not None and stored.upstream_status == "deactivated"
+        again = await relay.service.apply_repairs()  # consumed: nothing is emitted twice
+        assert again is not None and again.consumed == 0
         assert await relay.service.store.latest_seq() == body["seq"]
     if backend == "postgres":
         conn = await asyncpg.connect(pg_dsn)

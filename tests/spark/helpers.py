@@ -99,3 +99,41 @@ def tamper(acct: Any) -> None:
     assert b"app.bsky" in raw and car.count(raw) == 1
     tampered = car.replace(raw, raw.replace(b"app.bsky", b"app.bskz", 1))
     acct.repo.export_car = lambda: tampered
+
+
+async def apply_outbox(url: str, plc_url: str) -> tuple[Any, list[Any]]:
+    """Apply the repair outbox as a running relay does: each row in its account's lane
+    (``relay.lanes.AccountLanes.apply_repair``), through the real sequencer. No host is followed
+    here, so every row is ready at once. Returns the drain result and the events it stored."""
+    from backfill.outbox import drain_repair_outbox
+    from backfill.sequencer import Sequencer
+    from firehose.pipeline import ValidationPool
+    from relay.admission import Admission
+    from relay.config import RelayConfig
+    from relay.hosts import HostPolicy
+    from relay.identity import IdentityResolver
+    from relay.lanes import AccountLanes
+    from relay.resync_queue import ResyncQueue
+    from relay.ssrf import AddressGuard, SafeClient
+
+    async def publish(events: list[Any]) -> None:
+        pass
+
+    store = await open_store(url)
+    try:
+        before = await store.latest_seq()
+        config = RelayConfig(allow_insecure_hosts=True, plc_url=plc_url)
+        identity = IdentityResolver(plc_url=plc_url, safe_client=SafeClient(AddressGuard(allow_insecure=True)))
+        pool = ValidationPool(0)
+        await pool.start()
+        async with Sequencer(store, publish) as sequencer:
+            lanes = AccountLanes(store=store, sequencer=sequencer, pool=pool,
+                                 admission=Admission(store=store, identity=identity, policy=HostPolicy(config),
+                                                     default_account_limit=None),
+                                 identity=identity, resync=ResyncQueue(), count=lambda kind, reason: None)
+            result = await drain_repair_outbox(store, lanes.apply_repair)
+        await pool.close()
+        events = await store.read_after(before)
+    finally:
+        await store.close()
+    return result, events

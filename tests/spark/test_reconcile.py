@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from typing import Any
 
+from mst.cbor import decode, decode_prefix
 from spark.db import connect_db
 from spark.reconcile import compare_entry, run_reconcile
 from spark.repo_check import StoredAccount
-from tests.spark.helpers import FleetThread, job_config, seed_relay
+from tests.spark.helpers import FleetThread, apply_outbox, job_config, seed_relay
 
 
 def _snapshot(url: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -18,10 +20,11 @@ def _snapshot(url: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     return accounts, outbox
 
 
-def test_reconcile_finds_status_head_and_unknown_divergences(spark_session: Any, fleet: FleetThread,
-                                                             relay_db: str) -> None:
+def test_reconcile_queues_findings_the_relay_applies_and_confirms_deleted_accounts(
+        spark_session: Any, fleet: FleetThread, relay_db: str) -> None:
     accounts = fleet.fleet.accounts
-    unknown, taken, moved_on, ghost_src, foreign = accounts[0], accounts[1], accounts[2], accounts[3], accounts[4]
+    unknown, taken, moved_on, ghost_src, foreign, gone = (accounts[0], accounts[1], accounts[2], accounts[3],
+                                                          accounts[4], accounts[5])
     seed_relay(relay_db, fleet, skip={unknown.did, foreign.did})
     # a host lists an account whose DID document names another PDS: it must not be adopted
     other = next(h for h in fleet.fleet.hosts if h is not foreign.host)
@@ -29,43 +32,62 @@ def test_reconcile_finds_status_head_and_unknown_divergences(spark_session: Any,
     # the host takes an account down and another account commits, both unseen by the relay
     fleet.call(fleet.fleet.set_status, taken, "takendown")
     fleet.call(lambda: moved_on.repo.apply_writes([]))
-    # the relay believes in an account its host does not list
+    # the host deleted an account (it answers RepoNotFound; the DID still names the host)
+    fleet.call(lambda: gone.host.accounts.pop(gone.did))
+    # the relay believes in an account its host does not list and whose DID does not resolve
     ghost = "did:plc:aaaaaaaaaaaaaaaaaaaaaaaa"
     with connect_db(relay_db) as db:
         db.execute(
             "INSERT INTO accounts (did, host, rev, commit_cid, data_cid) SELECT ?, host, rev, commit_cid, data_cid "
             "FROM accounts WHERE did = ?", ghost, ghost_src.did,
         )
+    before_job = _snapshot(relay_db)[0]
 
     summary = run_reconcile(spark_session, job_config(relay_db, fleet))
 
     hosts = {h.hostname for h in fleet.fleet.hosts}
     assert set(summary["hosts"]) == hosts
-    totals: dict[str, int] = {}
-    for counts in summary["hosts"].values():
-        for outcome, n in counts.items():
-            totals[outcome] = totals.get(outcome, 0) + n
-    assert totals == {"ok": 16, "added": 1, "not_added": 1, "status_diverged": 1, "head_diverged": 1,
-                      "missing_on_host": 1}
-    assert summary["hosts"][ghost_src.host.hostname]["missing_on_host"] == 1
+    assert _totals(summary) == {"ok": 15, "added": 1, "not_added": 1, "status_diverged": 1, "head_diverged": 1,
+                                "deleted": 2}
+    assert summary["hosts"][ghost_src.host.hostname]["deleted"] >= 1
 
     with connect_db(relay_db) as db:
+        outbox = db.fetch("SELECT kind, did, active, status, base_status, consumed_at FROM spark_repair_outbox")
+        reasons = {r["did"]: (r["outcome"], r["reason"]) for r in db.fetch(
+            "SELECT did, outcome, reason FROM spark_job_results WHERE run_id = ?", summary["run_id"])}
+    assert _snapshot(relay_db)[0] == before_job  # the job wrote no account state
+    assert sorted((r["kind"], r["did"], bool(r["active"]), r["status"]) for r in outbox) == sorted([
+        ("add", unknown.did, True, None),
+        ("#account", taken.did, False, "takendown"),
+        ("desync", moved_on.did, True, None),
+        ("#account", gone.did, False, "deleted"),
+        ("#account", ghost, False, "deleted"),
+    ])
+    assert all(r["consumed_at"] is None for r in outbox)
+    assert reasons[ghost] == ("deleted", "did_not_found")
+    assert reasons[gone.did] == ("deleted", "repo_not_found")
+    assert reasons[unknown.did] == ("added", "active")
+    assert reasons[foreign.did] == ("not_added", "pds_mismatch")
+
+    # the relay applies them in the accounts' lanes
+    drained, events = asyncio.run(apply_outbox(relay_db, fleet.fleet.plc_url))
+    assert (drained.consumed, drained.deferred) == (5, 0)
+    bodies = sorted((e.did, e.kind, decode(e.frame[decode_prefix(e.frame)[1]:]).get("status")) for e in events)
+    assert bodies == sorted([(taken.did, "#account", "takendown"), (gone.did, "#account", "deleted"),
+                             (ghost, "#account", "deleted")])
+    with connect_db(relay_db) as db:
         rows = {r["did"]: r for r in db.fetch("SELECT * FROM accounts")}
-        outbox = db.fetch("SELECT kind, did, active, status, consumed_at FROM spark_repair_outbox")
-        results = {r["did"]: r["outcome"] for r in db.fetch(
-            "SELECT did, outcome FROM spark_job_results WHERE run_id = ?", summary["run_id"])}
+        applied = {r["did"]: r["outcome"] for r in db.fetch("SELECT did, outcome FROM spark_repair_outbox")}
+    assert set(applied.values()) == {"applied"}
     assert rows[unknown.did]["host"] == unknown.host.hostname
     assert rows[unknown.did]["sync_state"] == "desynchronized"  # resync will fetch it
     assert rows[taken.did]["upstream_status"] == "takendown"
+    assert rows[gone.did]["upstream_status"] == "deleted" and rows[ghost]["upstream_status"] == "deleted"
     assert rows[moved_on.did]["sync_state"] == "desynchronized"
     assert rows[moved_on.did]["rev"] != fleet.call(lambda: moved_on.repo.rev)  # state itself untouched
-    assert outbox == [{"kind": "#account", "did": taken.did, "active": False, "status": "takendown",
-                       "consumed_at": None}]
-    assert results[ghost] == "missing_on_host"
-    assert results[unknown.did] == "added"
-    assert results[foreign.did] == "not_added" and foreign.did not in rows
+    assert foreign.did not in rows
 
-    # a second pass changes nothing; a host that cannot be listed is reported, not fatal
+    # a second pass queues nothing; a host that cannot be listed is reported, not fatal
     before = _snapshot(relay_db)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -73,14 +95,17 @@ def test_reconcile_finds_status_head_and_unknown_divergences(spark_session: Any,
     again = run_reconcile(spark_session, job_config(relay_db, fleet), sorted(hosts) + [dead])
     assert _snapshot(relay_db) == before
     assert again["hosts"][dead] == {"host_failed:connect_error": 1}
-    totals2: dict[str, int] = {}
-    for host, counts in again["hosts"].items():
-        if host == dead:
-            continue
-        for outcome, n in counts.items():
-            totals2[outcome] = totals2.get(outcome, 0) + n
+    del again["hosts"][dead]
     # the added account has no state yet and the moved-on one is still behind: both stay flagged
-    assert totals2 == {"ok": 17, "head_diverged": 2, "not_added": 1, "missing_on_host": 1}
+    assert _totals(again) == {"ok": 16, "head_diverged": 2, "not_added": 1, "deleted": 2}
+
+
+def _totals(summary: dict[str, Any]) -> dict[str, int]:
+    totals: dict[str, int] = {}
+    for counts in summary["hosts"].values():
+        for outcome, n in counts.items():
+            totals[outcome] = totals.get(outcome, 0) + n
+    return totals
 
 
 def test_compare_entry_rejects_malformed_listing_entries() -> None:

@@ -5,17 +5,14 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from backfill.outbox import drain_repair_outbox
-from backfill.sequencer import Sequencer
 from backfill.store import open_store
-from firehose.state import SequencedEvent
 from mst.car import read_car
 from mst.cbor import decode, decode_prefix
 from mst.cid import cid_str
 from spark.db import connect_db
 from spark.relaydb import AccountFilter, ResultRow, write_results
 from spark.resync import run_resync
-from tests.spark.helpers import FleetThread, job_config, seed_relay, tamper
+from tests.spark.helpers import FleetThread, account_state, apply_outbox, job_config, seed_relay, tamper
 
 
 def _accounts(url: str) -> dict[str, dict[str, Any]]:
@@ -26,7 +23,8 @@ def _accounts(url: str) -> dict[str, dict[str, Any]]:
 
 def _outbox(url: str) -> list[dict[str, Any]]:
     with connect_db(url) as db:
-        return db.fetch("SELECT id, kind, did, rev, commit_cid, blocks FROM spark_repair_outbox ORDER BY id")
+        return db.fetch("SELECT id, kind, did, rev, commit_cid, blocks, base_rev, observed_at, outcome "
+                        "FROM spark_repair_outbox ORDER BY id")
 
 
 def _results(url: str, run_id: str) -> dict[str, tuple[str, str | None]]:
@@ -35,49 +33,45 @@ def _results(url: str, run_id: str) -> dict[str, tuple[str, str | None]]:
     return {r["did"]: (r["outcome"], r["reason"]) for r in rows}
 
 
-async def _drain_through_sequencer(url: str) -> tuple[int, list[SequencedEvent]]:
-    published: list[SequencedEvent] = []
+def _store_state(url: str, state: Any) -> None:
+    async def put() -> None:
+        store = await open_store(url)
+        try:
+            await store.upsert_account(state)
+        finally:
+            await store.close()
 
-    async def publish(events: list[SequencedEvent]) -> None:
-        published.extend(events)
-
-    store = await open_store(url)
-    try:
-        async with Sequencer(store, publish) as sequencer:
-            drained = await drain_repair_outbox(store, sequencer.submit)
-        stored = await store.read_after(0)
-    finally:
-        await store.close()
-    # everything published now is durable (published only after its batch committed)
-    assert [e.seq for e in published] == [e.seq for e in stored][len(stored) - len(published):]
-    return drained, stored
+    asyncio.run(put())
 
 
-def test_resync_verifies_detects_tampering_and_repairs_divergence(
+def test_resync_verifies_detects_tampering_and_queues_repairs_the_relay_applies_with_cas(
     spark_session: Any, fleet: FleetThread, relay_db: str
 ) -> None:
     accounts = fleet.fleet.accounts
-    tampered, diverged, flagged, moved = accounts[0], accounts[1], accounts[2], accounts[3]
+    tampered, diverged, flagged, moved, overtaken = accounts[0], accounts[1], accounts[2], accounts[3], accounts[4]
     seed_relay(relay_db, fleet)
     fleet.call(tamper, tampered)
     # the DID document now names another PDS: the relay's host must not be trusted for this repo
     other = next(h for h in fleet.fleet.hosts if h is not moved.host)
     fleet.call(lambda: fleet.fleet.plc.docs[moved.did]["service"][0].__setitem__("serviceEndpoint", other.url))
-    # the host moved on without the relay seeing it: the stored state is stale
+    # the hosts moved on without the relay seeing it: the stored states are stale
     fleet.call(lambda: diverged.repo.apply_writes([]))
+    fleet.call(lambda: overtaken.repo.apply_writes([]))
     # the relay's own validation flagged an account whose state is in fact right
     with connect_db(relay_db) as db:
         db.execute("UPDATE accounts SET sync_state = 'desynchronized' WHERE did = ?", flagged.did)
+    before_job = _accounts(relay_db)
 
     cfg = job_config(relay_db, fleet)
     summary = run_resync(spark_session, cfg, AccountFilter())
 
-    assert summary["totals"] == {"ok": 16, "repaired": 2, "failed": 2}
+    assert summary["totals"] == {"ok": 15, "repaired": 3, "failed": 2}
     results = _results(relay_db, cfg.run_id)
     assert len(results) == 20
     assert results[tampered.did] == ("failed", "car_hash_mismatch")
     assert results[moved.did] == ("failed", "pds_mismatch")
     assert results[diverged.did] == ("repaired", "state_diverged")
+    assert results[overtaken.did] == ("repaired", "state_diverged")
     assert results[flagged.did] == ("repaired", "desync_cleared")
     with connect_db(relay_db) as db:
         sizes = db.fetch("SELECT did, records, bytes FROM spark_job_results WHERE run_id = ? AND outcome = 'ok'",
@@ -85,36 +79,43 @@ def test_resync_verifies_detects_tampering_and_repairs_divergence(
     truth = fleet.call(lambda: {a.did: len(a.repo.records()) for a in accounts})
     assert all(r["records"] == truth[r["did"]] and r["bytes"] > 0 for r in sizes)
 
-    # the repaired account's stored state is now the host's verified state
-    stored = _accounts(relay_db)
+    # the job wrote no account state: the relay is the only writer
+    assert _accounts(relay_db) == before_job
+    outbox = _outbox(relay_db)
+    assert sorted(r["did"] for r in outbox) == sorted([diverged.did, flagged.did, overtaken.did])
+    assert all(r["kind"] == "#sync" and r["outcome"] is None and r["observed_at"] for r in outbox)
     head, rev, data = fleet.call(lambda: (cid_str(diverged.repo.head), diverged.repo.rev,
                                           cid_str(diverged.repo.data_root)))
-    assert (stored[diverged.did]["commit_cid"], stored[diverged.did]["rev"],
-            stored[diverged.did]["data_cid"], stored[diverged.did]["sync_state"]) == (head, rev, data, "synced")
-    assert stored[flagged.did]["sync_state"] == "synced"
-    assert stored[tampered.did]["sync_state"] == "synced"  # a bad download changes nothing
-
-    outbox = _outbox(relay_db)
-    assert sorted(r["did"] for r in outbox) == sorted([diverged.did, flagged.did])
     sync_row = next(r for r in outbox if r["did"] == diverged.did)
+    assert sync_row["base_rev"] == before_job[diverged.did]["rev"]  # what the job saw
     car = read_car(bytes(sync_row["blocks"]))
     assert [cid_str(c) for c in car.roots] == [head] and len(car.blocks) == 1
     assert decode(bytes(next(iter(car.blocks.values()))))["rev"] == rev
 
-    # the relay drains the outbox through its sequencer: one durable #sync per repaired account
-    drained, events = asyncio.run(_drain_through_sequencer(relay_db))
-    assert drained == 2
-    assert [e.kind for e in events] == ["#sync", "#sync"]
-    bodies = {}
-    for event in events:
-        header, used = decode_prefix(event.frame)
-        assert header == {"op": 1, "t": "#sync"}
-        body = decode(event.frame[used:])
-        bodies[body["did"]] = body
-        assert body["seq"] == event.seq
-    assert bodies[diverged.did]["rev"] == rev
-    assert bytes(bodies[diverged.did]["blocks"]) == bytes(sync_row["blocks"])
-    assert asyncio.run(_drain_through_sequencer(relay_db))[0] == 0  # consumed exactly once
+    # meanwhile the live relay read the overtaken account's next two commits from its host
+    fleet.call(lambda: overtaken.repo.apply_writes([]))
+    _store_state(relay_db, fleet.call(account_state, overtaken))
+
+    # the relay applies the outbox in the accounts' lanes: one durable #sync for the account it
+    # really missed; the flag is cleared without an event; the overtaken repair is stale
+    drained, events = asyncio.run(apply_outbox(relay_db, fleet.fleet.plc_url))
+    assert (drained.consumed, drained.deferred) == (3, 0)
+    assert [e.kind for e in events] == ["#sync"]
+    header, used = decode_prefix(events[0].frame)
+    assert header == {"op": 1, "t": "#sync"}
+    body = decode(events[0].frame[used:])
+    assert (body["did"], body["rev"], body["seq"]) == (diverged.did, rev, events[0].seq)
+    assert bytes(body["blocks"]) == bytes(sync_row["blocks"])
+    outcomes = {r["did"]: r["outcome"] for r in _outbox(relay_db)}
+    assert outcomes == {diverged.did: "applied", flagged.did: "desync_cleared", overtaken.did: "stale"}
+
+    stored = _accounts(relay_db)
+    assert (stored[diverged.did]["commit_cid"], stored[diverged.did]["rev"],
+            stored[diverged.did]["data_cid"], stored[diverged.did]["sync_state"]) == (head, rev, data, "synced")
+    assert stored[flagged.did]["sync_state"] == "synced"
+    assert stored[overtaken.did]["rev"] == fleet.call(lambda: overtaken.repo.rev)  # never rolled back
+    assert stored[tampered.did]["sync_state"] == "synced"  # a bad download changes nothing
+    assert asyncio.run(apply_outbox(relay_db, fleet.fleet.plc_url))[0].consumed == 0  # consumed once
 
     # a fresh run changes nothing: repaired accounts are ok now, nothing new is queued
     before_accounts, before_outbox = _accounts(relay_db), _outbox(relay_db)

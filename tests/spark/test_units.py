@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import httpcore
@@ -127,23 +128,55 @@ def test_db_url_helpers() -> None:
     assert split_schema("postgresql://u@h/db") == ("postgresql://u@h/db", None)
 
 
-def test_outbox_events_respect_account_status() -> None:
-    from backfill.outbox import event_for
+def test_repairs_are_applied_only_on_top_of_what_the_job_saw() -> None:
+    """``decide_repair``: the compare-and-set each outbox row passes in its account's lane."""
+    from backfill.outbox import Repair, RepairOutcome, decide_repair
+    from firehose.state import AccountState
 
-    sync = {"kind": "#sync", "did": "did:plc:x", "rev": "3k2", "blocks": b"car", "active": None, "status": None,
-            "upstream_status": "active", "local_status": "active"}
-    event = event_for(sync, 0.0)
-    assert event is not None and event.kind == "#sync" and event.rev is None and event.account is None
-    assert event.body["rev"] == "3k2" and event.body["blocks"] == b"car" and event.body["time"].endswith("Z")
-    assert event_for({**sync, "upstream_status": "deactivated"}, 0.0) is None
-    assert event_for({**sync, "local_status": "takendown"}, 0.0) is None
-    assert event_for({**sync, "upstream_status": None}, 0.0) is None  # account vanished
-    account = {**sync, "kind": "#account", "active": False, "status": "suspended", "blocks": None}
-    assert event_for(account, 0.0).body == {"did": "did:plc:x", "time": "1970-01-01T00:00:00.000Z",
-                                            "active": False, "status": "suspended"}
-    # an operator takedown outranks a host saying "active"
-    reactivated = {**account, "active": True, "status": None, "local_status": "takendown"}
-    assert event_for(reactivated, 0.0).body["status"] == "takendown"
+    did = "did:plc:x"
+    relay = AccountState(did=did, host="h", rev="3k2", commit_cid="c2", data_cid="d2")
+    sync = Repair(1, "#sync", did, host="h", rev="3k5", commit_cid="c5", data_cid="d5", blocks=b"car")
+    assert decide_repair(sync, relay) == RepairOutcome.APPLIED  # the relay missed 3k3..3k5
+    assert decide_repair(sync, replace(relay, rev="3k5", commit_cid="c5")) == RepairOutcome.STALE
+    assert decide_repair(sync, replace(relay, rev="3k7")) == RepairOutcome.STALE  # never rolled back
+    flagged = replace(relay, rev="3k5", commit_cid="c5", sync_state="desynchronized")
+    assert decide_repair(sync, flagged) == RepairOutcome.DESYNC_CLEARED
+    assert decide_repair(sync, replace(flagged, commit_cid="other")) == RepairOutcome.STALE
+    assert decide_repair(sync, replace(relay, upstream_status="deactivated")) == RepairOutcome.INACTIVE
+    assert decide_repair(sync, replace(relay, local_status="takendown")) == RepairOutcome.INACTIVE
+    assert decide_repair(sync, replace(relay, sync_state="throttled")) == RepairOutcome.INACTIVE
+    assert decide_repair(sync, replace(relay, host="elsewhere")) == RepairOutcome.STALE  # it moved
+    assert decide_repair(sync, None) == RepairOutcome.UNKNOWN_ACCOUNT
+    assert decide_repair(replace(sync, blocks=None), relay) == RepairOutcome.BAD_ROW
+    assert decide_repair(replace(sync, kind="#commit"), relay) == RepairOutcome.BAD_ROW
+
+    status = Repair(2, "#account", did, host="h", active=False, status="takendown", base_status="active")
+    assert decide_repair(status, relay) == RepairOutcome.APPLIED
+    assert decide_repair(status, replace(relay, upstream_status="takendown")) == RepairOutcome.STALE
+    # the relay saw the host deactivate the account after the job looked: its own news is newer
+    assert decide_repair(status, replace(relay, upstream_status="deactivated")) == RepairOutcome.STALE
+    reactivated = Repair(3, "#account", did, host="h", active=True, base_status="deactivated")
+    assert decide_repair(reactivated, replace(relay, upstream_status="deactivated")) == RepairOutcome.APPLIED
+
+    desync = Repair(4, "desync", did, host="h", base_rev="3k2", base_commit_cid="c2")
+    assert decide_repair(desync, relay) == RepairOutcome.APPLIED
+    assert decide_repair(desync, replace(relay, rev="3k3", commit_cid="c3")) == RepairOutcome.STALE  # caught up
+    assert decide_repair(desync, replace(relay, sync_state="resyncing")) == RepairOutcome.STALE
+
+    add = Repair(5, "add", did, host="h", active=True)
+    assert decide_repair(add, None) == RepairOutcome.APPLIED
+    assert decide_repair(add, relay) == RepairOutcome.STALE
+
+
+def test_outbox_rows_read_back_as_repairs() -> None:
+    from backfill.outbox import Repair
+
+    row = {"id": 7, "kind": "#account", "did": "did:plc:x", "host": "h", "rev": None, "commit_cid": None,
+           "data_cid": None, "blocks": None, "active": 0, "status": None, "base_rev": None,
+           "base_commit_cid": None, "base_status": "active", "observed_at": None, "created_at": 12.5}
+    repair = Repair.from_row(row)
+    assert (repair.active, repair.upstream_status, repair.observed_at) == (False, "deactivated", 12.5)
+    assert Repair.from_row({**row, "active": 1, "blocks": memoryview(b"x")}).upstream_status == "active"
 
 
 def test_did_boundaries_split_evenly(tmp_path: Path) -> None:
