@@ -265,6 +265,11 @@ class Upstreams:
                 await self.store.set_host_status(hostname, status)
                 log.info("host status", extra=fields(host=hostname, status=status))
 
+    def connected(self, hostname: str) -> bool:
+        """Is the relay connected to ``hostname``'s stream right now?"""
+        run = self._runs.get(hostname)
+        return run is not None and run.subscriber.connected.is_set()
+
     def caught_up(self, hostname: str | None, observed_at: float, settle: float) -> bool:
         """Has the relay read and finished everything ``hostname`` sent before ``observed_at``
         (wall-clock seconds)? True when the relay does not follow the host; else when a finished
