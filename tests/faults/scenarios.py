@@ -101,6 +101,9 @@ class FaultTimes:
     restart_at: float = 0.0
     unready: list[RelayProcess] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    #: checks run once the consumers have caught up (before the final tally); each returns the
+    #: violations it found (e.g. repairs the relay did not apply, or applied when it must not)
+    final_checks: list[Callable[[], Awaitable[list[str]]]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.restart_at:
@@ -125,6 +128,8 @@ class ScenarioResult:
     duration_s: float = 0.0
     commits_generated: int = 0
     readiness: list[str] = field(default_factory=list)
+    #: violations found by the fault's own final checks (``FaultTimes.final_checks``)
+    checks: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     logs: dict[str, str] = field(default_factory=dict)
 
@@ -168,6 +173,7 @@ class ScenarioResult:
             out.append(f"ingest resumed {self.resume_s:.2f} s after the dependency returned (limit {s.resume_limit} s; "
                        "the slowest consumer/host pair)")
         out += self.readiness
+        out += self.checks
         return out
 
     def results(self) -> dict[str, float | int]:
@@ -276,6 +282,8 @@ class Rig:
             "RELAY_HANDLE_RESOLVER_URL": self.fleet.plc_url,
             "RELAY_ADMIN_TOKEN": ADMIN_TOKEN,
             "RELAY_VALIDATION_WORKERS": str(s.validation_workers),
+            "RELAY_REPAIR_INTERVAL": "0.5s",
+            "RELAY_REPAIR_SETTLE": "1s",
         }
         if self.redis is not None:
             settings["RELAY_REDIS_URL"] = self.redis.url
@@ -397,6 +405,9 @@ async def run_scenario(name: str, fault: Fault, settings: Settings | None = None
         result.outage_s = times.back_at - times.down_at
         result.notes += times.notes
         result.caught_up = await wait_until(rig.all_caught_up, s.catch_up_timeout, give_up=rig.any_relay_dead)
+        for check in times.final_checks:
+            result.checks += await check()
+        result.notes += [note for note in times.notes if note not in result.notes]
         assert rig.health is not None
         if result.caught_up:  # then let anything still in flight (a late duplicate) arrive
             async with httpx.AsyncClient(timeout=2) as http:
@@ -536,6 +547,91 @@ async def upstream_storm(rig: Rig) -> FaultTimes:
         f"{sum(h.connections_total for h in hosts)} connections accepted in all"])
 
 
+def _spark_jobs(rig: Rig, *, reconcile: bool) -> dict[str, object]:
+    """Run a resync (and a reconcile) of every account against the rig's database, in Spark
+    ``local[1]``, blocking (call it in a thread: the simulated hosts answer from the event loop)."""
+    import uuid
+
+    from spark.config import FetchConfig, JobConfig
+    from spark.reconcile import run_reconcile
+    from spark.relaydb import AccountFilter
+    from spark.resync import run_resync
+    from spark.session import build_session
+
+    spark = build_session("local[1]", app_name="relay-faults", progress_bar=False, ui=False, shuffle_partitions=1)
+    fetch = FetchConfig(allow_private=True, scheme="http", plc_url=rig.fleet.plc_url, timeout_s=10.0, retries=2,
+                        backoff_s=0.1, host_rate=500.0)
+    out: dict[str, object] = {}
+    if reconcile:
+        out["reconcile"] = run_reconcile(spark, JobConfig(rig.pg.dsn, f"faults-rc-{uuid.uuid4().hex[:6]}", fetch))
+    out["resync"] = run_resync(spark, JobConfig(rig.pg.dsn, f"faults-rs-{uuid.uuid4().hex[:6]}", fetch),
+                               AccountFilter())["totals"]
+    return out
+
+
+async def _outbox(rig: Rig) -> list[tuple[str, str, str | None]]:
+    import asyncpg
+
+    conn = await asyncpg.connect(rig.pg.dsn)
+    try:
+        rows = await conn.fetch("SELECT kind, did, outcome FROM spark_repair_outbox ORDER BY id")
+    finally:
+        await conn.close()
+    return [(r["kind"], r["did"], r["outcome"]) for r in rows]
+
+
+async def spark_behind(rig: Rig) -> FaultTimes:
+    """(g) Spark beside the live relay while it is behind: the relay is killed (SIGKILL), the hosts
+    keep committing, and a reconcile and a resync of every account run against its database (they
+    see every host ahead of the relay and queue findings: ``#sync`` repairs, ``desync`` marks).
+    Then the first host becomes unreachable, the relay restarts and, 1.5 s later (three repair
+    passes), the host returns ("back"); meanwhile a second resync
+    runs while the relay catches up under live traffic. Final check: every queued row was handled
+    and none was applied — the relay missed nothing, so every finding must turn out ``stale``.
+    Applying one, e.g. for the unreachable host's accounts before their commits could be read,
+    would turn those accounts into ``#sync`` and drop their commits."""
+    assert rig.writer is not None
+    down = time.monotonic()
+    await rig.writer.kill9()
+    await asyncio.sleep(1.0)  # the hosts move ahead of the stopped relay
+    behind = await asyncio.to_thread(_spark_jobs, rig, reconcile=True)
+    queued = await _outbox(rig)
+    far = rig.fleet.hosts[0]
+    port = int(far.hostname.rsplit(":", 1)[1])
+    await far.stop()
+    restart = time.monotonic()
+    await rig.writer.start()
+    live = asyncio.create_task(asyncio.to_thread(_spark_jobs, rig, reconcile=False))
+    await asyncio.sleep(1.5)
+    await far.start(port=port)
+    back = time.monotonic()  # the last of the two (relay, host) is back
+
+    async def repairs_handled() -> list[str]:
+        during = await live
+        deadline = time.monotonic() + 60.0
+        rows = await _outbox(rig)
+        while any(outcome is None for _, _, outcome in rows) and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+            rows = await _outbox(rig)
+        outcomes: dict[str, int] = {}
+        for kind, _, outcome in rows:
+            outcomes[f"{kind}:{outcome}"] = outcomes.get(f"{kind}:{outcome}", 0) + 1
+        times.notes.append(f"spark while the relay was down: {behind}; while it caught up: {during}; "
+                           f"{len(queued)} findings queued while it was down, outbox outcomes {outcomes}")
+        problems = []
+        if not queued:
+            problems.append("the jobs run while the relay was down queued nothing (the scenario tested nothing)")
+        if any(outcome is None for _, _, outcome in rows):
+            problems.append(f"repairs still pending 60 s after the catch-up: {outcomes}")
+        wrong = {k: n for k, n in outcomes.items() if not k.endswith((":stale", ":None"))}
+        if wrong:
+            problems.append(f"repairs applied although the relay missed nothing: {wrong}")
+        return problems
+
+    times = FaultTimes(down, back, restart, final_checks=[repairs_handled])
+    return times
+
+
 SCENARIOS: dict[str, tuple[Fault, bool]] = {
     "pg_kill": (pg_kill, False),
     "pg_fast_restart": (pg_fast_restart, False),
@@ -543,6 +639,7 @@ SCENARIOS: dict[str, tuple[Fault, bool]] = {
     "redis_kill": (redis_kill, True),
     "relay_kill": (relay_kill, False),
     "upstream_storm": (upstream_storm, False),
+    "spark_behind": (spark_behind, False),
 }
 
 

@@ -41,3 +41,7 @@ async def test_relay_sigkill_and_restart() -> None:
 
 async def test_upstream_disconnect_storm() -> None:
     await _check("upstream_storm")
+
+
+async def test_spark_resync_and_reconcile_while_the_relay_is_behind() -> None:
+    await _check("spark_behind")
