@@ -18,7 +18,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from starlette.applications import Starlette
@@ -30,7 +32,7 @@ from backfill.store import Store, open_store
 from firehose.broadcast import Broadcaster
 from firehose.bus import EventBus, InProcessBus, RedisStreamBus
 from firehose.pipeline import ValidationPool
-from firehose.state import AccountState
+from firehose.state import AccountState, SequencedEvent
 from relay.admission import Admission
 from relay.config import RelayConfig, parse_nameservers
 from relay.consumers import ConsumerRegistry, ConsumerTracking
@@ -53,6 +55,28 @@ from relay.upstreams import Upstreams
 log = logging.getLogger("relay.service")
 
 ROLES = ("serve", "ingest", "fanout")
+#: Fault injection for the fault suite (``tests/faults``), read from the environment at start: the
+#: process ends instead of publishing its N-th batch, which the sequencer has already committed.
+EXIT_BEFORE_PUBLISH = "RELAY_FAULT_EXIT_BEFORE_PUBLISH"
+
+
+def exit_before_publish(publish: Callable[[list[SequencedEvent]], Awaitable[None]],
+                        nth: int) -> Callable[[list[SequencedEvent]], Awaitable[None]]:
+    """``publish``, except that its ``nth`` call ends the process at once (exit status 137, no
+    cleanup, as SIGKILL would): a crash between commit and publish, on purpose."""
+    calls = 0
+
+    async def publish_or_exit(events: list[SequencedEvent]) -> None:
+        nonlocal calls
+        calls += 1
+        if calls >= nth:
+            log.warning("fault injection: exiting before publishing a committed batch",
+                        extra=fields(first_seq=events[0].seq if events else None))
+            logging.shutdown()
+            os._exit(137)
+        await publish(events)
+
+    return publish_or_exit
 VERSION = "0.1.0"
 
 
@@ -99,8 +123,6 @@ class RelayService:
         if self.role in ("ingest", "fanout") and not (config.uses_postgres and config.redis_url):
             raise RuntimeError(f"role {self.role!r} needs RELAY_DATABASE_URL=postgresql://… and RELAY_REDIS_URL")
         if not config.uses_postgres:
-            import os
-
             parent = os.path.dirname(os.path.abspath(config.database_url))
             os.makedirs(parent, exist_ok=True)
         from mst import native
@@ -129,7 +151,11 @@ class RelayService:
         self.broadcaster = Broadcaster(self.store, self.bus)
         self.metrics.watch_broadcast(lambda: self.broadcaster.stats if self.broadcaster is not None else None)
         if self.role != "fanout":
-            self.sequencer = Sequencer(self.store, self.bus.publish, wait_for_lock=self.role == "ingest")
+            publish = self.bus.publish
+            exit_at = os.environ.get(EXIT_BEFORE_PUBLISH)
+            if exit_at:
+                publish = exit_before_publish(publish, int(exit_at))
+            self.sequencer = Sequencer(self.store, publish, wait_for_lock=self.role == "ingest")
             await self.sequencer.start()
         await self.broadcaster.start()
         if config.firehose_bind:

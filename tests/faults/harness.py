@@ -522,6 +522,25 @@ class RedisServer(_Managed):
                 raise RuntimeError(f"redis-server not ready after {timeout} s:\n{log_tail(self.log_path)}")
             await asyncio.sleep(0.05)
 
+    def pause(self) -> None:
+        """SIGSTOP: the server keeps its connections open and answers nothing (a hung Redis)."""
+        if self.server is not None and not self.server.finished:
+            self.server.signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT after ``pause``."""
+        if self.server is not None and not self.server.finished:
+            self.server.signal(signal.SIGCONT)
+
+    async def last_entry_seq(self, stream: str = "relay:events") -> int:
+        """The seq of the newest entry of the bus stream (entry IDs are ``<seq>-0``; 0 when empty)."""
+        client = aioredis.from_url(self.url, socket_connect_timeout=2, socket_timeout=2)
+        try:
+            entries = await client.xrevrange(stream, count=1)
+        finally:
+            await client.aclose()
+        return int(entries[0][0].decode().split("-")[0]) if entries else 0
+
     async def kill9(self) -> None:
         """SIGKILL the server and wait until it is gone."""
         server = self.server

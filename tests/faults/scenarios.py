@@ -547,6 +547,59 @@ async def upstream_storm(rig: Rig) -> FaultTimes:
         f"{sum(h.connections_total for h in hosts)} connections accepted in all"])
 
 
+async def ingest_kill_unpublished(rig: Rig) -> FaultTimes:
+    """(h) scale-out: the ingest dies between commit and publish. It is SIGKILLed and started again
+    with the fault hook ``RELAY_FAULT_EXIT_BEFORE_PUBLISH=3`` (``relay.service``): it commits its
+    third batch to PostgreSQL and ends the process (exit 137, no cleanup) instead of publishing
+    it. It is then started a third time, normally ("back" when ``/_health`` answers). The fan-outs
+    must read the never-published batch from the store before delivering anything after it. The
+    final check proves the hole existed: the store holds seqs the stream never got."""
+    from relay.service import EXIT_BEFORE_PUBLISH
+
+    assert rig.redis is not None and rig.writer is not None
+    writer = rig.writer
+    down = time.monotonic()
+    await writer.kill9()
+    writer.settings[EXIT_BEFORE_PUBLISH] = "3"
+    try:
+        await writer.start()
+        deadline = time.monotonic() + 30.0
+        while writer.alive and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        exited = not writer.alive
+    finally:
+        del writer.settings[EXIT_BEFORE_PUBLISH]
+    published = await rig.redis.last_entry_seq()
+    committed = await _store_seq(rig)
+    restart = time.monotonic()
+    await writer.kill9()  # reaps it (or ends it, if it never exited)
+    back = await writer.start()
+
+    async def hole_existed() -> list[str]:
+        problems = []
+        if not exited:
+            problems.append("the ingest did not exit at its third publish within 30 s")
+        if committed <= published:
+            problems.append(f"no committed-but-unpublished event (store seq {committed} when it exited, stream "
+                            f"{published}): the scenario tested nothing")
+        return problems
+
+    return FaultTimes(down, back, restart, final_checks=[hole_existed],
+                      notes=[f"exited before publishing: store seq {committed}, the stream's newest entry "
+                             f"{published}"])
+
+
+async def _store_seq(rig: Rig) -> int:
+    """The relay's high-water seq, read from its PostgreSQL."""
+    import asyncpg
+
+    conn = await asyncpg.connect(rig.pg.dsn)
+    try:
+        return int(await conn.fetchval("SELECT value FROM relay_meta WHERE key = 'seq_high_water'") or 0)
+    finally:
+        await conn.close()
+
+
 def _spark_jobs(rig: Rig, *, reconcile: bool) -> dict[str, object]:
     """Run a resync (and a reconcile) of every account against the rig's database, in Spark
     ``local[1]``, blocking (call it in a thread: the simulated hosts answer from the event loop)."""
@@ -640,6 +693,7 @@ SCENARIOS: dict[str, tuple[Fault, bool]] = {
     "relay_kill": (relay_kill, False),
     "upstream_storm": (upstream_storm, False),
     "spark_behind": (spark_behind, False),
+    "ingest_kill_unpublished": (ingest_kill_unpublished, True),
 }
 
 

@@ -43,5 +43,9 @@ async def test_upstream_disconnect_storm() -> None:
     await _check("upstream_storm")
 
 
+async def test_ingest_killed_between_commit_and_publish() -> None:
+    await _check("ingest_kill_unpublished")
+
+
 async def test_spark_resync_and_reconcile_while_the_relay_is_behind() -> None:
     await _check("spark_behind")
