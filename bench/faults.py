@@ -16,7 +16,7 @@ prints, for each, ``RESULT faults_<scenario>_<figure>=<value>`` lines:
 
 Usage: ``.venv/bin/python bench/faults.py [SCENARIO ...] [--rate R] [--pg-down-outage S] [--report]``
 (default: every scenario; names: pg_kill, pg_fast_restart, pg_down, redis_kill, relay_kill,
-upstream_storm). Needs PostgreSQL server binaries and redis-server on the machine, not running
+upstream_storm, ingest_kill_unpublished, spark_behind). Needs PostgreSQL server binaries and redis-server on the machine, not running
 servers: every scenario starts its own. Exit status 0 even when promises are broken (it measures;
 ``tests/faults`` is the judge).
 """

@@ -20,14 +20,13 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from starlette.applications import Starlette
 from starlette.routing import BaseRoute, Route, WebSocketRoute
 
 from backfill.outbox import DrainResult, drain_repair_outbox
-from backfill.sequencer import Sequencer
+from backfill.sequencer import Publish, Sequencer
 from backfill.store import Store, open_store
 from firehose.broadcast import Broadcaster
 from firehose.bus import EventBus, InProcessBus, RedisStreamBus
@@ -60,8 +59,7 @@ ROLES = ("serve", "ingest", "fanout")
 EXIT_BEFORE_PUBLISH = "RELAY_FAULT_EXIT_BEFORE_PUBLISH"
 
 
-def exit_before_publish(publish: Callable[[list[SequencedEvent]], Awaitable[None]],
-                        nth: int) -> Callable[[list[SequencedEvent]], Awaitable[None]]:
+def exit_before_publish(publish: Publish, nth: int) -> Publish:
     """``publish``, except that its ``nth`` call ends the process at once (exit status 137, no
     cleanup, as SIGKILL would): a crash between commit and publish, on purpose."""
     calls = 0
@@ -151,7 +149,7 @@ class RelayService:
         self.broadcaster = Broadcaster(self.store, self.bus)
         self.metrics.watch_broadcast(lambda: self.broadcaster.stats if self.broadcaster is not None else None)
         if self.role != "fanout":
-            publish = self.bus.publish
+            publish: Publish = self.bus.publish
             exit_at = os.environ.get(EXIT_BEFORE_PUBLISH)
             if exit_at:
                 publish = exit_before_publish(publish, int(exit_at))
