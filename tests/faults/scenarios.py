@@ -638,7 +638,7 @@ async def spark_behind(rig: Rig) -> FaultTimes:
     keep committing, and a reconcile and a resync of every account run against its database (they
     see every host ahead of the relay and queue findings: ``#sync`` repairs, ``desync`` marks).
     Then the first host becomes unreachable, the relay restarts and, 1.5 s later (three repair
-    passes), the host returns ("back"); meanwhile a second resync
+    passes), the host returns ("back" when the relay is connected to it again); meanwhile a second resync
     runs while the relay catches up under live traffic. Final check: every queued row was handled
     and none was applied — the relay missed nothing, so every finding must turn out ``stale``.
     Applying one, e.g. for the unreachable host's accounts before their commits could be read,
@@ -656,8 +656,13 @@ async def spark_behind(rig: Rig) -> FaultTimes:
     await rig.writer.start()
     live = asyncio.create_task(asyncio.to_thread(_spark_jobs, rig, reconcile=False))
     await asyncio.sleep(1.5)
+    connections = far.connections_total
     await far.start(port=port)
-    back = time.monotonic()  # the last of the two (relay, host) is back
+    returned = time.monotonic()
+    # "back" once the relay is connected to the host again (how soon depends on its reconnect
+    # backoff to a host that refused it, which is not what this scenario is about)
+    await wait_until(lambda: far.connections_total > connections, 35.0)
+    back = time.monotonic()
 
     async def repairs_handled() -> list[str]:
         during = await live
@@ -669,7 +674,8 @@ async def spark_behind(rig: Rig) -> FaultTimes:
         outcomes: dict[str, int] = {}
         for kind, _, outcome in rows:
             outcomes[f"{kind}:{outcome}"] = outcomes.get(f"{kind}:{outcome}", 0) + 1
-        times.notes.append(f"spark while the relay was down: {behind}; while it caught up: {during}; "
+        times.notes.append(f"relay reconnected to the unreachable host {back - returned:.2f} s after its return; "
+                           f"spark while the relay was down: {behind}; while it caught up: {during}; "
                            f"{len(queued)} findings queued while it was down, outbox outcomes {outcomes}")
         problems = []
         if not queued:
