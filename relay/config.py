@@ -86,6 +86,11 @@ SETTINGS: tuple[Setting, ...] = (
             "accounts allowed per untrusted host; more are held as throttled", "int"),
     Setting("redis_url", "RELAY_REDIS_URL", "--redis-url", "",
             "redis://… for scale-out (Redis Streams bus, shared identity cache)"),
+    Setting("bus_max_entries", "RELAY_BUS_MAX_ENTRIES", "--bus-max-entries", "200000",
+            "scale-out: length cap of the Redis stream (approximate trim). An entry is one event frame plus "
+            "~100 bytes of Redis overhead, ~2.3 KB with typical traffic: the default needs ~450 MB of Redis "
+            "memory. Fan-outs read anything trimmed (or lost) from the database, so a smaller cap costs "
+            "latency, never events", "int"),
     Setting("new_hosts_per_day", "RELAY_NEW_HOSTS_PER_DAY", "--new-hosts-per-day", "50",
             "limit on hosts added through public requestCrawl in any 24 h (counted in the database)", "int"),
     Setting("crawling_enabled", "RELAY_CRAWLING", "--crawling", "true",
@@ -170,6 +175,7 @@ class RelayConfig:
     trusted_domains: tuple[str, ...] = field(default_factory=tuple)
     default_account_limit: int = 100
     redis_url: str = ""
+    bus_max_entries: int = 200_000
     new_hosts_per_day: int = 50
     crawling_enabled: bool = True
     validation_workers: int = 2

@@ -136,7 +136,7 @@ class RelayService:
 
             # bounded waits: a Redis that hangs must not hang readiness or identity lookups
             self._redis = aioredis.from_url(config.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
-            self.bus = RedisStreamBus(config.redis_url, stream=self.bus_stream)
+            self.bus = RedisStreamBus(config.redis_url, stream=self.bus_stream, maxlen=max(1, config.bus_max_entries))
             cache = RedisIdentityCache(self._redis)
         else:
             self.bus = InProcessBus()

@@ -9,6 +9,7 @@ import asyncpg
 import httpx
 import redis.asyncio as aioredis
 
+from firehose.bus import RedisStreamBus
 from relay.config import RelayConfig
 from relay.service import RelayService
 from relay.sim import SimConfig, SimFleet
@@ -24,13 +25,14 @@ async def test_ingest_and_fanout_roles(pg_dsn: str, redis_url: str) -> None:
     config = RelayConfig.from_values({
         "database_url": f"{pg_dsn}?schema={schema}", "redis_url": redis_url, "bind": "127.0.0.1:0",
         "allow_insecure_hosts": "true", "plc_url": fleet.plc_url, "validation_workers": "0",
-        "admin_token": "tok"})
+        "admin_token": "tok", "bus_max_entries": "1000"})
     ingest = RelayService(config, role="ingest", bus_stream=stream)
     fanout = RelayService(config, role="fanout", bus_stream=stream)
     try:
         await ingest.start()
         await fanout.start()
         assert fanout.hosts is None and fanout.sequencer is None
+        assert isinstance(ingest.bus, RedisStreamBus) and ingest.bus.maxlen == 1000  # RELAY_BUS_MAX_ENTRIES
         async with serve_asgi(ingest.build_app()) as ingest_url, serve_asgi(fanout.build_app()) as fanout_url:
             ws = fanout_url.replace("http://", "ws://") + "/xrpc/com.atproto.sync.subscribeRepos"
             async with Consumer(ws, cursor=0) as consumer:
