@@ -600,25 +600,33 @@ async def _store_seq(rig: Rig) -> int:
         await conn.close()
 
 
-def _spark_jobs(rig: Rig, *, reconcile: bool) -> dict[str, object]:
-    """Run a resync (and a reconcile) of every account against the rig's database, in Spark
-    ``local[1]``, blocking (call it in a thread: the simulated hosts answer from the event loop)."""
-    import uuid
+async def _spark_job(rig: Rig, job: str) -> object:
+    """Run ``relay spark <job>`` (resync or reconcile of every account) against the rig's database as
+    an operator would: its own process, Spark ``local[1]``; returns its ``--json`` summary."""
+    import json
+    import sys
+    from pathlib import Path
 
-    from spark.config import FetchConfig, JobConfig
-    from spark.reconcile import run_reconcile
-    from spark.relaydb import AccountFilter
-    from spark.resync import run_resync
-    from spark.session import build_session
+    relay_cli = Path(sys.executable).with_name("relay")
+    proc = await asyncio.create_subprocess_exec(
+        str(relay_cli), "spark", job, "--db", rig.pg.dsn, "--master", "local[1]", "--plc-url", rig.fleet.plc_url,
+        "--scheme", "http", "--allow-private", "--host-rate", "500", "--timeout", "10", "--no-progress", "--json",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 300)
+    if proc.returncode not in (0, 1):
+        raise RuntimeError(f"relay spark {job} exited {proc.returncode}: {err.decode()[-2000:]}")
+    text = out.decode()
+    summary: object = json.loads(text[text.index("{"):])  # --json prints the summary last
+    return summary
 
-    spark = build_session("local[1]", app_name="relay-faults", progress_bar=False, ui=False, shuffle_partitions=1)
-    fetch = FetchConfig(allow_private=True, scheme="http", plc_url=rig.fleet.plc_url, timeout_s=10.0, retries=2,
-                        backoff_s=0.1, host_rate=500.0)
+
+async def _spark_jobs(rig: Rig, *, reconcile: bool) -> dict[str, object]:
+    """A reconcile (optionally) and a resync of every account, one after the other."""
     out: dict[str, object] = {}
     if reconcile:
-        out["reconcile"] = run_reconcile(spark, JobConfig(rig.pg.dsn, f"faults-rc-{uuid.uuid4().hex[:6]}", fetch))
-    out["resync"] = run_resync(spark, JobConfig(rig.pg.dsn, f"faults-rs-{uuid.uuid4().hex[:6]}", fetch),
-                               AccountFilter())["totals"]
+        out["reconcile"] = await _spark_job(rig, "reconcile")
+    resync = await _spark_job(rig, "resync")
+    out["resync"] = resync.get("totals") if isinstance(resync, dict) else resync
     return out
 
 
@@ -637,6 +645,7 @@ async def spark_behind(rig: Rig) -> FaultTimes:
     """(g) Spark beside the live relay while it is behind: the relay is killed (SIGKILL), the hosts
     keep committing, and a reconcile and a resync of every account run against its database (they
     see every host ahead of the relay and queue findings: ``#sync`` repairs, ``desync`` marks).
+    The jobs run as ``relay spark …`` processes, as an operator runs them.
     Then the first host becomes unreachable, the relay restarts and, 1.5 s later (three repair
     passes), the host returns ("back" when the relay is connected to it again); meanwhile a second resync
     runs while the relay catches up under live traffic. Final check: every queued row was handled
@@ -647,14 +656,14 @@ async def spark_behind(rig: Rig) -> FaultTimes:
     down = time.monotonic()
     await rig.writer.kill9()
     await asyncio.sleep(1.0)  # the hosts move ahead of the stopped relay
-    behind = await asyncio.to_thread(_spark_jobs, rig, reconcile=True)
+    behind = await _spark_jobs(rig, reconcile=True)
     queued = await _outbox(rig)
     far = rig.fleet.hosts[0]
     port = int(far.hostname.rsplit(":", 1)[1])
     await far.stop()
     restart = time.monotonic()
     await rig.writer.start()
-    live = asyncio.create_task(asyncio.to_thread(_spark_jobs, rig, reconcile=False))
+    live = asyncio.create_task(_spark_jobs(rig, reconcile=False))
     await asyncio.sleep(1.5)
     connections = far.connections_total
     await far.start(port=port)
