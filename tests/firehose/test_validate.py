@@ -23,7 +23,12 @@ from mst.tid import TidClock
 
 from .commits import commit_body, flip_sig, frame, new_repo, posts, rewrite_car, state_of, sync_body
 
-NOW = time.time()
+
+def now() -> float:
+    """The validator's clock, read when each frame is judged: a module-level constant went stale
+    when collection and the test were minutes apart (a loaded machine), and commits made with the
+    real clock were then judged "rev in the future"."""
+    return time.time()
 
 
 def run_scenario(path: Path) -> list[tuple[Verdict, dict]]:
@@ -38,7 +43,7 @@ def run_scenario(path: Path) -> list[tuple[Verdict, dict]]:
         hdr, body = m["frame"]["header"], m["frame"]["body"]
         raw = cbrrr.encode_dag_cbor(hdr, atjson_mode=True) + cbrrr.encode_dag_cbor(body, atjson_mode=True)
         did = body.get("did") or body.get("repo")
-        v = validate_frame(raw, states.get(did), keys[did], NOW)
+        v = validate_frame(raw, states.get(did), keys[did], now())
         if v.new_state is not None:
             states[did] = v.new_state
         out.append((v, m))
@@ -64,7 +69,7 @@ def test_scenario_tamper_is_caught(fixtures_dir: Path) -> None:
     m = doc["messages"][0]["frame"]
     body = cbrrr.decode_dag_cbor(cbrrr.encode_dag_cbor(m["body"], atjson_mode=True))
     body["ops"] = []  # dropped op
-    v = validate_frame(frame(body), None, key, NOW)
+    v = validate_frame(frame(body), None, key, now())
     assert (v.kind, v.reason) == ("reject", Reason.INVERSION_MISMATCH)
 
 
@@ -83,16 +88,17 @@ def chain():
     return repo, before, r, after
 
 
-def judge(body: dict, state: AccountState | None, key: str) -> Verdict:
-    return validate_frame(frame(body), state, key, NOW)
+def judge(body: dict, state: AccountState | None, key: str, at: float | None = None) -> Verdict:
+    return validate_frame(frame(body), state, key, now() if at is None else at)
 
 
 def test_valid_commit_is_accepted_with_new_state(chain) -> None:
     repo, before, r, _ = chain
-    v = judge(commit_body(repo, r), before, repo.key.did_key())
+    at = now()
+    v = judge(commit_body(repo, r), before, repo.key.did_key(), at)
     assert (v.kind, v.reason) == ("accept", "ok")
     assert v.new_state == dataclasses.replace(
-        before, rev=r.rev, commit_cid=r.commit_cid.encode(), data_cid=r.data.encode(), updated_at=NOW
+        before, rev=r.rev, commit_cid=r.commit_cid.encode(), data_cid=r.data.encode(), updated_at=at
     )
 
 
@@ -175,12 +181,12 @@ def test_size_limits() -> None:
 
 
 def test_rev_in_the_future_is_rejected() -> None:
-    future_us = int((NOW + 3600) * 1_000_000)
+    future_us = int((now() + 3600) * 1_000_000)
     repo = new_repo("did:plc:futurerev0000000000000001", TidClock(now_micros=lambda: future_us))
     r = repo.apply_writes(posts(1))
     v = judge(commit_body(repo, r), None, repo.key.did_key())
     assert (v.kind, v.reason) == ("reject", Reason.REV_IN_FUTURE)
-    near = int((NOW + 60) * 1_000_000)  # within the clock-drift window
+    near = int((now() + 60) * 1_000_000)  # within the clock-drift window
     repo2 = new_repo("did:plc:futurerev0000000000000002", TidClock(now_micros=lambda: near))
     assert judge(commit_body(repo2, repo2.apply_writes(posts(1))), None, repo2.key.did_key()).kind == "accept"
 
@@ -219,29 +225,29 @@ def test_inactive_accounts_are_ignored(chain) -> None:
 def test_sync_messages(chain) -> None:
     repo, before, r, after = chain
     key = repo.key.did_key()
-    v = validate_frame(frame(sync_body(repo, after), "#sync"), before, key, NOW)
+    v = validate_frame(frame(sync_body(repo, after), "#sync"), before, key, now())
     assert (v.kind, v.reason) == ("accept", Reason.SYNC_RESET)  # jumps over r: state reset
     assert v.new_state.rev == after.rev and v.new_state.data_cid == after.data.encode()
-    v = validate_frame(frame(sync_body(repo, r), "#sync"), state_of(repo, r), key, NOW)
+    v = validate_frame(frame(sync_body(repo, r), "#sync"), state_of(repo, r), key, now())
     assert (v.kind, v.reason) == ("ignore", Reason.SYNC_ROLLBACK)
-    v = validate_frame(frame(sync_body(repo, after), "#sync"), None, PrivateKey.generate_p256().did_key(), NOW)
+    v = validate_frame(frame(sync_body(repo, after), "#sync"), None, PrivateKey.generate_p256().did_key(), now())
     assert (v.kind, v.reason) == ("reject", Reason.BAD_SIGNATURE)
-    v = validate_frame(frame({**sync_body(repo, after), "rev": r.rev}, "#sync"), None, key, NOW)
+    v = validate_frame(frame({**sync_body(repo, after), "rev": r.rev}, "#sync"), None, key, now())
     assert v.reason == Reason.COMMIT_REV_MISMATCH
-    v = validate_frame(frame({**sync_body(repo, after), "blocks": r.car + b"\x00" * 10_000}, "#sync"), None, key, NOW)
+    v = validate_frame(frame({**sync_body(repo, after), "blocks": r.car + b"\x00" * 10_000}, "#sync"), None, key, now())
     assert v.reason == Reason.BLOCKS_TOO_LARGE
 
 
 def test_account_and_identity_messages() -> None:
     did = "did:plc:accountmsgs00000000000001"
     v = validate_frame(frame({"seq": 3, "did": did, "time": "2026-01-01T00:00:00Z", "active": False,
-                              "status": "takendown"}, "#account"), None, None, NOW)
+                              "status": "takendown"}, "#account"), None, None, now())
     assert v.kind == "accept" and v.new_state.upstream_status == "takendown" and not v.new_state.active
     v = validate_frame(frame({"seq": 4, "did": did, "time": "2026-01-01T00:00:00Z", "handle": "a.example.com"},
-                             "#identity"), None, None, NOW)
+                             "#identity"), None, None, now())
     assert v.kind == "accept"
     v = validate_frame(frame({"seq": 4, "did": did, "time": "2026-01-01T00:00:00Z", "handle": "not a handle"},
-                             "#identity"), None, None, NOW)
+                             "#identity"), None, None, now())
     assert v.reason == Reason.BAD_HANDLE
 
 
@@ -263,14 +269,14 @@ def test_fuzz_mutated_commit_frames_only_typed_verdicts(fuzz_seed, data: st.Data
         buf[i] = data.draw(st.integers(0, 255))
     if data.draw(st.booleans()):
         buf = buf[: data.draw(st.integers(1, len(buf)))]
-    v = validate_frame(bytes(buf), state, key, NOW)
+    v = validate_frame(bytes(buf), state, key, now())
     assert v.kind in ("accept", "ignore", "reject", "desync") and v.reason in ALL_REASONS
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=2048))
 def test_fuzz_random_bytes_only_typed_rejections(data: bytes) -> None:
-    v = validate_frame(data, None, "did:key:zQ3shULQPBZrbHpyf48oS68ZudUDQNdtWrhV8dafhaTFFUeGP", NOW)
+    v = validate_frame(data, None, "did:key:zQ3shULQPBZrbHpyf48oS68ZudUDQNdtWrhV8dafhaTFFUeGP", now())
     assert v.kind in ("reject", "ignore") and v.reason in ALL_REASONS
 
 
@@ -305,7 +311,7 @@ def test_fuzz_structured_field_mutations_only_typed_verdicts(chain, data: st.Dat
         i = data.draw(st.integers(0, len(body["ops"]) - 1))
         body["ops"][i] = data.draw(_values)
     state = data.draw(st.sampled_from([None, before]))
-    v = validate_frame(frame(body), state, repo.key.did_key(), NOW)
+    v = validate_frame(frame(body), state, repo.key.did_key(), now())
     assert v.reason in ALL_REASONS
     if v.kind == "accept":  # only harmless fields (deprecated ones, seq, time) can have changed
         assert v.new_state.rev == r.rev
