@@ -43,6 +43,7 @@ from relay.identity import (
     RedisIdentityCache,
     dns_txt_lookup,
 )
+from relay.jetstream_server import JetstreamServer, jetstream_server
 from relay.jsonlog import fields
 from relay.lanes import AccountLanes
 from relay.metrics import RelayMetrics
@@ -102,6 +103,7 @@ class RelayService:
         self.bus: EventBus = None  # type: ignore[assignment]
         self.sequencer: Sequencer | None = None
         self.broadcaster: Broadcaster = None  # type: ignore[assignment]
+        self.jetstream: JetstreamServer | None = None
         self.identity: IdentityResolver = None  # type: ignore[assignment]
         self.hosts: HostManager | None = None
         self.lanes: AccountLanes | None = None
@@ -147,6 +149,7 @@ class RelayService:
                                          burst=max(1, int(config.identity_rate * 2.5)),
                                          txt_lookup=dns_txt_lookup(parse_nameservers(config.dns_servers) or None))
         self.broadcaster = Broadcaster(self.store, self.bus)
+        self.jetstream = jetstream_server(self.broadcaster, self.metrics, self.consumers)
         self.metrics.watch_broadcast(lambda: self.broadcaster.stats if self.broadcaster is not None else None)
         if self.role != "fanout":
             publish: Publish = self.bus.publish
@@ -295,6 +298,8 @@ class RelayService:
             else:
                 assert isinstance(route, Route)
                 out.append(route)
+        if self.jetstream is not None:
+            out += self.jetstream.routes()
         return out
 
     async def readiness(self) -> list[str]:
