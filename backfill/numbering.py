@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from backfill.collections import CollectionChanges
 from backfill.errors import FencedOffError, SeqExhaustedError
 from backfill.store import SEQ_LIMIT
 from firehose.framing import frame_header, splice_seq
@@ -54,6 +55,7 @@ class Numbered:
     encode_errors: int = 0
     fenced: int = 0
     last_time: float = 0.0
+    collections: CollectionChanges = field(default_factory=CollectionChanges)
 
 
 async def number_batch(
@@ -78,6 +80,7 @@ async def number_batch(
     fenced = 0
     now_us = round(now * 1_000_000)
     last_time = now
+    collections = CollectionChanges()
     for index, (item, fut) in enumerate(items):
         if index % 128 == 127:
             # Let the commit in flight keep streaming its COPY data while this batch encodes.
@@ -128,6 +131,7 @@ async def number_batch(
         if rev is not None:
             last_rev[did] = rev
             revved.add(did)
+        collections.add(event)
         at = (now_us + seq - base - 1) / 1_000_000  # exact: round(at * 1e6) gives the integer back
         last_time = at
         rows.append((seq, did, kind, at, frame))
@@ -140,4 +144,4 @@ async def number_batch(
                 account.updated_at = now
             accounts[account.did] = account
     return Numbered(seq, rows, sequenced, results, errors, accounts, cursors, revved, last_rev,
-                    ignored, encode_errors, fenced, last_time)
+                    ignored, encode_errors, fenced, last_time, collections)

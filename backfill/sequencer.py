@@ -379,6 +379,8 @@ class Sequencer:
             events=rows,
             accounts=list(accounts.values()),
             host_updates={h: (u[0], u[1], u[2]) for h, u in host_updates.items()},
+            collection_resets=numbered.collections.resets,
+            collection_deltas=numbered.collections.deltas(),
         )
         return _Prepared(
             epoch=epoch,
