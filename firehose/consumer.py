@@ -215,7 +215,7 @@ class RelayConsumer:
                         yield event
                         if time.monotonic() - self._saved_at >= self.save_interval:
                             await self.save()
-            except (OSError, ConnectionClosed, InvalidHandshake, asyncio.TimeoutError) as exc:
+            except (TimeoutError, OSError, ConnectionClosed, InvalidHandshake) as exc:
                 log.info("relay connection lost: %s", type(exc).__name__)
             delay = self.backoff.next() if attempt else 0.0
             attempt += 1

@@ -194,7 +194,8 @@ class RelayService:
 
         host, port = parse_bind(bind, "RELAY_FIREHOSE_BIND")
         self.firehose_server = await serve_subscribe_repos(self.broadcaster, host, port,
-                                                           track=self.consumers.tracking)
+                                                           track=self.consumers.tracking,
+                                                           deflate=self.config.ws_deflate)
         bound = next(iter(self.firehose_server.sockets)).getsockname()
         self.firehose_url = f"ws://{bound[0]}:{bound[1]}"
         log.info("firehose listening", extra=fields(url=self.firehose_url))
