@@ -6,6 +6,11 @@ re-delivery to ignore (its ``rev`` is not newer than the account's head: stored,
 earlier in this batch), or the next seq after ``base`` with its wire frame (``encode(kind, body)``,
 or ``seq`` spliced into a pre-encoded body). Per-event failures (seq space exhausted, a body the
 encoder refuses) fail only that item and revoke its fence.
+
+Event times are whole microseconds, one apart within a batch (``now`` rounded to a microsecond for
+the first event, +1 µs for each next one): every event gets its own ``time_us``, which the JSON
+stream uses as its cursor, and times never decrease along seq. ``Numbered.last_time`` is the time of
+the last event numbered (``now`` if none); the next batch starts strictly after it.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from backfill.collections import CollectionChanges
 from backfill.errors import FencedOffError, SeqExhaustedError
 from backfill.store import SEQ_LIMIT
 from firehose.framing import frame_header, splice_seq
@@ -48,6 +54,8 @@ class Numbered:
     ignored: int = 0
     encode_errors: int = 0
     fenced: int = 0
+    last_time: float = 0.0
+    collections: CollectionChanges = field(default_factory=CollectionChanges)
 
 
 async def number_batch(
@@ -70,6 +78,9 @@ async def number_batch(
     revved: set[str] = set()
     ignored = encode_errors = 0
     fenced = 0
+    now_us = round(now * 1_000_000)
+    last_time = now
+    collections = CollectionChanges()
     for index, (item, fut) in enumerate(items):
         if index % 128 == 127:
             # Let the commit in flight keep streaming its COPY data while this batch encodes.
@@ -120,8 +131,11 @@ async def number_batch(
         if rev is not None:
             last_rev[did] = rev
             revved.add(did)
-        rows.append((seq, did, kind, now, frame))
-        done = SequencedEvent(seq, did, kind, now, frame)
+        collections.add(event)
+        at = (now_us + seq - base - 1) / 1_000_000  # exact: round(at * 1e6) gives the integer back
+        last_time = at
+        rows.append((seq, did, kind, at, frame))
+        done = SequencedEvent(seq, did, kind, at, frame)
         sequenced.append(done)
         results.append((fut, done))
         account = event.account
@@ -130,4 +144,4 @@ async def number_batch(
                 account.updated_at = now
             accounts[account.did] = account
     return Numbered(seq, rows, sequenced, results, errors, accounts, cursors, revved, last_rev,
-                    ignored, encode_errors, fenced)
+                    ignored, encode_errors, fenced, last_time, collections)

@@ -345,6 +345,15 @@ class PostgresStore(Store):
         return await self._pool.fetchval("SELECT count(*) FROM accounts WHERE host = $1", host)
 
     # -- hosts -------------------------------------------------------------------------------
+    async def list_repos_by_collection(self, collection: str, after_did: str | None = None,
+                                       limit: int = 500) -> list[str]:
+        rows = await self._pool.fetch(_SQL_REPOS_BY_COLLECTION, collection, after_did or "", limit)
+        return [r[0] for r in rows]
+
+    async def collection_counts(self, did: str) -> dict[str, int]:
+        rows = await self._pool.fetch("SELECT collection, records FROM repo_collections WHERE did = $1", did)
+        return {r[0]: int(r[1]) for r in rows}
+
     async def get_host(self, hostname: str) -> HostState | None:
         row = await self._pool.fetchrow(f"SELECT {_HOST_COLS} FROM hosts WHERE hostname = $1", hostname)
         return None if row is None else _host(row)
@@ -450,6 +459,31 @@ class PostgresStore(Store):
         await self._pool.execute(_numbered(REPAIR_DONE_SQL), at, seq, outcome, row_id)
 
 
+_SQL_REPOS_BY_COLLECTION = (
+    "SELECT r.did FROM repo_collections r JOIN accounts a ON a.did = r.did "
+    "WHERE r.collection = $1 AND r.did > $2 AND a.upstream_status = 'active' AND a.local_status = 'active' "
+    "ORDER BY r.did LIMIT $3"
+)
+# records = max(floor, records + delta): update the rows that exist, insert the others (the single
+# writer makes the two halves race-free)
+_SQL_COLLECTION_DELTAS = """
+WITH d AS (SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[], $4::bigint[]) AS t(collection, did, delta, floor)),
+up AS (
+    UPDATE repo_collections r SET records = GREATEST(d.floor, r.records + d.delta)
+    FROM d WHERE r.collection = d.collection AND r.did = d.did
+    RETURNING r.collection, r.did
+)
+INSERT INTO repo_collections (collection, did, records)
+SELECT d.collection, d.did, GREATEST(d.floor, d.delta) FROM d
+WHERE GREATEST(d.floor, d.delta) > 0
+  AND NOT EXISTS (SELECT 1 FROM up WHERE up.collection = d.collection AND up.did = d.did)
+"""
+_SQL_COLLECTION_EMPTIED = (
+    "DELETE FROM repo_collections r USING unnest($1::text[], $2::text[]) AS t(collection, did) "
+    "WHERE r.collection = t.collection AND r.did = t.did AND r.records <= 0"
+)
+
+
 class _PgLease(WriterLease):
     """Advisory-lock holder; every batch goes through the same connection."""
 
@@ -465,6 +499,7 @@ class _PgLease(WriterLease):
             await self._advance_high_water(batch)
             await self._write_events(batch)
             await self._write_accounts(batch)
+            await self._write_collections(batch)
             await self._write_hosts(batch)
 
     async def _advance_high_water(self, batch: BatchWrite) -> None:
@@ -503,6 +538,25 @@ class _PgLease(WriterLease):
         status = await self._conn.execute(_SQL_UPDATE_ACCOUNTS)
         if int(status.rsplit(" ", 1)[1]) < len(accts):
             await self._conn.execute(_SQL_INSERT_ACCOUNTS)
+
+    async def _write_collections(self, batch: BatchWrite) -> None:
+        """After the accounts (the lock order Spark's rebuild takes too: account row first)."""
+        if batch.collection_resets:
+            resets = batch.collection_resets
+            rows = [(c, did, n) for did, counts in resets.items() for c, n in counts.items()]
+            await self._conn.execute("DELETE FROM repo_collections WHERE did = ANY($1::text[])", list(resets))
+            if rows:
+                await self._conn.execute(
+                    "INSERT INTO repo_collections (collection, did, records) "
+                    "SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[])",
+                    [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
+        deltas = batch.collection_deltas
+        if deltas:
+            columns = ([d[0] for d in deltas], [d[1] for d in deltas], [d[2] for d in deltas], [d[3] for d in deltas])
+            await self._conn.execute(_SQL_COLLECTION_DELTAS, *columns)
+            gone = [d for d in deltas if d[2] <= 0]
+            if gone:
+                await self._conn.execute(_SQL_COLLECTION_EMPTIED, [d[0] for d in gone], [d[1] for d in gone])
 
     async def _write_hosts(self, batch: BatchWrite) -> None:
         if not batch.host_updates:

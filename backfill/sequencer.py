@@ -156,6 +156,9 @@ class Sequencer:
                 raise SequencerClosedError("sequencer is closed")
             self._lease = await self.store.acquire_writer(wait=self.wait_for_lock, timeout=self.lock_timeout)
             self._high_water = self._next_high_water = await self._lease.high_water()
+            # times never decrease along seq, even if the clock went back across a restart
+            last = await self.store.read_after(self._high_water - 1, 1) if self._high_water else []
+            self._last_time = last[0].time if last else 0.0
             self.last_commit_at = time.monotonic()
             self._task = asyncio.create_task(self._run(), name="sequencer")
 
@@ -340,7 +343,7 @@ class Sequencer:
         heads: dict[str, tuple[str | None, str | None]],
         epoch: int,
     ) -> _Prepared | None:
-        now = max(self.clock(), self._last_time)
+        now = max(self.clock(), self._last_time + 1e-6)  # event times: whole µs, strictly increasing
         base = self._next_high_water
         numbered = await number_batch(items, heads, base=base, now=now, encode=self.frame_encoder)
         seq, accounts, cursors, last_rev = numbered.seq, numbered.accounts, numbered.cursors, numbered.last_rev
@@ -366,7 +369,7 @@ class Sequencer:
         # Later batches must see this one's accounts before it is committed.
         self._overlay.update(entries)
         self._next_high_water = seq
-        self._last_time = now
+        self._last_time = numbered.last_time
         self.stats.ignored += ignored
         self.stats.encode_errors += encode_errors
         self.stats.fenced += fenced
@@ -376,6 +379,8 @@ class Sequencer:
             events=rows,
             accounts=list(accounts.values()),
             host_updates={h: (u[0], u[1], u[2]) for h, u in host_updates.items()},
+            collection_resets=numbered.collections.resets,
+            collection_deltas=numbered.collections.deltas(),
         )
         return _Prepared(
             epoch=epoch,

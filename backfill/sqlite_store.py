@@ -328,6 +328,15 @@ class SqliteStore(Store):
         return await self._read(fetchval, "SELECT count(*) FROM accounts WHERE host = ?", (host,))
 
     # -- hosts -------------------------------------------------------------------------------
+    async def list_repos_by_collection(self, collection: str, after_did: str | None = None,
+                                       limit: int = 500) -> list[str]:
+        rows = await self._read(fetchall, _SQL_REPOS_BY_COLLECTION, (collection, after_did or "", limit))
+        return [r[0] for r in rows]
+
+    async def collection_counts(self, did: str) -> dict[str, int]:
+        rows = await self._read(fetchall, "SELECT collection, records FROM repo_collections WHERE did = ?", (did,))
+        return {r[0]: int(r[1]) for r in rows}
+
     async def get_host(self, hostname: str) -> HostState | None:
         rows = await self._read(fetchall, f"SELECT {_HOST_COLS} FROM hosts WHERE hostname = ?", (hostname,))
         return _host(rows[0]) if rows else None
@@ -466,6 +475,30 @@ def _write_accounts(conn: sqlite3.Connection, batch: BatchWrite) -> None:
         )
 
 
+_SQL_REPOS_BY_COLLECTION = (
+    "SELECT r.did FROM repo_collections r JOIN accounts a ON a.did = r.did "
+    "WHERE r.collection = ? AND r.did > ? AND a.upstream_status = 'active' AND a.local_status = 'active' "
+    "ORDER BY r.did LIMIT ?"
+)
+
+
+def _write_collections(conn: sqlite3.Connection, batch: BatchWrite) -> None:
+    for did, counts in batch.collection_resets.items():
+        conn.execute("DELETE FROM repo_collections WHERE did = ?", (did,))
+        conn.executemany("INSERT INTO repo_collections (collection, did, records) VALUES (?, ?, ?)",
+                         [(c, did, n) for c, n in counts.items()])
+    if batch.collection_deltas:
+        conn.executemany(
+            "INSERT INTO repo_collections (collection, did, records) VALUES (?1, ?2, max(?4, ?3)) "
+            "ON CONFLICT (collection, did) DO UPDATE SET records = max(?4, records + ?3)",
+            batch.collection_deltas,
+        )
+        conn.executemany(
+            "DELETE FROM repo_collections WHERE collection = ? AND did = ? AND records <= 0",
+            [(c, d) for c, d, delta, _ in batch.collection_deltas if delta <= 0],
+        )
+
+
 def _write_hosts(conn: sqlite3.Connection, batch: BatchWrite) -> None:
     if batch.host_updates:
         now = time.time()
@@ -489,6 +522,7 @@ class _SqliteLease(WriterLease):
                 _advance_high_water(conn, batch)
                 _write_events(conn, batch)
                 _write_accounts(conn, batch)
+                _write_collections(conn, batch)
                 _write_hosts(conn, batch)
 
         await self._store._write(_commit)

@@ -39,6 +39,9 @@ class BatchWrite:
     (``SequencerConflictError``) unless it is still the stored value, so seq can never be reused.
     ``events`` rows are ``(seq, did, kind, time, frame)`` in seq order. ``host_updates`` maps a
     hostname to ``(upstream cursor or None, last_seen or None, account_count delta)``.
+    ``collection_resets`` (did → complete counts; first) and ``collection_deltas``
+    (``(collection, did, delta, floor)``: ``records = max(floor, records + delta)``, rows at 0
+    removed) keep ``repo_collections`` (``backfill.collections``); written after the accounts.
     """
 
     expected_high_water: int
@@ -46,6 +49,8 @@ class BatchWrite:
     events: list[tuple[int, str, str, float, bytes]] = field(default_factory=list)
     accounts: list[AccountState] = field(default_factory=list)
     host_updates: dict[str, tuple[int | None, float | None, int]] = field(default_factory=dict)
+    collection_resets: dict[str, dict[str, int]] = field(default_factory=dict)
+    collection_deltas: list[tuple[str, str, int, int]] = field(default_factory=list)
 
     @property
     def frame_bytes(self) -> int:
@@ -227,6 +232,17 @@ class Store(ABC):
     @abstractmethod
     async def count_accounts(self, host: str | None = None) -> int:
         """Accounts on ``host`` (all accounts when None), counted from the accounts table."""
+
+    # -- collections (backfill.collections; written by the sequencer) ------------------------
+    @abstractmethod
+    async def list_repos_by_collection(self, collection: str, after_did: str | None = None,
+                                       limit: int = 500) -> list[str]:
+        """DIDs of active accounts with at least one record in ``collection``, ascending, after
+        ``after_did``, at most ``limit``."""
+
+    @abstractmethod
+    async def collection_counts(self, did: str) -> dict[str, int]:
+        """The stored record counts per collection of one account."""
 
     # -- hosts -------------------------------------------------------------------------------
     @abstractmethod

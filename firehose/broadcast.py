@@ -52,6 +52,13 @@ log = logging.getLogger(__name__)
 FUTURE_CURSOR = "FutureCursor"
 CONSUMER_TOO_SLOW = "ConsumerTooSlow"
 OUTDATED_CURSOR = "OutdatedCursor"
+#: Kinds of the session's own messages in :meth:`ConsumerSession.event_batches`.
+INFO_KIND = "#info"
+ERROR_KIND = "#error"
+
+
+def _control(kind: str, frame: bytes) -> SequencedEvent:
+    return SequencedEvent(0, "", kind, 0.0, frame)
 
 
 class ReplayStore(Protocol):
@@ -168,6 +175,18 @@ class ConsumerSession:
         store read (bounded by ``replay_batch`` / ``replay_bytes``), live whatever is queued
         (at most ``replay_batch`` frames / ``replay_bytes`` bytes per list). Ends after an
         error frame or on close. The session counts a list as sent when it is yielded."""
+        batches = self.event_batches()
+        try:
+            async for batch in batches:
+                yield [ev.frame for ev in batch]
+        finally:
+            await batches.aclose()
+
+    async def event_batches(self) -> AsyncGenerator[list[SequencedEvent], None]:
+        """:meth:`frame_batches` as the events themselves (for transports that send something
+        derived from each event, e.g. the JSON stream). The session's own messages (``#info``
+        OutdatedCursor, the ``#error`` that ends it) are events of kind :data:`INFO_KIND` /
+        :data:`ERROR_KIND` with seq 0 and the encoded frame."""
         b = self._b
         b.register(self)
         try:
@@ -179,7 +198,7 @@ class ConsumerSession:
                 finally:
                     await replay.aclose()  # closed mid-replay: cancels the read ahead now
                 if self.close_frame is not None:
-                    yield [self.close_frame]
+                    yield [_control(ERROR_KIND, self.close_frame)]
                     return
             while True:
                 while not self._queue:
@@ -198,12 +217,12 @@ class ConsumerSession:
         finally:
             b.unregister(self)
 
-    def _take_queued(self) -> list[bytes]:
+    def _take_queued(self) -> list[SequencedEvent]:
         """Pop queued live events (bounded like one replay batch), skipping any already sent."""
         b = self._b
         queue = self._queue
         last = self.last_seq
-        out: list[bytes] = []
+        out: list[SequencedEvent] = []
         size = 0
         while queue and len(out) < b.replay_batch and size < b.replay_bytes:
             ev = queue.popleft()
@@ -212,7 +231,7 @@ class ConsumerSession:
             if last is not None and ev.seq <= last:
                 continue  # replayed from the store before the bus delivered it
             last = ev.seq
-            out.append(ev.frame)
+            out.append(ev)
             size += n
         if out:
             self.last_seq = last
@@ -220,7 +239,7 @@ class ConsumerSession:
             self.bytes_sent += size
         return out
 
-    async def _replay(self) -> AsyncGenerator[list[bytes], None]:
+    async def _replay(self) -> AsyncGenerator[list[SequencedEvent], None]:
         b = self._b
         cursor = self.cursor
         assert cursor is not None
@@ -238,7 +257,7 @@ class ConsumerSession:
             last = latest
         elif oldest is None or cursor < oldest:
             b.stats.outdated_cursor += 1
-            yield [encode_info_frame(OUTDATED_CURSOR, "cursor is older than the backfill window")]
+            yield [_control(INFO_KIND, encode_info_frame(OUTDATED_CURSOR, "cursor is older than the backfill window"))]
             last = 0
         else:
             last = cursor - 1
@@ -252,14 +271,15 @@ class ConsumerSession:
                 events = await read
                 read = None
                 read_limit = limit
-                out: list[bytes] = []
+                out: list[SequencedEvent] = []
                 if events and last > 0 and events[0].seq > last + 1:
                     # Did retention trim the window past this (slow) consumer? Say so, never a
                     # silent gap: the same #info a too-old cursor gets at connection time.
                     oldest = await b.store.oldest_seq()
                     if oldest is not None and oldest > last + 1:
                         b.stats.outdated_cursor += 1
-                        out.append(encode_info_frame(OUTDATED_CURSOR, "events were trimmed while replaying"))
+                        out.append(_control(INFO_KIND, encode_info_frame(OUTDATED_CURSOR,
+                                                                         "events were trimmed while replaying")))
                 if events:  # keep one batch near ``replay_bytes`` whatever the frame sizes
                     avg = max(1, sum(len(e.frame) for e in events) // len(events))
                     limit = max(1, min(b.replay_batch, b.replay_bytes // avg))
@@ -269,7 +289,7 @@ class ConsumerSession:
                     if ev.seq <= last:
                         continue
                     last = ev.seq
-                    out.append(ev.frame)
+                    out.append(ev)
                     size += len(ev.frame)
                     count += 1
                 if count:
@@ -450,6 +470,7 @@ class Broadcaster:
 
 SendFn = Callable[[bytes], Awaitable[None]]
 SendManyFn = Callable[[list[bytes]], Awaitable[None]]
+SendEventsFn = Callable[[list[SequencedEvent]], Awaitable[None]]
 
 
 async def pump(
@@ -458,6 +479,7 @@ async def pump(
     closed: Awaitable[object] | None = None,
     *,
     send_many: SendManyFn | None = None,
+    send_events: SendEventsFn | None = None,
     error_send_timeout: float = 2.0,
 ) -> None:
     """Drive one session over a transport: send every frame; stop at once when the peer goes
@@ -466,9 +488,19 @@ async def pump(
 
     ``send_many(frames)``, when given, sends a list of frames in order (one transport write and
     one wait for backpressure per list); otherwise ``send`` is awaited per frame.
+    ``send_events(events)``, when given, is handed the events themselves instead (see
+    :meth:`ConsumerSession.event_batches`); ``send`` then only gets the ``ConsumerTooSlow`` frame.
     """
 
     async def run() -> None:
+        if send_events is not None:
+            events = session.event_batches()
+            try:
+                async for evs in events:
+                    await send_events(evs)
+            finally:
+                await events.aclose()
+            return
         batches = session.frame_batches()
         try:
             async for batch in batches:

@@ -115,6 +115,14 @@ class Reason(StrEnum):
     IDENTITY_NO_SIGNING_KEY = "identity_no_signing_key"
     IDENTITY_RATE_LIMITED = "identity_rate_limited"
     IDENTITY_RESOLUTION_FAILED = "identity_resolution_failed"
+    # --- the JSON stream's subscriber options and messages (firehose.jetstream)
+    JETSTREAM_BAD_COLLECTION = "jetstream_bad_collection"
+    JETSTREAM_TOO_MANY_COLLECTIONS = "jetstream_too_many_collections"
+    JETSTREAM_BAD_DID = "jetstream_bad_did"
+    JETSTREAM_TOO_MANY_DIDS = "jetstream_too_many_dids"
+    JETSTREAM_BAD_MAX_SIZE = "jetstream_bad_max_size"
+    JETSTREAM_BAD_CURSOR = "jetstream_bad_cursor"
+    JETSTREAM_BAD_MESSAGE = "jetstream_bad_message"
 
 
 ALL_REASONS: frozenset[str] = frozenset(r.value for r in Reason)

@@ -47,7 +47,8 @@ def _error_body(error: str, message: str) -> dict[str, Any]:
     return {"error": error, "message": message}
 
 
-async def _http_endpoint(request: Request) -> JSONResponse:
+async def upgrade_required(request: Request) -> JSONResponse:
+    """The HTTP half of a subscription path: 405 for non-GET, 426 for a GET without ``Upgrade``."""
     if request.method != "GET":
         return JSONResponse(
             _error_body("MethodNotAllowed", "subscription endpoints accept GET only"),
@@ -61,27 +62,30 @@ async def _http_endpoint(request: Request) -> JSONResponse:
     )
 
 
+async def deny_websocket(ws: WebSocket, status: int, error: str, message: str) -> None:
+    """Refuse a WebSocket before the upgrade: HTTP ``status`` with an XRPC error body (ASGI
+    denial-response extension), or a close (1013 for 429, else 1008) where it is missing."""
+    if "websocket.http.response" in ws.scope.get("extensions", {}):
+        await ws.send_denial_response(JSONResponse(_error_body(error, message), status_code=status))
+    else:
+        await ws.close(code=1013 if status == 429 else 1008, reason=error)
+
+
 class SubscribeReposWebSocket:
     """The WebSocket half; an ASGI app usable as a ``WebSocketRoute`` endpoint."""
 
     def __init__(self, broadcaster: Broadcaster) -> None:
         self.broadcaster = broadcaster
 
-    async def _deny(self, ws: WebSocket, status: int, error: str, message: str) -> None:
-        if "websocket.http.response" in ws.scope.get("extensions", {}):
-            await ws.send_denial_response(JSONResponse(_error_body(error, message), status_code=status))
-        else:
-            await ws.close(code=1013 if status == 429 else 1008, reason=error)
-
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         ws = WebSocket(scope, receive, send)
         try:
             cursor = parse_cursor(ws.query_params.get("cursor"))
         except CursorError:
-            await self._deny(ws, 400, "InvalidRequest", "cursor must be a non-negative integer")
+            await deny_websocket(ws, 400, "InvalidRequest", "cursor must be a non-negative integer")
             return
         if self.broadcaster.at_capacity:
-            await self._deny(ws, 429, "RateLimitExceeded", "too many consumers")
+            await deny_websocket(ws, 429, "RateLimitExceeded", "too many consumers")
             return
         await ws.accept()
         session = self.broadcaster.session(cursor)
@@ -122,7 +126,7 @@ def subscribe_repos_routes(broadcaster: Broadcaster, path: str = SUBSCRIBE_REPOS
     """Both routes for the path: WebSocket streaming plus the pre-upgrade HTTP errors."""
     return [
         WebSocketRoute(path, subscribe_repos_endpoint(broadcaster)),
-        Route(path, _http_endpoint, methods=["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]),
+        Route(path, upgrade_required, methods=["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]),
     ]
 
 

@@ -122,6 +122,7 @@ async def serve_subscribe_repos(
     ping_timeout: float | None = 20.0,
     direct: bool = True,
     track: Callable[[ServerConnection, ConsumerSession], AbstractAsyncContextManager[Any]] | None = None,
+    deflate: bool = False,
 ) -> Server:
     """Start the server (``async with`` it or call ``.close()``); ``port=0`` picks a free port.
 
@@ -131,6 +132,8 @@ async def serve_subscribe_repos(
     one transport write per store read.
     ``track(connection, session)``, when given, is entered for the life of each consumer's
     connection (the relay keeps its registry of connected consumers with it).
+    ``deflate``: offer permessage-deflate (off by default; a consumer that negotiates it gets
+    compressed frames, each compressed once per consumer).
     """
 
     def process_request(connection: ServerConnection, request: Request) -> Response | None:
@@ -170,5 +173,5 @@ async def serve_subscribe_repos(
         ping_interval=ping_interval,
         ping_timeout=ping_timeout,
         max_size=MAX_FRAME_BYTES,
-        compression=None,
+        compression="deflate" if deflate else None,
     )

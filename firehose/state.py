@@ -96,6 +96,9 @@ class PendingEvent:
     transaction. ``host``/``upstream_seq`` advance that host's upstream cursor in the same
     transaction. ``rev`` (with ``did``) identifies re-deliveries of an already sequenced commit.
     ``fence`` (optional): the event is stored only while it is valid (see ``Fence``).
+    ``collections`` (optional): the account's complete record counts per collection at this event
+    (a walk of the whole verified repository, e.g. a resync's ``#sync``); they replace the stored
+    ones in the same transaction (``backfill.collections``).
     """
 
     kind: str
@@ -108,6 +111,7 @@ class PendingEvent:
     body_cbor: bytes | None = None
     seq_offset: int | None = None
     fence: Fence | None = None
+    collections: dict[str, int] | None = None
 
 
 @dataclass(slots=True)

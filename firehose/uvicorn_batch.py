@@ -7,7 +7,8 @@ attempt) of its own. With ``uvicorn.Config(ws=BatchingWebSocketsProtocol)`` the 
 advertises ``scope["extensions"][SEND_BATCH]``; an app may then send
 ``{"type": SEND_BATCH, "frames": [bytes, …]}`` once the socket is accepted: every frame is framed
 by the same ``websockets`` protocol object and all go out in one ``writelines``, after the same
-backpressure wait as a single ``websocket.send``. Apps that do not look for the extension are
+backpressure wait as a single ``websocket.send``. With ``"text": True`` the frames (UTF-8 bytes)
+are sent as text messages instead (the JSON stream). Apps that do not look for the extension are
 unaffected (``firehose.serve_asgi`` uses it when present).
 """
 
@@ -42,8 +43,9 @@ class BatchingWebSocketsProtocol(WebSocketsSansIOProtocol):
         if not self.handshake_complete or self.close_sent or self.initial_response is not None:
             raise RuntimeError(f"{SEND_BATCH} is only allowed on an accepted, open WebSocket")
         try:
+            send = self.conn.send_text if message.get("text") else self.conn.send_binary
             for frame in message["frames"]:
-                self.conn.send_binary(frame)
+                send(frame)
         except InvalidState:
             raise ClientDisconnected() from None
         self.transport.writelines(self.conn.data_to_send())

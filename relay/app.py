@@ -111,6 +111,21 @@ async def list_repos(request: Request) -> Response:
     return JSONResponse(out)
 
 
+async def list_repos_by_collection(request: Request) -> Response:
+    """Active accounts with at least one record in ``collection`` (``backfill.collections``)."""
+    from mst.syntax import is_valid_nsid
+
+    collection = param(request, "collection", required=True) or ""
+    if not is_valid_nsid(collection):
+        raise invalid("parameter 'collection' is not a valid NSID")
+    limit = int_param(request, "limit", default=500, minimum=1, maximum=2000)
+    dids = await _service(request).store.list_repos_by_collection(collection, param(request, "cursor"), limit)
+    out: dict[str, object] = {"repos": [{"did": did} for did in dids]}
+    if len(dids) == limit:
+        out["cursor"] = dids[-1]
+    return JSONResponse(out)
+
+
 async def get_repo_status(request: Request) -> Response:
     did = did_param(request)
     state = await _account(request, did)
@@ -233,6 +248,7 @@ def build_app(service: RelayService) -> Starlette:
         _xrpc_route("listHosts", list_hosts),
         _xrpc_route("getHostStatus", get_host_status),
         _xrpc_route("listRepos", list_repos),
+        _xrpc_route("listReposByCollection", list_repos_by_collection),
         _xrpc_route("getRepoStatus", get_repo_status),
         _xrpc_route("getLatestCommit", get_latest_commit),
         _xrpc_route("getRepo", get_repo),

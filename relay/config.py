@@ -71,6 +71,10 @@ SETTINGS: tuple[Setting, ...] = (
             "optional second address:port serving only subscribeRepos from a plain websockets "
             "server (each extra consumer costs ~0.2-0.6 us of relay CPU per frame there, ~2.5 us on the "
             "main port; for fan-out-heavy setups)"),
+    Setting("ws_deflate", "RELAY_WS_DEFLATE", "--ws-deflate", "false",
+            "offer permessage-deflate on the WebSocket streams (subscribeRepos on both ports, /subscribe): "
+            "consumers that ask for it get compressed frames, at the cost of relay CPU per consumer",
+            "bool"),
     Setting("plc_url", "RELAY_PLC_URL", "--plc-url", "https://plc.directory", "PLC directory for did:plc"),
     Setting("admin_token", "RELAY_ADMIN_TOKEN", "--admin-token", "",
             "Bearer token for /admin/ (admin API is off when empty)"),
@@ -168,6 +172,7 @@ class RelayConfig:
     database_url: str = "data/relay.sqlite"
     bind: str = "127.0.0.1:2470"
     firehose_bind: str = ""
+    ws_deflate: bool = False
     plc_url: str = "https://plc.directory"
     admin_token: str = ""
     allow_insecure_hosts: bool = False

@@ -469,10 +469,12 @@ class AccountLanes:
 
         await self.run_op(did, op)
 
-    async def finish_resync(self, did: str, new_state: AccountState, sync_body: dict[str, Any]) -> None:
+    async def finish_resync(self, did: str, new_state: AccountState, sync_body: dict[str, Any],
+                            collections: dict[str, int] | None = None) -> None:
         """Emit the ``#sync`` of a completed resync (verified repository at ``new_state``), then
         judge the frames buffered meanwhile, in order, against it. Skipped (counted) when the
-        account is synced by now at that rev or later (e.g. a Spark repair got there first)."""
+        account is synced by now at that rev or later (e.g. a Spark repair got there first).
+        ``collections``: the repository's record counts per collection, stored with the ``#sync``."""
 
         async def op(lane: _Lane) -> None:
             current = lane.durable
@@ -484,18 +486,20 @@ class AccountLanes:
                     return
                 state = dataclasses.replace(state, upstream_status=current.upstream_status,
                                             local_status=current.local_status)
-            await self._install(lane, dataclasses.replace(state, sync_state="synced"), sync_body)
+            await self._install(lane, dataclasses.replace(state, sync_state="synced"), sync_body, collections)
 
         await self.run_op(did, op)
 
-    async def _install(self, lane: _Lane, state: AccountState, sync_body: dict[str, Any] | None) -> int | None:
+    async def _install(self, lane: _Lane, state: AccountState, sync_body: dict[str, Any] | None,
+                       collections: dict[str, int] | None = None) -> int | None:
         """Make ``state`` (a verified repository, ``synced``) the account's state: with a ``#sync``
         when ``sync_body`` is given and the account is active, else silently; then judge the
-        frames buffered while it was being resynchronised. Returns the ``#sync``'s seq."""
+        frames buffered while it was being resynchronised. Returns the ``#sync``'s seq.
+        ``collections`` (record counts per collection of the repository) go with the ``#sync``."""
         seq: int | None = None
         if sync_body is not None and state.active:
             stored = await self.submit_own(lane, PendingEvent(kind="#sync", did=lane.did, body=sync_body,
-                                                              account=state))
+                                                              account=state, collections=collections))
             seq = stored.seq if stored is not None else None
         else:
             await self.store.upsert_account(state)

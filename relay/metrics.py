@@ -67,6 +67,11 @@ class RelayMetrics:
                                       ["result"], registry=r)
         self.admin_requests = Counter("relay_admin_requests_total", "Admin API requests",
                                       ["result"], registry=r)
+        self.jetstream = Counter("relay_jetstream_total",
+                                 "JSON stream (/subscribe) connections, refusals by reason and client messages",
+                                 ["event"], registry=r)
+        self.jetstream_messages = Counter("relay_jetstream_messages_total", "JSON stream messages sent",
+                                          ["compressed"], registry=r)
 
     def child(self, metric: Any, *values: str) -> Any:
         """``metric.labels(*values)``, kept once per label tuple: ``labels()`` costs a lock and a

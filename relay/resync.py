@@ -23,6 +23,7 @@ from urllib.parse import quote
 
 import httpx
 
+from backfill.collections import counts_from_paths
 from backfill.store import Store
 from firehose.backoff import backoff_delay
 from firehose.state import AccountState
@@ -161,5 +162,5 @@ class ResyncManager:
                                         commit_cid=verified.commit_cid.encode(), data_cid=commit.data.encode(),
                                         sync_state="synced", updated_at=time.time())
         body = {"did": did, "rev": commit.rev, "blocks": sync_car, "time": now_iso()}
-        await self.lanes.finish_resync(did, new_state, body)
+        await self.lanes.finish_resync(did, new_state, body, counts_from_paths(verified.records))
         log.info("resynced", extra=fields(did=did, rev=commit.rev, records=len(verified.records)))

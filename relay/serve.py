@@ -79,9 +79,9 @@ async def run(config: RelayConfig, role: str) -> None:
 
     # uvicorn's sans-I/O WebSocket protocol, plus batched sends for subscribeRepos (one write per batch)
     server = uvicorn.Server(uvicorn.Config(service.build_app(), lifespan="off", ws=BatchingWebSocketsProtocol,
-                                           # per-connection compression would encode every frame once
-                                           # per consumer and hide a stalled consumer's backlog
-                                           ws_per_message_deflate=False,
+                                           # per-connection compression encodes every frame once per
+                                           # consumer: off unless RELAY_WS_DEFLATE (BENCHMARKS.md)
+                                           ws_per_message_deflate=config.ws_deflate,
                                            log_config=None, access_log=False, ws_max_size=1 << 20,
                                            timeout_graceful_shutdown=5))
     host, port = sock.getsockname()[:2]

@@ -43,6 +43,7 @@ from relay.identity import (
     RedisIdentityCache,
     dns_txt_lookup,
 )
+from relay.jetstream_server import JetstreamServer, jetstream_server
 from relay.jsonlog import fields
 from relay.lanes import AccountLanes
 from relay.metrics import RelayMetrics
@@ -102,6 +103,7 @@ class RelayService:
         self.bus: EventBus = None  # type: ignore[assignment]
         self.sequencer: Sequencer | None = None
         self.broadcaster: Broadcaster = None  # type: ignore[assignment]
+        self.jetstream: JetstreamServer | None = None
         self.identity: IdentityResolver = None  # type: ignore[assignment]
         self.hosts: HostManager | None = None
         self.lanes: AccountLanes | None = None
@@ -147,6 +149,7 @@ class RelayService:
                                          burst=max(1, int(config.identity_rate * 2.5)),
                                          txt_lookup=dns_txt_lookup(parse_nameservers(config.dns_servers) or None))
         self.broadcaster = Broadcaster(self.store, self.bus)
+        self.jetstream = jetstream_server(self.broadcaster, self.metrics, self.consumers)
         self.metrics.watch_broadcast(lambda: self.broadcaster.stats if self.broadcaster is not None else None)
         if self.role != "fanout":
             publish: Publish = self.bus.publish
@@ -191,7 +194,8 @@ class RelayService:
 
         host, port = parse_bind(bind, "RELAY_FIREHOSE_BIND")
         self.firehose_server = await serve_subscribe_repos(self.broadcaster, host, port,
-                                                           track=self.consumers.tracking)
+                                                           track=self.consumers.tracking,
+                                                           deflate=self.config.ws_deflate)
         bound = next(iter(self.firehose_server.sockets)).getsockname()
         self.firehose_url = f"ws://{bound[0]}:{bound[1]}"
         log.info("firehose listening", extra=fields(url=self.firehose_url))
@@ -295,6 +299,8 @@ class RelayService:
             else:
                 assert isinstance(route, Route)
                 out.append(route)
+        if self.jetstream is not None:
+            out += self.jetstream.routes()
         return out
 
     async def readiness(self) -> list[str]:

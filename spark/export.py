@@ -10,7 +10,8 @@ already in the snapshot arrive again and are recognised by their ``rev``). Rows 
 (``$link``/``$bytes``); the dataset is partitioned by ``collection`` and is written atomically
 by Spark (overwrite), so a rerun reproduces the same rows. Only repositories that pass full
 verification are exported; the others are listed in the manifest with their reason and written
-to ``spark_job_results``.
+to ``spark_job_results``. Every exported repository's collection counts are rebuilt from it
+(``spark.collections``: only while the relay still holds it at the exported rev).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from spark.collections import RepoCollections, rebuild_collections
 from spark.config import JobConfig
 from spark.dagjson import record_json
 from spark.db import connect_db
@@ -46,15 +48,16 @@ def export_schema() -> Any:
 def repo_rows(
     fetcher: HostFetcher, identities: IdentityClient, account: StoredAccount,
     collections: frozenset[str] | None,
-) -> tuple[ResultRow, list[tuple[str, ...]]]:
-    """Verified records of one repository as export rows (never raises for bad input)."""
+) -> tuple[ResultRow, list[tuple[str, ...]], RepoCollections | None]:
+    """Verified records of one repository as export rows, and its collection counts (never
+    raises for bad input)."""
     from mst.cbor import decode
     from mst.cid import cid_str
 
     try:
         fetched = fetch_verified(fetcher, identities, account.did)
     except CheckError as exc:
-        return ResultRow(account.did, account.host, "failed", exc.reason), []
+        return ResultRow(account.did, account.host, "failed", exc.reason), [], None
     rows: list[tuple[str, ...]] = []
     try:
         for path, cid in sorted(fetched.records.items()):
@@ -64,10 +67,10 @@ def repo_rows(
             record = decode(bytes(fetched.blocks[cid]))
             rows.append((account.did, collection, rkey, cid_str(cid), fetched.rev, record_json(record)))
     except Exception as exc:  # noqa: BLE001 - mst.errors.RepoError or a missing block
-        return ResultRow(account.did, account.host, "failed", getattr(exc, "reason", "record_invalid")), []
+        return ResultRow(account.did, account.host, "failed", getattr(exc, "reason", "record_invalid")), [], None
     result = ResultRow(account.did, account.host, "ok", None, records=len(rows), bytes=fetched.size,
                        rev=fetched.rev)
-    return result, rows
+    return result, rows, RepoCollections.of(account.did, fetched.rev, fetched.records)
 
 
 def export_partition(
@@ -78,8 +81,9 @@ def export_partition(
     with connect_db(cfg.db_url) as db:
         for batch in batched(checked, cfg.write_batch):
             with db.transaction():
-                write_results(db, cfg.run_id, JOB, [result for result, _ in batch])
-            for _, rows in batch:
+                write_results(db, cfg.run_id, JOB, [result for result, _, _ in batch])
+                rebuild_collections(db, [counts for _, _, counts in batch if counts is not None])
+            for _, rows, _ in batch:
                 yield from rows
 
 

@@ -12,6 +12,8 @@ writes account state: the running relay applies each row in the account's lane w
 compare-and-set against its state at that moment (``backfill.outbox``), so ``repaired`` means
 "a repair was queued"; the row's ``outcome`` says whether the relay applied it or found it stale
 (the relay had caught up meanwhile).
+Verified accounts the relay holds at the verified rev get their collection counts rebuilt
+(``spark.collections``, a compare-and-set on the stored rev in the same transaction).
 
 Resumable: a rerun with the same run id skips repositories that already have a result
 (``retry_failed`` re-attempts the failed ones). Idempotent: a fresh run over accounts the relay
@@ -27,6 +29,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from spark.collections import RepoCollections, rebuild_collections
 from spark.config import JobConfig
 from spark.db import connect_db
 from spark.fetch import HostFetcher
@@ -52,25 +55,27 @@ JOB = "resync"
 
 def check_account(
     fetcher: HostFetcher, identities: IdentityClient, account: StoredAccount
-) -> tuple[ResultRow, SyncRepair | None]:
-    """Fetch, verify and judge one account (never raises for bad input)."""
+) -> tuple[ResultRow, SyncRepair | None, RepoCollections | None]:
+    """Fetch, verify and judge one account (never raises for bad input); with the verified
+    repository's collection counts."""
     try:
         fetched = fetch_verified(fetcher, identities, account.did)
     except CheckError as exc:
-        return ResultRow(account.did, account.host, "failed", exc.reason), None
+        return ResultRow(account.did, account.host, "failed", exc.reason), None, None
     observed_at = time.time()  # the host's state is at least this recent
+    counts = RepoCollections.of(account.did, fetched.rev, fetched.records)
     verdict = judge(account, fetched)
     row = ResultRow(
         account.did, account.host, verdict.outcome, verdict.reason,
         records=len(fetched.records), bytes=fetched.size, rev=fetched.rev,
     )
     if verdict.outcome != "repaired":
-        return row, None
+        return row, None, counts if verdict.outcome == "ok" else None
     repair = SyncRepair(
         did=account.did, host=account.host, rev=fetched.rev, commit_cid=fetched.commit_cid,
         data_cid=fetched.data_cid, blocks=sync_blocks(fetched), base=account, observed_at=observed_at,
     )
-    return row, repair
+    return row, repair, counts
 
 
 def resync_partition(cfg: JobConfig, accounts: Iterable[StoredAccount]) -> Iterator[tuple[str, str]]:
@@ -78,10 +83,11 @@ def resync_partition(cfg: JobConfig, accounts: Iterable[StoredAccount]) -> Itera
     checked = for_each_host(cfg, accounts, check_account)
     with connect_db(cfg.db_url) as db:
         for batch in batched(checked, cfg.write_batch):
-            rows = [row for row, _ in batch]
-            repairs = [repair for _, repair in batch if repair is not None]
+            rows = [row for row, _, _ in batch]
+            repairs = [repair for _, repair, _ in batch if repair is not None]
             with db.transaction():
                 queue_sync_repairs(db, cfg.run_id, repairs)
+                rebuild_collections(db, [counts for _, _, counts in batch if counts is not None])
                 write_results(db, cfg.run_id, JOB, rows)
             for row in rows:
                 yield row.outcome, row.reason or ""

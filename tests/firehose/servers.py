@@ -17,12 +17,12 @@ from firehose.uvicorn_batch import BatchingWebSocketsProtocol
 
 
 @contextlib.asynccontextmanager
-async def serve_asgi(broadcaster: Broadcaster, *, batching: bool = False) -> AsyncIterator[str]:
+async def serve_asgi(broadcaster: Broadcaster, *, batching: bool = False, deflate: bool = False) -> AsyncIterator[str]:
     """uvicorn + Starlette; ``batching`` uses the relay's protocol with the batched-send extension."""
     app = Starlette(routes=subscribe_repos_routes(broadcaster))
     ws: Any = BatchingWebSocketsProtocol if batching else "websockets-sansio"
     config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off", ws=ws,
-                           ws_per_message_deflate=False)
+                           ws_per_message_deflate=deflate)
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
     try:
@@ -38,8 +38,8 @@ async def serve_asgi(broadcaster: Broadcaster, *, batching: bool = False) -> Asy
 
 
 @contextlib.asynccontextmanager
-async def serve_plain(broadcaster: Broadcaster) -> AsyncIterator[str]:
-    server = await serve_subscribe_repos(broadcaster)
+async def serve_plain(broadcaster: Broadcaster, *, deflate: bool = False) -> AsyncIterator[str]:
+    server = await serve_subscribe_repos(broadcaster, deflate=deflate)
     try:
         port = server.sockets[0].getsockname()[1]
         yield f"127.0.0.1:{port}"
@@ -49,11 +49,12 @@ async def serve_plain(broadcaster: Broadcaster) -> AsyncIterator[str]:
             await server.wait_closed()
 
 
-def serve(broadcaster: Broadcaster, transport: str) -> contextlib.AbstractAsyncContextManager[str]:
-    """``transport``: "asgi", "asgi-batch" (uvicorn with firehose.uvicorn_batch) or "websockets"."""
+def serve(broadcaster: Broadcaster, transport: str, *, deflate: bool = False) -> contextlib.AbstractAsyncContextManager[str]:
+    """``transport``: "asgi", "asgi-batch" (uvicorn with firehose.uvicorn_batch) or "websockets";
+    ``deflate`` offers permessage-deflate (``RELAY_WS_DEFLATE``)."""
     if transport.startswith("asgi"):
-        return serve_asgi(broadcaster, batching=transport == "asgi-batch")
-    return serve_plain(broadcaster)
+        return serve_asgi(broadcaster, batching=transport == "asgi-batch", deflate=deflate)
+    return serve_plain(broadcaster, deflate=deflate)
 
 
 def ws_url(hostport: str, cursor: int | None = None) -> str:

@@ -1,0 +1,49 @@
+"""Rebuild accounts' collection counts (``repo_collections``, migration 0080) from whole verified
+repositories, in a Spark job's own write transaction.
+
+The relay keeps the counts inline from the ops it sequences (``backfill.collections``); a job that
+has walked a repository replaces them with the truth. The replacement is a compare-and-set on the
+account's stored ``rev``: it happens only while the relay still holds the account at exactly the
+revision the job verified (the job's own write of a repaired account's state, earlier in the same
+transaction, counts). On PostgreSQL the account row is locked first (``FOR UPDATE``): the
+sequencer writes an account before its collection changes in the same transaction, so a commit
+landing meanwhile either waits for this rebuild and applies its ops on top, or has moved ``rev``
+already and the rebuild is skipped. SQLite serialises writers anyway.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from backfill.collections import counts_from_paths
+from spark.db import JobDB, PostgresDB
+
+
+@dataclass(frozen=True, slots=True)
+class RepoCollections:
+    """One verified repository's record counts per collection, at ``rev``."""
+
+    did: str
+    rev: str
+    counts: dict[str, int]
+
+    @classmethod
+    def of(cls, did: str, rev: str, paths: Sequence[str] | dict[str, object]) -> RepoCollections:
+        return cls(did, rev, counts_from_paths(paths))
+
+
+def rebuild_collections(db: JobDB, snapshots: Sequence[RepoCollections]) -> int:
+    """Replace the counts of every account still at its snapshot's ``rev``; returns how many were
+    replaced. Call inside the job's write transaction."""
+    lock = " FOR UPDATE" if isinstance(db, PostgresDB) else ""
+    done = 0
+    for snap in sorted(snapshots, key=lambda s: s.did):  # row locks in one order: no deadlock
+        rows = db.fetch(f"SELECT rev FROM accounts WHERE did = ?{lock}", snap.did)
+        if not rows or rows[0]["rev"] != snap.rev:
+            continue
+        db.execute("DELETE FROM repo_collections WHERE did = ?", snap.did)
+        db.executemany("INSERT INTO repo_collections (collection, did, records) VALUES (?, ?, ?)",
+                       [(c, snap.did, n) for c, n in sorted(snap.counts.items()) if n > 0])
+        done += 1
+    return done
