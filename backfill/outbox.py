@@ -32,6 +32,7 @@ Delivery is at-least-once: a crash between apply and mark re-applies the row, wh
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from collections.abc import Awaitable, Callable
 from enum import StrEnum
@@ -72,19 +73,22 @@ class Repair:
     base_commit_cid: str | None = None
     base_status: str | None = None
     observed_at: float = 0.0
+    #: ``#sync``: the verified repository's record counts per collection (None: not sent)
+    collections: dict[str, int] | None = None
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> Repair:
         blocks = row.get("blocks")
         active = row.get("active")
         observed = row.get("observed_at") or row.get("created_at") or 0.0
+        counts = _counts(row.get("collections"))
         return cls(
             id=int(row["id"]), kind=str(row["kind"]), did=str(row["did"]), host=row.get("host"),
             rev=row.get("rev"), commit_cid=row.get("commit_cid"), data_cid=row.get("data_cid"),
             blocks=bytes(blocks) if blocks is not None else None,
             active=None if active is None else bool(active), status=row.get("status"),
             base_rev=row.get("base_rev"), base_commit_cid=row.get("base_commit_cid"),
-            base_status=row.get("base_status"), observed_at=float(observed),
+            base_status=row.get("base_status"), observed_at=float(observed), collections=counts,
         )
 
     @property
@@ -93,6 +97,19 @@ class Repair:
         if self.active is not False:
             return "active"
         return self.status or "deactivated"
+
+
+def _counts(raw: object) -> dict[str, int] | None:
+    """The ``collections`` column (JSON object of collection → count), or None if absent/unusable."""
+    if not isinstance(raw, str) or not raw:
+        return None
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(value, dict):
+        return None
+    return {str(k): int(v) for k, v in value.items() if isinstance(v, int) and v > 0}
 
 
 def decide_repair(repair: Repair, durable: AccountState | None) -> RepairOutcome:

@@ -326,7 +326,7 @@ class Store(ABC):
 #: The repair outbox (migrations 0070, 0075) as ``Store.pending_repairs`` reads it.
 PENDING_REPAIRS_SQL = (
     "SELECT id, kind, did, host, rev, commit_cid, data_cid, blocks, active, status, base_rev, "
-    "base_commit_cid, base_status, observed_at, created_at, run_id "
+    "base_commit_cid, base_status, observed_at, created_at, run_id, collections "
     "FROM spark_repair_outbox WHERE consumed_at IS NULL AND id > ? ORDER BY id LIMIT ?"
 )
 REPAIR_DONE_SQL = "UPDATE spark_repair_outbox SET consumed_at = ?, seq = ?, outcome = ? WHERE id = ?"

@@ -558,7 +558,7 @@ class AccountLanes:
                 return outcome, stored.seq if stored is not None else None
             assert repair.blocks is not None and repair.rev is not None
             body = {"did": repair.did, "blocks": repair.blocks, "rev": repair.rev, "time": now_iso()}
-            return outcome, await self._install(lane, repaired_state(repair, durable, now), body)
+            return outcome, await self._install(lane, repaired_state(repair, durable, now), body, repair.collections)
 
         result: tuple[RepairOutcome, int | None] = await self.run_op(repair.did, op)
         return result

@@ -164,8 +164,8 @@ def result_counts(db: JobDB, run_id: str) -> dict[str, int]:
 
 _QUEUE_SQL = (
     "INSERT INTO spark_repair_outbox (dedupe_key, kind, did, host, rev, commit_cid, data_cid, blocks, active, "
-    "status, base_rev, base_commit_cid, base_status, observed_at, run_id, created_at) "
-    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (dedupe_key) DO NOTHING"
+    "status, base_rev, base_commit_cid, base_status, observed_at, run_id, created_at, collections) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (dedupe_key) DO NOTHING"
 )
 
 
@@ -179,6 +179,7 @@ class SyncRepair:
     blocks: bytes
     base: StoredAccount | None = None  # the relay's row as the job read it
     observed_at: float = 0.0  # when the repository was fetched
+    collections: dict[str, int] | None = None  # the repository's record counts per collection
 
 
 @dataclass(slots=True)
@@ -201,7 +202,8 @@ def queue_sync_repairs(db: JobDB, run_id: str, repairs: Sequence[SyncRepair]) ->
     db.executemany(_QUEUE_SQL, [
         (f"#sync|{r.did}|{r.rev}|{r.commit_cid}", "#sync", r.did, r.host, r.rev, r.commit_cid, r.data_cid,
          r.blocks, None, None, r.base.rev if r.base else None, r.base.commit_cid if r.base else None,
-         r.base.upstream_status if r.base else None, r.observed_at or now, run_id, now)
+         r.base.upstream_status if r.base else None, r.observed_at or now, run_id, now,
+         json.dumps(r.collections, sort_keys=True) if r.collections is not None else None)
         for r in repairs
     ])
 
@@ -216,7 +218,7 @@ def queue_findings(db: JobDB, run_id: str, findings: Sequence[Finding]) -> None:
         rows.append((
             f"{f.kind}|{f.did}|{f.status}|{run_id}", f.kind, f.did, f.host, None, None, None, None, active,
             None if active else f.status, base.rev if base else None, base.commit_cid if base else None,
-            base.upstream_status if base else None, f.observed_at or now, run_id, now,
+            base.upstream_status if base else None, f.observed_at or now, run_id, now, None,
         ))
     db.executemany(_QUEUE_SQL, rows)
 

@@ -74,6 +74,7 @@ def check_account(
     repair = SyncRepair(
         did=account.did, host=account.host, rev=fetched.rev, commit_cid=fetched.commit_cid,
         data_cid=fetched.data_cid, blocks=sync_blocks(fetched), base=account, observed_at=observed_at,
+        collections=counts.counts,
     )
     return row, repair, counts
 

@@ -8,3 +8,5 @@ ALTER TABLE spark_repair_outbox ADD COLUMN IF NOT EXISTS base_commit_cid TEXT;
 ALTER TABLE spark_repair_outbox ADD COLUMN IF NOT EXISTS base_status TEXT;
 ALTER TABLE spark_repair_outbox ADD COLUMN IF NOT EXISTS observed_at DOUBLE PRECISION;
 ALTER TABLE spark_repair_outbox ADD COLUMN IF NOT EXISTS outcome TEXT;
+-- #sync: the verified repository's record counts per collection (JSON), installed with it
+ALTER TABLE spark_repair_outbox ADD COLUMN IF NOT EXISTS collections TEXT;

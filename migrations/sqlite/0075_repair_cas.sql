@@ -5,3 +5,4 @@ ALTER TABLE spark_repair_outbox ADD COLUMN base_commit_cid TEXT;
 ALTER TABLE spark_repair_outbox ADD COLUMN base_status TEXT;
 ALTER TABLE spark_repair_outbox ADD COLUMN observed_at REAL;
 ALTER TABLE spark_repair_outbox ADD COLUMN outcome TEXT;
+ALTER TABLE spark_repair_outbox ADD COLUMN collections TEXT;

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from typing import Any
 
 from backfill.store import open_store
@@ -113,6 +114,12 @@ def test_resync_verifies_detects_tampering_and_queues_repairs_the_relay_applies_
     assert (stored[diverged.did]["commit_cid"], stored[diverged.did]["rev"],
             stored[diverged.did]["data_cid"], stored[diverged.did]["sync_state"]) == (head, rev, data, "synced")
     assert stored[flagged.did]["sync_state"] == "synced"
+    # the applied #sync installed the repository's record counts per collection with it
+    with connect_db(relay_db) as db:
+        counts = {r["collection"]: r["records"] for r in db.fetch(
+            "SELECT collection, records FROM repo_collections WHERE did = ?", diverged.did)}
+    paths = fleet.call(lambda: list(diverged.repo.records()))
+    assert counts == dict(Counter(path.split("/")[0] for path in paths)) and counts
     assert stored[overtaken.did]["rev"] == fleet.call(lambda: overtaken.repo.rev)  # never rolled back
     assert stored[tampered.did]["sync_state"] == "synced"  # a bad download changes nothing
     assert asyncio.run(apply_outbox(relay_db, fleet.fleet.plc_url))[0].consumed == 0  # consumed once
