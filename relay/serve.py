@@ -2,8 +2,9 @@
 
 With no configuration: SQLite under ``./data/``, in-process bus, 127.0.0.1:2470, migrations
 applied at start. Every setting is an environment variable with a matching flag (``--help``).
-Once listening, one JSON log line ``{"msg": "listening", "url": …}`` gives the bound address
-(useful with port 0).
+The port opens first: one JSON log line ``{"msg": "listening", "url": …}`` gives the bound address
+(useful with port 0) while the service is still starting (``/_health`` answers ``state:
+starting``, then ``standby`` or ``running``); ``{"msg": "serving"}`` follows once it runs.
 """
 
 from __future__ import annotations
