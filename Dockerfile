@@ -30,8 +30,11 @@ COPY backfill ./backfill
 COPY relay ./relay
 COPY spark ./spark
 COPY migrations ./migrations
-# the project (not editable) and its dependencies; pyspark only in the spark stage
-RUN python3.11 -m venv /opt/relay \
+# the project (not editable) and its dependencies; pyspark only in the spark stage. Behind a
+# TLS-intercepting proxy, pass its CA bundle: --secret id=pip-ca,src=/etc/ssl/certs/ca-certificates.crt
+RUN --mount=type=secret,id=pip-ca \
+    if [ -s /run/secrets/pip-ca ]; then export PIP_CERT=/run/secrets/pip-ca; fi \
+ && python3.11 -m venv /opt/relay \
  && /opt/relay/bin/pip install --no-cache-dir --upgrade pip \
  && /opt/relay/bin/pip install --no-cache-dir ".[native]"
 # compile mst.node / mst.invert / mst.car into site-packages/.native (checked against the sources'
@@ -58,7 +61,9 @@ USER 0
 RUN apt-get update \
  && apt-get install -y --no-install-recommends openjdk-17-jre-headless libpostgresql-jdbc-java procps \
  && rm -rf /var/lib/apt/lists/*
-RUN /opt/relay/bin/pip install --no-cache-dir "pyspark>=3.5"
+RUN --mount=type=secret,id=pip-ca \
+    if [ -s /run/secrets/pip-ca ]; then export PIP_CERT=/run/secrets/pip-ca; fi \
+ && /opt/relay/bin/pip install --no-cache-dir "pyspark>=3.5"
 ENV JAVA_HOME=/usr/lib/jvm/java-17-openjdk-amd64
 USER 10001:10001
 CMD ["spark", "--help"]

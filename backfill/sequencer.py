@@ -177,22 +177,22 @@ class Sequencer:
         except SequencerLockedError:
             if not self.wait_for_lock:
                 raise
+        started = time.monotonic()
+        self.lease_holder = await self._holder()  # known before anyone sees the state "waiting"
         self._waiting = True
         waiter = asyncio.ensure_future(self.store.acquire_writer(wait=True, timeout=self.lock_timeout))
-        started = time.monotonic()
         logged: tuple[str | None, float] | None = None
         try:
-            while not waiter.done():
-                try:
-                    self.lease_holder = await self.store.writer_holder()
-                except Exception as exc:  # noqa: BLE001 - only for the log: the wait goes on
-                    self.lease_holder = f"unknown ({type(exc).__name__})"
+            while True:
                 now = time.monotonic()
                 if logged is None or logged[0] != self.lease_holder or now - logged[1] >= self.wait_log_interval:
                     log.warning("sequencer: waiting for the writer lease (standby)",
                                 extra={"holder": self.lease_holder, "waited_seconds": round(now - started, 1)})
                     logged = (self.lease_holder, now)
                 await asyncio.wait({waiter}, timeout=min(5.0, self.wait_log_interval))
+                if waiter.done():
+                    break
+                self.lease_holder = await self._holder()
             lease = waiter.result()
         finally:
             if not waiter.done():
@@ -204,6 +204,12 @@ class Sequencer:
                                                              "waited_seconds": round(time.monotonic() - started, 1)})
         self.lease_holder = None
         return lease
+
+    async def _holder(self) -> str | None:
+        try:
+            return await self.store.writer_holder()
+        except Exception as exc:  # noqa: BLE001 - only for the log and health: the wait goes on
+            return f"unknown ({type(exc).__name__})"
 
     async def close(self) -> None:
         """Write everything already submitted, then release the lease (idempotent)."""
