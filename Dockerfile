@@ -43,7 +43,7 @@ RUN relay native build \
  && relay native status | grep -q "native build: ok" \
  && /opt/relay/bin/pip uninstall -y mypy
 # migrations are read from beside the packages
-RUN cp -r migrations "$(/opt/relay/bin/python -c 'import backfill, pathlib; print(pathlib.Path(backfill.__file__).parent.parent)')/"
+RUN cp -r migrations "$(/opt/relay/bin/python -I -c 'import backfill, pathlib; print(pathlib.Path(backfill.__file__).parent.parent)')/"
 
 FROM base AS runtime
 RUN groupadd --system --gid 10001 relay \

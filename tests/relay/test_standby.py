@@ -12,13 +12,12 @@ import uuid
 from collections import Counter
 from pathlib import Path
 
-import asyncpg
 import httpx
-import redis.asyncio as aioredis
 
 from relay.sim import SimConfig, SimFleet
 from tests.faults.harness import RelayProcess
 from tests.relay.e2e import Consumer, check_stream, crawl, key_of, metric_value
+from tests.relay.helpers import drop_schema_and_stream
 from tests.waiting import until_async
 
 
@@ -85,11 +84,4 @@ async def test_standby_ingest_waits_healthy_then_takes_over(pg_dsn: str, redis_u
                 Counter(key_of(t.kind, t.did, t.rev) for t in truth)
     finally:
         await fleet.stop()
-        conn = await asyncpg.connect(pg_dsn)
-        try:
-            await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
-        finally:
-            await conn.close()
-        client = aioredis.from_url(redis_url)
-        await client.delete(stream)
-        await client.aclose()
+        await drop_schema_and_stream(pg_dsn, schema, redis_url, stream)
