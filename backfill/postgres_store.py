@@ -26,6 +26,7 @@ from backfill.store import (
     audit_entry,
     host_count_deltas,
     retention_prefix,
+    writer_identity,
 )
 from backfill.types import HostState
 from firehose.state import AccountState, SequencedEvent, account_row
@@ -135,8 +136,11 @@ class PostgresStore(Store):
     def _lock_name(self, purpose: str) -> str:
         return f"relay.{purpose}/{self.schema or 'public'}"
 
-    async def _connect_dedicated(self) -> asyncpg.Connection:
-        return await asyncpg.connect(self.dsn, server_settings=self._settings(self.schema))
+    async def _connect_dedicated(self, application_name: str | None = None) -> asyncpg.Connection:
+        settings = self._settings(self.schema)
+        if application_name:
+            settings["application_name"] = application_name[:63]  # NAMEDATALEN - 1
+        return await asyncpg.connect(self.dsn, server_settings=settings)
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def migrate(self) -> list[int]:
@@ -189,7 +193,8 @@ class PostgresStore(Store):
             await self._pool.close()
 
     async def acquire_writer(self, *, wait: bool = False, timeout: float | None = None) -> WriterLease:
-        conn = await self._connect_dedicated()
+        # the lease's connection carries its holder's name: a standby reads it (writer_holder)
+        conn = await self._connect_dedicated(f"relay-writer {writer_identity()}")
         name = self._lock_name("sequencer")
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
@@ -206,6 +211,23 @@ class PostgresStore(Store):
         except BaseException:
             await conn.close()
             raise
+
+    async def writer_holder(self) -> str | None:
+        """The backend holding the sequencer's advisory lock in this database, from ``pg_locks``
+        (a bigint advisory key is ``classid << 32 | objid``, ``objsubid`` 1) and
+        ``pg_stat_activity`` (its ``application_name`` is ``relay-writer <host> pid <pid>``)."""
+        row = await self._pool.fetchrow(
+            "SELECT a.application_name, host(a.client_addr), a.pid FROM pg_locks l"
+            " JOIN pg_stat_activity a ON a.pid = l.pid"
+            " WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1"
+            " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+            " AND ((l.classid::bigint << 32) | l.objid::bigint) = hashtextextended($1, 0)",
+            self._lock_name("sequencer"),
+        )
+        if row is None:
+            return None
+        name = (row[0] or "").removeprefix("relay-writer ") or "unnamed client"
+        return f"{name} (PostgreSQL backend {row[2]}" + (f", from {row[1]})" if row[1] else ")")
 
     # -- events ------------------------------------------------------------------------------
     async def read_after(self, cursor: int, limit: int = 1000) -> list[SequencedEvent]:
@@ -343,6 +365,11 @@ class PostgresStore(Store):
         if host is None:
             return await self._pool.fetchval("SELECT count(*) FROM accounts")
         return await self._pool.fetchval("SELECT count(*) FROM accounts WHERE host = $1", host)
+
+    async def count_accounts_by_host(self, sync_state: str) -> dict[str, int]:
+        rows = await self._pool.fetch(
+            "SELECT host, count(*) FROM accounts WHERE sync_state = $1 AND host IS NOT NULL GROUP BY host", sync_state)
+        return {r[0]: int(r[1]) for r in rows}
 
     # -- hosts -------------------------------------------------------------------------------
     async def list_repos_by_collection(self, collection: str, after_did: str | None = None,

@@ -18,7 +18,9 @@ cursor still advances).
 
 Exactly one sequencer may run per database (schema): ``start()`` takes the store's writer lease
 (Postgres advisory lock / SQLite flock) and raises ``SequencerLockedError`` if another holds it
-(or waits, with ``wait_for_lock=True``).
+(or waits, with ``wait_for_lock=True``: ``state`` is ``waiting`` meanwhile, ``lease_holder`` names
+the holder as the store tells it, and the wait is logged when it begins, every
+``wait_log_interval`` seconds while the holder stays the same and whenever it changes).
 
 Batch k+1 is deduplicated, numbered and encoded while batch k commits.
 
@@ -108,6 +110,7 @@ class Sequencer:
         clock: Callable[[], float] = time.time,
         retry_base: float = 0.05,
         retry_max: float = 2.0,
+        wait_log_interval: float = 60.0,
     ) -> None:
         self.store = store
         self.publish = publish
@@ -145,6 +148,10 @@ class Sequencer:
         self.retry_base = retry_base
         self.retry_max = retry_max
         self._outage_attempts = 0
+        #: while ``start()`` waits for the writer lease: who holds it (``Store.writer_holder``)
+        self.lease_holder: str | None = None
+        self._waiting = False
+        self.wait_log_interval = wait_log_interval
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -154,13 +161,55 @@ class Sequencer:
                 return
             if self._closed:
                 raise SequencerClosedError("sequencer is closed")
-            self._lease = await self.store.acquire_writer(wait=self.wait_for_lock, timeout=self.lock_timeout)
+            self._lease = await self._acquire_lease()
             self._high_water = self._next_high_water = await self._lease.high_water()
             # times never decrease along seq, even if the clock went back across a restart
             last = await self.store.read_after(self._high_water - 1, 1) if self._high_water else []
             self._last_time = last[0].time if last else 0.0
             self.last_commit_at = time.monotonic()
             self._task = asyncio.create_task(self._run(), name="sequencer")
+
+    async def _acquire_lease(self) -> WriterLease:
+        """The writer lease: at once, or (``wait_for_lock``) once the holder lets go, saying
+        meanwhile whom this sequencer waits for."""
+        try:
+            return await self.store.acquire_writer(wait=False)
+        except SequencerLockedError:
+            if not self.wait_for_lock:
+                raise
+        started = time.monotonic()
+        self.lease_holder = await self._holder()  # known before anyone sees the state "waiting"
+        self._waiting = True
+        waiter = asyncio.ensure_future(self.store.acquire_writer(wait=True, timeout=self.lock_timeout))
+        logged: tuple[str | None, float] | None = None
+        try:
+            while True:
+                now = time.monotonic()
+                if logged is None or logged[0] != self.lease_holder or now - logged[1] >= self.wait_log_interval:
+                    log.warning("sequencer: waiting for the writer lease (standby)",
+                                extra={"holder": self.lease_holder, "waited_seconds": round(now - started, 1)})
+                    logged = (self.lease_holder, now)
+                await asyncio.wait({waiter}, timeout=min(5.0, self.wait_log_interval))
+                if waiter.done():
+                    break
+                self.lease_holder = await self._holder()
+            lease = waiter.result()
+        finally:
+            if not waiter.done():
+                waiter.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await waiter
+            self._waiting = False
+        log.warning("sequencer: writer lease taken", extra={"previous_holder": self.lease_holder,
+                                                             "waited_seconds": round(time.monotonic() - started, 1)})
+        self.lease_holder = None
+        return lease
+
+    async def _holder(self) -> str | None:
+        try:
+            return await self.store.writer_holder()
+        except Exception as exc:  # noqa: BLE001 - only for the log and health: the wait goes on
+            return f"unknown ({type(exc).__name__})"
 
     async def close(self) -> None:
         """Write everything already submitted, then release the lease (idempotent)."""
@@ -188,9 +237,12 @@ class Sequencer:
     def state(self) -> str:
         """``running``; ``retrying`` while the store is unavailable (batches held, nothing failed);
         ``failed`` after a fatal error (another writer took the lease or moved the high-water mark);
-        ``stopped`` (never started, or closed)."""
+        ``waiting`` while ``start()`` waits for another writer's lease; ``stopped`` (never started,
+        or closed)."""
         if self._failure is not None:
             return "failed"
+        if self._waiting:
+            return "waiting"
         if self._task is None or self._stopped:
             return "stopped"
         return "retrying" if self.unavailable is not None else "running"

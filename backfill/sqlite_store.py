@@ -30,6 +30,7 @@ from backfill.store import (
     audit_entry,
     host_count_deltas,
     retention_prefix,
+    writer_identity,
 )
 from backfill.types import HostState
 from firehose.state import AccountState, SequencedEvent, account_row
@@ -160,9 +161,12 @@ class SqliteStore(Store):
             while True:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    return _SqliteLease(self, fd)
                 except BlockingIOError:
                     pass
+                else:  # the holder's name, for a waiting process (writer_holder)
+                    os.ftruncate(fd, 0)
+                    os.pwrite(fd, writer_identity().encode(), 0)
+                    return _SqliteLease(self, fd)
                 if not wait or (deadline is not None and time.monotonic() >= deadline):
                     raise SequencerLockedError(
                         f"another sequencer holds the write lock on {self.path}: only one relay "
@@ -172,6 +176,23 @@ class SqliteStore(Store):
         except BaseException:
             os.close(fd)
             raise
+
+    async def writer_holder(self) -> str | None:
+        """The name the current holder wrote into ``<db>.writer.lock`` (None if the lock is free)."""
+        lock_path = self.path + ".writer.lock"
+        try:
+            fd = os.open(lock_path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:  # held: read who holds it
+                return os.pread(fd, 512, 0).decode(errors="replace").strip() or "unnamed process"
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return None
+        finally:
+            os.close(fd)
 
     # -- events ------------------------------------------------------------------------------
     async def read_after(self, cursor: int, limit: int = 1000) -> list[SequencedEvent]:
@@ -326,6 +347,12 @@ class SqliteStore(Store):
         if host is None:
             return await self._read(fetchval, "SELECT count(*) FROM accounts")
         return await self._read(fetchval, "SELECT count(*) FROM accounts WHERE host = ?", (host,))
+
+    async def count_accounts_by_host(self, sync_state: str) -> dict[str, int]:
+        rows = await self._read(
+            fetchall, "SELECT host, count(*) FROM accounts WHERE sync_state = ? AND host IS NOT NULL GROUP BY host",
+            (sync_state,))
+        return {r[0]: int(r[1]) for r in rows}
 
     # -- hosts -------------------------------------------------------------------------------
     async def list_repos_by_collection(self, collection: str, after_did: str | None = None,

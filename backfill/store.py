@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import socket
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -25,6 +27,12 @@ from backfill.types import HostState
 from firehose.state import AccountState, SequencedEvent
 
 DEFAULT_SQLITE_PATH = "./data/relay.sqlite"
+
+
+def writer_identity() -> str:
+    """How a writer lease taken by this process names its holder: ``<hostname> pid <pid>`` (on
+    Kubernetes the hostname is the pod's name). Shown to a standby waiting for the lease."""
+    return f"{socket.gethostname()} pid {os.getpid()}"
 #: seq is kept below 2**53 so that every JSON/JavaScript consumer can represent it exactly.
 SEQ_LIMIT = 2**53
 #: Default backfill window (72 hours).
@@ -140,6 +148,12 @@ class Store(ABC):
         """Take the single-writer lease. With ``wait=False`` (or when ``timeout`` runs out) raise
         ``SequencerLockedError`` if another writer holds it."""
 
+    async def writer_holder(self) -> str | None:
+        """Who holds the writer lease now, as the database tells it (``writer_identity()`` of the
+        holder, plus what the backend knows of its connection); None when nobody holds it or
+        the backend cannot tell. For logs and health only: never a basis for a decision."""
+        return None
+
     def is_transient(self, exc: BaseException) -> bool:
         """True when ``exc`` means "the database is unavailable right now" (connection lost or
         refused, server shutting down or starting, a lock or I/O timeout) rather than "this write is
@@ -243,6 +257,10 @@ class Store(ABC):
     @abstractmethod
     async def collection_counts(self, did: str) -> dict[str, int]:
         """The stored record counts per collection of one account."""
+
+    @abstractmethod
+    async def count_accounts_by_host(self, sync_state: str) -> dict[str, int]:
+        """Accounts in ``sync_state`` (e.g. ``throttled``: held over a host's limit) per host."""
 
     # -- hosts -------------------------------------------------------------------------------
     @abstractmethod

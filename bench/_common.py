@@ -197,7 +197,14 @@ async def relay(plc_url: str, *, database_url: str | None = None, extra: list[st
                     url = rec.get("url")
                 elif rec.get("msg") == "firehose listening":
                     firehose_url = rec.get("url")
-    if url is None:
+    running = False
+    async with httpx.AsyncClient(timeout=5) as http:  # the port opens before the service starts
+        while url is not None and not running and time.monotonic() < deadline and proc.returncode is None:
+            with contextlib.suppress(httpx.HTTPError, ValueError):
+                running = (await http.get(url + "/_health")).json().get("state") == "running"
+            if not running:
+                await asyncio.sleep(0.1)
+    if url is None or not running:
         proc.kill()
         raise RuntimeError("relay did not start:\n" + log_path.read_text(errors="replace")[-3000:])
     rp = RelayProc(proc, url, log_path, workdir, firehose_url=firehose_url)

@@ -364,6 +364,11 @@ class Broadcaster:
         return len(self._sessions)
 
     @property
+    def sessions(self) -> tuple[ConsumerSession, ...]:
+        """The consumer sessions registered now (for monitoring: lag = ``latest_seq - last_seq``)."""
+        return tuple(self._sessions)
+
+    @property
     def latest_seq(self) -> int:
         """The last seq this broadcaster has fanned out (or started after)."""
         return self._last_seq or 0

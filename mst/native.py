@@ -195,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if command == "ensure" and check()[0] is not None:
         return 0
+    print(f"mst.native: compiling {', '.join(COMPILED_MODULES)} with mypyc "
+          "(once, and again whenever mst/ changes; ~30-60 s)...", file=sys.stderr)
     try:
         path = build()
     except Exception as exc:  # no compiler, no mypy, a type error: say so; Python still works

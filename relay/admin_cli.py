@@ -12,8 +12,11 @@
     relay admin crawling [on|off]
     relay admin audit
 
-``--url`` defaults to ``http://$RELAY_BIND`` (127.0.0.1:2470), ``--token`` to ``$RELAY_ADMIN_TOKEN``.
-Prints the JSON answer; exit status 0 on success, 1 on an error answer, 2 on usage errors.
+``--url`` defaults to ``http://$RELAY_BIND`` (127.0.0.1:2470), ``--token`` to ``$RELAY_ADMIN_TOKEN``;
+both may stand anywhere on the command line (before or after the subcommand).
+Prints the JSON answer, with the timestamps (``time``, ``lastSeen``, ``createdAt``,
+``connectedAt``; epoch seconds in the API) as ISO 8601 UTC; exit status 0 on success, 1 on an
+error answer, 2 on usage errors.
 """
 
 from __future__ import annotations
@@ -22,25 +25,40 @@ import argparse
 import json
 import os
 import sys
+from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import quote
 
 import httpx
 
+#: Fields of admin API answers that hold epoch seconds.
+TIME_FIELDS = frozenset({"time", "lastSeen", "createdAt", "connectedAt"})
+
+
+def _connection_options(parser: argparse.ArgumentParser, default: Any) -> None:
+    parser.add_argument("--url", default=default, help="relay base URL [default http://$RELAY_BIND]")
+    parser.add_argument("--token", default=default, help="admin token [env RELAY_ADMIN_TOKEN]")
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="relay admin", description="Call a running relay's admin API.")
-    p.add_argument("--url", default=None, help="relay base URL [default http://$RELAY_BIND]")
-    p.add_argument("--token", default=None, help="admin token [env RELAY_ADMIN_TOKEN]")
+    _connection_options(p, None)
+    # the same options after the subcommand; SUPPRESS: a subcommand without them keeps the top-level value
+    common = argparse.ArgumentParser(add_help=False)
+    _connection_options(common, argparse.SUPPRESS)
     sub = p.add_subparsers(dest="command", required=True)
-    sub.add_parser("hosts", help="list hosts")
-    a = sub.add_parser("add-host", help="add (and subscribe to) a host")
+
+    def command(name: str, help_: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, parents=[common], help=help_)
+
+    command("hosts", "list hosts")
+    a = command("add-host", "add (and subscribe to) a host")
     a.add_argument("hostname")
     a.add_argument("--account-limit", type=int, default=None)
     a.add_argument("--trusted", action="store_true")
     for name in ("block", "unblock"):
-        sub.add_parser(name, help=f"{name} a host").add_argument("hostname")
-    limits = sub.add_parser("limits", help="change a host's account limit / trust")
+        command(name, f"{name} a host").add_argument("hostname")
+    limits = command("limits", "change a host's account limit / trust")
     limits.add_argument("hostname")
     limits.add_argument("--account-limit", type=int, default=None)
     for window in ("second", "hour", "day"):
@@ -48,18 +66,20 @@ def build_parser() -> argparse.ArgumentParser:
     trust = limits.add_mutually_exclusive_group()
     trust.add_argument("--trusted", dest="trusted", action="store_const", const=True, default=None)
     trust.add_argument("--untrusted", dest="trusted", action="store_const", const=False)
-    reset = sub.add_parser("reset-cursor", help="resubscribe to a host from a given upstream seq")
+    reset = command("reset-cursor", "resubscribe to a host from a given upstream seq")
     reset.add_argument("hostname")
     reset.add_argument("--cursor", type=int, default=0)
-    sub.add_parser("bans", help="list domain bans")
-    sub.add_parser("ban", help="ban a domain (and every host under it)").add_argument("domain")
-    sub.add_parser("unban", help="lift a domain ban").add_argument("domain")
-    for name in ("takedown", "reverse-takedown", "account"):
-        sub.add_parser(name, help=f"{name} an account").add_argument("did")
-    sub.add_parser("consumers", help="list connected consumers")
-    crawl = sub.add_parser("crawling", help="show or switch public requestCrawl")
+    command("bans", "list domain bans")
+    command("ban", "ban a domain (and every host under it)").add_argument("domain")
+    command("unban", "lift a domain ban").add_argument("domain")
+    for name, help_ in (("takedown", "take an account down (emits #account)"),
+                        ("reverse-takedown", "reverse an account's takedown"),
+                        ("account", "show an account's stored state")):
+        command(name, help_).add_argument("did")
+    command("consumers", "list connected consumers")
+    crawl = command("crawling", "show or switch public requestCrawl")
     crawl.add_argument("state", nargs="?", choices=["on", "off"])
-    sub.add_parser("audit", help="recent admin actions (stored in the database)")
+    command("audit", "recent admin actions (stored in the database)")
     return p
 
 
@@ -103,6 +123,21 @@ def request_for(ns: argparse.Namespace) -> tuple[str, str, dict[str, Any] | None
     raise ValueError(c)
 
 
+def readable(value: Any) -> Any:
+    """``value`` with every ``TIME_FIELDS`` number as ISO 8601 UTC (``2026-01-02T03:04:05Z``)."""
+    if isinstance(value, dict):
+        return {k: _iso(v) if k in TIME_FIELDS and isinstance(v, int | float) and not isinstance(v, bool)
+                else readable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [readable(v) for v in value]
+    return value
+
+
+def _iso(seconds: float) -> str:
+    text = datetime.fromtimestamp(seconds, UTC).isoformat(timespec="milliseconds")
+    return text.replace("+00:00", "Z").replace(".000Z", "Z")
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     url = (ns.url or "http://" + os.environ.get("RELAY_BIND", "127.0.0.1:2470")).rstrip("/")
@@ -115,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"relay admin: cannot reach {url}: {exc}", file=sys.stderr)
         return 1
     try:
-        print(json.dumps(resp.json(), indent=2))
+        print(json.dumps(readable(resp.json()), indent=2))
     except ValueError:
         print(resp.text)
     return 0 if resp.status_code < 400 else 1

@@ -21,6 +21,7 @@ from backfill.types import HostState
 from firehose.state import AccountState
 from relay.accounts import reported_status
 from relay.admin import admin_routes
+from relay.dashboard import dashboard_routes
 from relay.hosts import CrawlRefused, HostManager, host_base_url
 from relay.metrics import CONTENT_TYPE_LATEST
 from relay.xrpc import XrpcError, did_param, int_param, invalid, param
@@ -187,18 +188,32 @@ async def request_crawl(request: Request) -> Response:
 
 async def health(request: Request) -> Response:
     """Liveness: the process and its event loop answer. Depends on nothing else (a database blip
-    must not get a healthy relay restarted); ``seq`` is the last one this process knows of."""
+    must not get a healthy relay restarted), so it is 200 in every phase, a standby waiting for
+    the writer lease included; ``state`` is the phase (``starting``, ``standby``, ``running``,
+    ``stopping``), ``seq`` the last one this process knows of."""
     service = _service(request)
-    seq = service.sequencer.high_water if service.sequencer is not None else service.broadcaster.latest_seq
-    return JSONResponse({"status": "ok", "version": service.version, "seq": seq, "role": service.role})
+    body: dict[str, object] = {"status": "ok", "version": service.version, "seq": _known_seq(service),
+                               "role": service.role, "state": service.phase}
+    if service.phase == "standby":
+        body["waitingFor"] = service.lease_holder
+    return JSONResponse(body)
+
+
+def _known_seq(service: RelayService) -> int:
+    if service.sequencer is not None and service.sequencer.state not in ("waiting", "stopped"):
+        return service.sequencer.high_water
+    return service.broadcaster.latest_seq if service.broadcaster is not None else 0
 
 
 async def ready(request: Request) -> Response:
-    """Readiness: 200 ``{"status": "ready"}`` when the store answers, the sequencer is running and
-    (scale-out) the bus answers; else 503 ``{"status": "degraded", "reasons": [...]}``."""
+    """Readiness: 200 ``{"status": "ready"}`` when the service runs, the store answers, the
+    sequencer is running and (scale-out) the bus answers; else 503 with ``reasons`` and ``status``
+    ``standby`` (an ingest waiting for the writer lease), ``starting`` or ``degraded``."""
     service = _service(request)
     reasons = await service.readiness()
-    body: dict[str, object] = {"status": "degraded" if reasons else "ready", "role": service.role}
+    phase = service.phase
+    status = "ready" if not reasons else ("degraded" if phase == "running" else phase)
+    body: dict[str, object] = {"status": status, "role": service.role, "state": phase}
     if service.sequencer is not None:
         body["sequencer"] = service.sequencer.state
         body["seq"] = service.sequencer.high_water
@@ -242,7 +257,7 @@ async def _server_error(request: Request, exc: Exception) -> Response:
 def build_app(service: RelayService) -> Starlette:
     """The Starlette app. Fan-out-only processes skip requestCrawl/admin (ingest owns them)."""
     routes: list[BaseRoute] = [Route("/", root), Route("/_health", health), Route("/_ready", ready),
-                               Route("/metrics", metrics)]
+                               Route("/metrics", metrics), *dashboard_routes()]
     routes += service.subscribe_routes()
     routes += [
         _xrpc_route("listHosts", list_hosts),

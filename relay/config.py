@@ -95,6 +95,8 @@ SETTINGS: tuple[Setting, ...] = (
             "~100 bytes of Redis overhead, ~2.3 KB with typical traffic: the default needs ~450 MB of Redis "
             "memory. Fan-outs read anything trimmed (or lost) from the database, so a smaller cap costs "
             "latency, never events", "int"),
+    Setting("redis_stream", "RELAY_REDIS_STREAM", "--redis-stream", "relay:events",
+            "Redis Streams key of the event bus (ingest and fan-out must agree)"),
     Setting("new_hosts_per_day", "RELAY_NEW_HOSTS_PER_DAY", "--new-hosts-per-day", "50",
             "limit on hosts added through public requestCrawl in any 24 h (counted in the database)", "int"),
     Setting("crawling_enabled", "RELAY_CRAWLING", "--crawling", "true",
@@ -181,6 +183,7 @@ class RelayConfig:
     default_account_limit: int = 100
     redis_url: str = ""
     bus_max_entries: int = 200_000
+    redis_stream: str = "relay:events"
     new_hosts_per_day: int = 50
     crawling_enabled: bool = True
     validation_workers: int = 2
@@ -227,6 +230,8 @@ class RelayConfig:
             parse_nameservers(config.dns_servers)
         except ValueError:
             raise ConfigError("bad_dns_servers", f"RELAY_DNS_SERVERS: expected ip[:port],…; got {config.dns_servers!r}") from None
+        if not config.redis_stream:
+            raise ConfigError("bad_redis_stream", "RELAY_REDIS_STREAM must not be empty")
         if config.log_level not in ("debug", "info", "warning", "error"):
             raise ConfigError("bad_log_level", f"RELAY_LOG_LEVEL: unknown level {config.log_level!r}")
         return config

@@ -49,7 +49,7 @@ class RelayMetrics:
         self.store_up = Gauge("relay_store_up", "1 if the database answered the last readiness check, else 0",
                               registry=r)
         self.sequencer_state = Gauge("relay_sequencer_state",
-                                     "1 for the sequencer's current state (running, retrying, failed, stopped)",
+                                     "1 for the sequencer's current state (running, retrying, failed, waiting, stopped)",
                                      ["state"], registry=r)
         self.since_sequenced = Gauge("relay_seconds_since_last_sequenced",
                                      "Seconds since the sequencer last committed a batch", registry=r)

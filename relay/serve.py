@@ -2,14 +2,16 @@
 
 With no configuration: SQLite under ``./data/``, in-process bus, 127.0.0.1:2470, migrations
 applied at start. Every setting is an environment variable with a matching flag (``--help``).
-Once listening, one JSON log line ``{"msg": "listening", "url": …}`` gives the bound address
-(useful with port 0).
+The port opens first: one JSON log line ``{"msg": "listening", "url": …}`` gives the bound address
+(useful with port 0) while the service is still starting (``/_health`` answers ``state:
+starting``, then ``standby`` or ``running``); ``{"msg": "serving"}`` follows once it runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import logging
 import signal
@@ -67,33 +69,52 @@ def tune_gc() -> tuple[int, int, int]:
 
 
 async def run(config: RelayConfig, role: str) -> None:
+    """Open the port first (probes, metrics and dashboard answer from then on: a standby ingest
+    waiting for the writer lease is alive, not ready), then start the service; serve until
+    SIGINT/SIGTERM. A start that fails ends the process (the error propagates)."""
     import uvicorn
 
+    from firehose.uvicorn_batch import BatchingWebSocketsProtocol
+    from relay.gate import ServiceGate
     from relay.service import RelayService
 
     service = RelayService(config, role=role)
     sock = _bind_socket(config.host, config.port)
-    await service.start()
-    thresholds = tune_gc()
-    from firehose.uvicorn_batch import BatchingWebSocketsProtocol
-
     # uvicorn's sans-I/O WebSocket protocol, plus batched sends for subscribeRepos (one write per batch)
-    server = uvicorn.Server(uvicorn.Config(service.build_app(), lifespan="off", ws=BatchingWebSocketsProtocol,
+    server = uvicorn.Server(uvicorn.Config(ServiceGate(service), lifespan="off", ws=BatchingWebSocketsProtocol,
                                            # per-connection compression encodes every frame once per
                                            # consumer: off unless RELAY_WS_DEFLATE (BENCHMARKS.md)
                                            ws_per_message_deflate=config.ws_deflate,
                                            log_config=None, access_log=False, ws_max_size=1 << 20,
                                            timeout_graceful_shutdown=5))
+    server.config.setup_event_loop = lambda: None  # type: ignore[method-assign]
     host, port = sock.getsockname()[:2]
-    log.info("listening", extra=fields(url=f"http://{host}:{port}", role=role, gc_thresholds=list(thresholds),
-                                       gc_frozen=gc.get_freeze_count()))
+    starting = asyncio.create_task(service.start(), name="service-start")
+
+    def shut_down() -> None:
+        server.should_exit = True
+        starting.cancel()  # a standby stops waiting for the lease; no-op once started
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
+        loop.add_signal_handler(sig, shut_down)
+    serving = asyncio.create_task(server.serve(sockets=[sock]), name="http")
+    log.info("listening", extra=fields(url=f"http://{host}:{port}", role=role))
     try:
-        server.config.setup_event_loop = lambda: None  # type: ignore[method-assign]
-        await server.serve(sockets=[sock])
+        await asyncio.wait({starting, serving}, return_when=asyncio.FIRST_COMPLETED)
+        if starting.done() and not starting.cancelled():
+            starting.result()  # a failed start raises here
+            thresholds = tune_gc()
+            log.info("serving", extra=fields(role=role, gc_thresholds=list(thresholds),
+                                             gc_frozen=gc.get_freeze_count()))
+        await serving
     finally:
+        server.should_exit = True
+        starting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await starting
+        with contextlib.suppress(asyncio.CancelledError):
+            await serving
         await service.stop()
         sock.close()
         log.info("stopped")

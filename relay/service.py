@@ -11,6 +11,11 @@ Roles:
   subscribeRepos and the read-only XRPC endpoints.
 
 ``RelayService(config, role=…)``; ``await start()`` / ``await stop()``; ``build_app()``.
+
+Lifecycle (``phase``): ``starting`` (store, bus, identity being set up) → ``standby`` (ingest only:
+waiting for another process's writer lease, ``lease_holder`` says whose) → ``running`` →
+``stopping``. ``relay.gate.ServiceGate`` serves the probes, metrics and dashboard in every phase
+(the HTTP port opens before ``start()``), everything else once ``running``.
 """
 
 from __future__ import annotations
@@ -76,6 +81,7 @@ def exit_before_publish(publish: Publish, nth: int) -> Publish:
         await publish(events)
 
     return publish_or_exit
+SEQUENCER_STATES = ("running", "retrying", "failed", "waiting", "stopped")
 VERSION = "0.1.0"
 
 
@@ -83,7 +89,7 @@ class RelayService:
     """See the module docstring. ``resolver`` replaces public DNS (tests)."""
 
     def __init__(self, config: RelayConfig, *, role: str = "serve", resolver: Resolver | None = None,
-                 store_schema: str | None = None, bus_stream: str = "relay:events",
+                 store_schema: str | None = None, bus_stream: str | None = None,
                  store: Store | None = None) -> None:
         """``store``: an already opened store to use instead of opening ``config.database_url``
         (tests inject faults through it); it is migrated at start and closed at stop."""
@@ -97,7 +103,10 @@ class RelayService:
         self.guard = AddressGuard(allow_insecure=config.allow_insecure_hosts, resolver=resolver)
         self.safe = SafeClient(self.guard)
         self.store_schema = store_schema
-        self.bus_stream = bus_stream
+        self.bus_stream = bus_stream or config.redis_stream
+        self._phase = "starting"
+        #: the full app, built once ``start()`` has finished (``relay.gate`` serves it then)
+        self.app: Starlette | None = None
         self._given_store = store
         self.store: Store = None  # type: ignore[assignment]
         self.bus: EventBus = None  # type: ignore[assignment]
@@ -152,7 +161,7 @@ class RelayService:
         self.jetstream = jetstream_server(self.broadcaster, self.metrics, self.consumers)
         self.metrics.watch_broadcast(lambda: self.broadcaster.stats if self.broadcaster is not None else None)
         if self.role != "fanout":
-            publish: Publish = self.bus.publish
+            publish: Publish = self._publish
             exit_at = os.environ.get(EXIT_BEFORE_PUBLISH)
             if exit_at:
                 publish = exit_before_publish(publish, int(exit_at))
@@ -162,6 +171,7 @@ class RelayService:
         if config.firehose_bind:
             await self._start_firehose_listener(config.firehose_bind)
         if self.role == "fanout":
+            self._running()
             return
         assert self.sequencer is not None
         policy = HostPolicy(config)
@@ -185,7 +195,24 @@ class RelayService:
         await self.upstreams.start_all()
         self._tasks.append(asyncio.create_task(self._housekeeping(), name="housekeeping"))
         self._tasks.append(asyncio.create_task(self._repairs(), name="repairs"))
+        self._running()
         log.info("relay started", extra=fields(role=self.role, mst=native.STATUS, **config.describe()))
+
+    def _running(self) -> None:
+        self.app = self.build_app()
+        self._phase = "running"
+
+    @property
+    def phase(self) -> str:
+        """``starting`` | ``standby`` (waiting for the writer lease) | ``running`` | ``stopping``."""
+        if self._phase == "starting" and self.sequencer is not None and self.sequencer.state == "waiting":
+            return "standby"
+        return self._phase
+
+    @property
+    def lease_holder(self) -> str | None:
+        """While in standby: who holds the writer lease, as the database tells it."""
+        return self.sequencer.lease_holder if self.sequencer is not None else None
 
     async def _start_firehose_listener(self, bind: str) -> None:
         """The optional plain-websockets listener for subscribeRepos (``RELAY_FIREHOSE_BIND``)."""
@@ -203,6 +230,14 @@ class RelayService:
     async def _limit_raised(self, hostname: str) -> None:
         assert self.resync is not None
         await self.resync.release_throttled(hostname)
+
+    async def _publish(self, events: list[SequencedEvent]) -> None:
+        """The sequencer's publish: count every committed event by type — upstream ones, the
+        lanes' operations (takedowns, resync ``#sync``) and Spark repairs alike — then hand the
+        batch to the bus."""
+        for event in events:
+            self.metrics.child(self.metrics.events_out, event.kind).inc()
+        await self.bus.publish(events)
 
     def _count(self, kind: str, reason: str) -> None:
         self.metrics.child(self.metrics.verdicts, kind, reason).inc()
@@ -253,6 +288,8 @@ class RelayService:
         return result
 
     async def stop(self) -> None:
+        """Stop whatever ``start()`` got to (also after a failed or cancelled start)."""
+        self._phase = "stopping"
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -309,6 +346,14 @@ class RelayService:
         scale-out, the Redis bus (a PING within 2 s). Also refreshes the matching gauges (and
         ``relay_current_seq`` from the same store read)."""
         reasons: list[str] = []
+        phase = self.phase
+        if phase == "standby":
+            reasons.append("standby: waiting for the writer lease" + (f" held by {self.lease_holder}"
+                                                                     if self.lease_holder else ""))
+        elif phase != "running":
+            reasons.append(phase)
+        if self.store is None:
+            return reasons
         try:
             self.metrics.current_seq.set(await asyncio.wait_for(self.store.latest_seq(), 2.0))
             self.metrics.store_up.set(1)
@@ -317,10 +362,10 @@ class RelayService:
             reasons.append(f"store_unavailable: {type(exc).__name__}")
         sequencer = self.sequencer
         if sequencer is not None:
-            for state in ("running", "retrying", "failed", "stopped"):
+            for state in SEQUENCER_STATES:
                 self.metrics.sequencer_state.labels(state=state).set(1 if sequencer.state == state else 0)
             self.metrics.since_sequenced.set(max(0.0, time.monotonic() - sequencer.last_commit_at))
-            if sequencer.state != "running":
+            if sequencer.state not in ("running", "waiting"):  # waiting: the standby reason above
                 detail = sequencer.failure or sequencer.unavailable
                 reasons.append(f"sequencer_{sequencer.state}" + (f": {type(detail).__name__}" if detail else ""))
         if self._redis is not None:

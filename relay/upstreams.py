@@ -391,6 +391,5 @@ class Upstreams:
         result = future.result()
         if result is None:
             return
-        self.metrics.child(self.metrics.events_out, event.kind).inc()
-        self.metrics.current_seq.set(result.seq)
+        self.metrics.current_seq.set(result.seq)  # (relay_events_sequenced_total: RelayService._publish)
         self.metrics.lag.observe(time.monotonic() - work.received)

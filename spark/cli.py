@@ -54,7 +54,8 @@ def build_parser(default_master: str | None = "local[*]") -> argparse.ArgumentPa
         p.add_argument("--timeout", type=float, default=30.0, help="per-request timeout, seconds")
         p.add_argument("--retries", type=int, default=3, help="retries for timeouts, 429 and 5xx")
         p.add_argument("--max-repo-bytes", type=int, default=256 * 1024 * 1024)
-        p.add_argument("--plc-url", default="https://plc.directory")
+        p.add_argument("--plc-url", default=os.environ.get("RELAY_PLC_URL") or "https://plc.directory",
+                       help="PLC directory [default: $RELAY_PLC_URL, else https://plc.directory]")
         p.add_argument("--scheme", default="https", choices=("https", "http"),
                        help="scheme for bare host names (http only for local testing)")
         p.add_argument("--allow-private", action="store_true",

@@ -7,8 +7,12 @@ Before any repository is fetched the relay's current ``seq`` is read; it goes in
 ``subscribeRepos?cursor=<cursor>`` and sees every change made after the snapshot began (changes
 already in the snapshot arrive again and are recognised by their ``rev``). Rows are
 ``(did, collection, rkey, cid, rev, record)`` with ``record`` the record as atproto JSON
-(``$link``/``$bytes``); the dataset is partitioned by ``collection`` and is written atomically
-by Spark (overwrite), so a rerun reproduces the same rows. Only repositories that pass full
+(``$link``/``$bytes``); the dataset is partitioned by ``collection``. It is written to a staging
+directory beside it (``<out_dir>/.records-<run_id>.partial``) and only then put in place of
+``<out_dir>/records`` in one step (``replace_dir``: an atomic exchange of the two directories), so
+a reader sees the previous dataset or the new one, never a mix, and a run that fails leaves the
+previous dataset as it was (and its staging directory, which the next run of the same id
+overwrites). A rerun reproduces the same rows. ``manifest.json`` is replaced atomically too. Only repositories that pass full
 verification are exported; the others are listed in the manifest with their reason and written
 to ``spark_job_results``. Every exported repository's collection counts are rebuilt from it
 (``spark.collections``: only while the relay still holds it at the exported rev).
@@ -16,8 +20,12 @@ to ``spark_job_results``. Every exported repository's collection counts are rebu
 
 from __future__ import annotations
 
+import ctypes
 import json
+import os
+import shutil
 import time
+import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -87,6 +95,46 @@ def export_partition(
                 yield from rows
 
 
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two directories in one step (Linux ``renameat2(RENAME_EXCHANGE)``); False where the
+    C library or the filesystem cannot."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    done = renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    return bool(done == 0)
+
+
+def replace_dir(staging: Path, final: Path, *, exchange: bool = True) -> None:
+    """Put the directory ``staging`` in place of ``final`` and remove what ``final`` held.
+
+    ``final`` absent: one rename. Present: an atomic exchange of the two (readers of ``final`` see
+    the old tree or the new one, never neither); where exchange is unavailable (or
+    ``exchange=False``) the old tree is renamed aside first, leaving ``final`` missing for the
+    moment between two renames, never half written."""
+    if not final.exists():
+        os.rename(staging, final)
+        return
+    if exchange and _exchange(staging, final):
+        shutil.rmtree(staging)  # the previous dataset, now under the staging name
+        return
+    aside = final.with_name(f".{final.name}-old-{uuid.uuid4().hex[:8]}")
+    os.rename(final, aside)
+    os.rename(staging, final)
+    shutil.rmtree(aside)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    temporary.write_text(text)
+    os.replace(temporary, path)
+
+
 def run_export(
     spark: SparkSession, cfg: JobConfig, flt: AccountFilter, out_dir: str,
     collections: Iterable[str] | None = None,
@@ -102,10 +150,13 @@ def run_export(
     accounts, selected = read_accounts_rdd(sc, cfg, flt, parts)
     sc.setJobDescription(f"export {cfg.run_id}: {selected} repositories")
     rows = by_host_shard(accounts, cfg, work_partitions(parts, selected)).mapPartitions(lambda it: export_partition(cfg, wanted, it))
-    dataset = out_dir.rstrip("/") + "/records"
-    # one pass: rows stream from the executors straight into the Parquet writer
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    dataset = Path(out_dir) / "records"
+    staging = Path(out_dir) / f".records-{cfg.run_id}.partial"
+    # one pass: rows stream from the executors straight into the Parquet writer (into staging)
     frame = spark.createDataFrame(rows, export_schema(), verifySchema=False)
-    frame.write.mode("overwrite").partitionBy("collection").parquet(dataset)
+    frame.write.mode("overwrite").partitionBy("collection").parquet(str(staging))
+    replace_dir(staging, dataset)
     with connect_db(cfg.db_url) as db:
         failed = {r["did"]: r["reason"] for r in db.fetch(
             "SELECT did, reason FROM spark_job_results WHERE run_id = ? AND outcome = 'failed'", cfg.run_id)}
@@ -113,10 +164,11 @@ def run_export(
                                   cfg.run_id) or 0)
     per_collection: dict[str, int] = {}
     if written:  # counted from the dataset itself (partition values only: no column is read)
-        counts = spark.read.parquet(dataset).groupBy("collection").count().collect()
+        counts = spark.read.parquet(str(dataset)).groupBy("collection").count().collect()
         per_collection = {r["collection"]: int(r["count"]) for r in counts}
     manifest = {
         "format": "atproto-relay-export/1",
+        "job": JOB,
         "run_id": cfg.run_id,
         "cursor": cursor,
         "started_at": started,
@@ -131,8 +183,7 @@ def run_export(
         "records_per_collection": dict(sorted(per_collection.items())),
         "failed": dict(sorted(failed.items())),
     }
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    (Path(out_dir) / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    _write_atomically(Path(out_dir) / "manifest.json", json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     with connect_db(cfg.db_url) as db:
         finish_run(db, cfg.run_id, {k: v for k, v in manifest.items() if k != "failed"} | {"failed": len(failed)})
     return manifest

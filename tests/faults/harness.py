@@ -595,9 +595,10 @@ class RelayProcess(_Managed):
         env = {k: v for k, v in os.environ.items() if not k.startswith("RELAY_") or k in PASS_THROUGH}
         return {**env, **self.settings}
 
-    async def start(self, timeout: float = 90.0) -> float:
-        """Start the process and wait until ``/_health`` answers 200; returns that moment
-        (``time.monotonic()``)."""
+    async def start(self, timeout: float = 90.0, state: str = "running") -> float:
+        """Start the process and wait until ``/_health`` answers 200 with ``state`` (the port opens
+        while the service is still ``starting``; an ingest waiting for the writer lease is
+        ``standby``); returns that moment (``time.monotonic()``)."""
         if self.alive:
             raise RuntimeError(f"relay {self.role} already running")
         self.server = Supervised([sys.executable, "-m", "relay.cli", self.role], cwd=ROOT, env=self._env(),
@@ -610,11 +611,12 @@ class RelayProcess(_Managed):
             while True:
                 if not self.server.running:
                     raise RuntimeError(f"relay {self.role} exited:\n{log_tail(self.log_path)}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if (await http.get(self.url + "/_health")).status_code == 200:
+                with contextlib.suppress(httpx.HTTPError, ValueError):
+                    resp = await http.get(self.url + "/_health")
+                    if resp.status_code == 200 and resp.json().get("state") == state:
                         return time.monotonic()
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"relay {self.role} not healthy after {timeout} s:\n{log_tail(self.log_path)}")
+                    raise RuntimeError(f"relay {self.role} not {state} after {timeout} s:\n{log_tail(self.log_path)}")
                 await asyncio.sleep(0.1)
 
     async def kill9(self) -> None:

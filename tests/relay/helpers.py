@@ -36,3 +36,18 @@ async def serve_asgi(app: ASGIApp) -> AsyncIterator[str]:
         server.should_exit = True
         await asyncio.wait_for(task, 10)
         sock.close()
+
+
+async def drop_schema_and_stream(pg_dsn: str, schema: str, redis_url: str, stream: str) -> None:
+    """Remove what a scale-out test created on the shared servers: its schema and its stream."""
+    import asyncpg
+    import redis.asyncio as aioredis
+
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+    finally:
+        await conn.close()
+    client = aioredis.from_url(redis_url)
+    await client.delete(stream)
+    await client.aclose()

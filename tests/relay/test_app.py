@@ -347,6 +347,9 @@ async def test_spark_repair_outbox_is_drained_into_the_stream(relay_factory, pg_
         again = await relay.service.apply_repairs()  # consumed: nothing is emitted twice
         assert again is not None and again.consumed == 0
         assert await relay.service.store.latest_seq() == body["seq"]
+        # counted like every other sequenced event, once
+        metrics = relay.service.metrics.render().decode()
+        assert 'relay_events_sequenced_total{type="#account"} 1.0' in metrics
     if backend == "postgres":
         conn = await asyncpg.connect(pg_dsn)
         try:

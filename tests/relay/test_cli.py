@@ -55,6 +55,26 @@ def test_admin_cli_talks_to_a_running_relay(relay_factory, capsys: pytest.Captur
     assert (ok, wrong, ban, audit) == (0, 1, 0, 0)
     actions = json.loads(capsys.readouterr().out)["actions"]
     assert [(a["action"], a["target"]) for a in actions] == [("set_crawling", "relay"), ("ban_domain", "spam.example")]
+    for action in actions:  # ISO 8601 UTC, not epoch floats
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d{3})?Z", action["time"]), action
+
+
+@pytest.mark.parametrize("argv", [["--token", "t", "--url", "http://r", "limits", "h", "--per-second", "3"],
+                                  ["limits", "h", "--token", "t", "--per-second", "3", "--url", "http://r"],
+                                  ["--url", "http://r", "limits", "--token", "t", "h", "--per-second", "3"]])
+def test_admin_cli_options_anywhere(argv: list[str]) -> None:
+    ns = admin_cli.build_parser().parse_args(argv)
+    assert (ns.token, ns.url, ns.command, ns.hostname, ns.per_second) == ("t", "http://r", "limits", "h", 3)
+
+
+def test_admin_cli_prints_iso_timestamps() -> None:
+    answer = {"hosts": [{"hostname": "h", "seq": 1700000000, "lastSeen": 1700000000.25, "createdAt": 1700000000}],
+              "consumers": [{"connectedAt": 1700000000.5, "framesSent": 3}], "time": None}
+    assert admin_cli.readable(answer) == {
+        "hosts": [{"hostname": "h", "seq": 1700000000, "lastSeen": "2023-11-14T22:13:20.250Z",
+                   "createdAt": "2023-11-14T22:13:20Z"}],
+        "consumers": [{"connectedAt": "2023-11-14T22:13:20.500Z", "framesSent": 3}], "time": None}
+    assert "account an account" not in admin_cli.build_parser().format_help()
 
 
 def test_admin_cli_requests() -> None:

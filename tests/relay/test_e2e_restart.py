@@ -35,7 +35,8 @@ async def _start_relay(env: dict[str, str], log: Path) -> subprocess.Popen[bytes
         while time.monotonic() < deadline:
             assert proc.poll() is None, log.read_text()[-3000:]
             try:
-                if (await http.get(url + "/_health")).status_code == 200:
+                health = await http.get(url + "/_health")
+                if health.status_code == 200 and health.json()["state"] == "running":  # not still starting
                     return proc
             except httpx.HTTPError:
                 pass

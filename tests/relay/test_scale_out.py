@@ -5,16 +5,14 @@ from __future__ import annotations
 import uuid
 from collections import Counter
 
-import asyncpg
 import httpx
-import redis.asyncio as aioredis
 
 from firehose.bus import RedisStreamBus
 from relay.config import RelayConfig
 from relay.service import RelayService
 from relay.sim import SimConfig, SimFleet
 from tests.relay.e2e import Consumer, check_stream, crawl, key_of
-from tests.relay.helpers import serve_asgi
+from tests.relay.helpers import drop_schema_and_stream, serve_asgi
 
 
 async def test_ingest_and_fanout_roles(pg_dsn: str, redis_url: str) -> None:
@@ -53,11 +51,4 @@ async def test_ingest_and_fanout_roles(pg_dsn: str, redis_url: str) -> None:
         await fanout.stop()
         await ingest.stop()
         await fleet.stop()
-        conn = await asyncpg.connect(pg_dsn)
-        try:
-            await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
-        finally:
-            await conn.close()
-        client = aioredis.from_url(redis_url)
-        await client.delete(stream)
-        await client.aclose()
+        await drop_schema_and_stream(pg_dsn, schema, redis_url, stream)

@@ -44,3 +44,21 @@ def test_cli_package_zips_the_project_packages(tmp_path: Path) -> None:
     assert relay_main(["spark", "package", "--out", str(target)]) == 0
     names = set(zipfile.ZipFile(target).namelist())
     assert {"spark/cli.py", "spark/resync.py", "mst/verify.py", "backfill/types.py", "relay/identity.py"} <= names
+
+
+def test_cli_export_summary_and_plc_from_environment(spark_session: Any, fleet: FleetThread, relay_db: str,
+                                                     tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """No --plc-url: the PLC directory comes from RELAY_PLC_URL, as for the relay itself (with
+    the public default every identity lookup would fail). The text summary names its job."""
+    seed_relay(relay_db, fleet)
+    monkeypatch.setenv("RELAY_PLC_URL", fleet.fleet.plc_url)
+    out_dir = tmp_path / "export"
+    code = relay_main(["spark", "export", "--db", relay_db, "--allow-private", "--scheme", "http",
+                       "--master", "local[2]", "--partitions", "2", "--retries", "0", "--no-progress",
+                       "--run-id", "cli-export", "--out", str(out_dir)])
+    out, _ = capsys.readouterr()
+    assert code == 0, out
+    assert out.splitlines()[0] == "export run cli-export"
+    assert "records: " in out and "in 20 repositories" in out
+    assert sorted(p.name for p in out_dir.iterdir()) == ["manifest.json", "records"]  # no staging left

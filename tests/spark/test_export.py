@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 from pyspark.testing import assertDataFrameEqual
 
 from mst.cbor import encode
@@ -84,3 +85,26 @@ def test_export_matches_ground_truth_and_is_repeatable(
     got = spark_session.read.parquet(str(posts / "records")).collect()
     assert {(r["did"], r["collection"], r["rkey"], r["cid"], r["rev"]) for r in got} == want
     assert only["records_per_collection"] == {"app.bsky.feed.post": len(want)}
+
+
+def test_failed_export_leaves_the_previous_dataset_in_place(
+    spark_session: Any, fleet: FleetThread, relay_db: str, tmp_path: Path
+) -> None:
+    """A run that fails halfway (its executors cannot record their results: the table is gone)
+    must not touch the dataset readers use: it only ever wrote its staging directory."""
+    seed_relay(relay_db, fleet)
+    out = tmp_path / "export"
+    first = run_export(spark_session, job_config(relay_db, fleet), AccountFilter(), str(out))
+    before = sorted(spark_session.read.parquet(str(out / "records")).collect())
+    manifest = (out / "manifest.json").read_text()
+    assert first["records"] == len(before) > 0
+    with connect_db(relay_db) as db:
+        db.execute("ALTER TABLE spark_job_results RENAME TO spark_job_results_away")
+    try:
+        with pytest.raises(Exception):  # noqa: B017 - Spark wraps the executor's error in its own types
+            run_export(spark_session, job_config(relay_db, fleet), AccountFilter(), str(out))
+    finally:
+        with connect_db(relay_db) as db:
+            db.execute("ALTER TABLE spark_job_results_away RENAME TO spark_job_results")
+    assert sorted(spark_session.read.parquet(str(out / "records")).collect()) == before
+    assert (out / "manifest.json").read_text() == manifest

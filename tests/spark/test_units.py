@@ -230,3 +230,36 @@ def test_fetcher_connections_are_pinned_to_checked_addresses() -> None:
         with pytest.raises(httpx.ConnectError):
             client.get("http://localhost:8080/")
         assert net.connects and net.connects[0] in (("127.0.0.1", 8080), ("::1", 8080))  # the address, not the name
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2-exchange", "rename-aside"])
+def test_replace_dir_puts_the_new_tree_in_place_of_the_old(tmp_path: Path, exchange: bool) -> None:
+    from spark.export import replace_dir
+
+    final, staging = tmp_path / "records", tmp_path / ".records-run.partial"
+    staging.mkdir()
+    (staging / "part-new").write_text("new")
+    replace_dir(staging, final, exchange=exchange)  # nothing there yet: a plain rename
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["records"]
+    staging.mkdir()
+    (staging / "collection=b").mkdir()
+    (staging / "collection=b" / "part-2").write_text("second")
+    inode = final.stat().st_ino
+    replace_dir(staging, final, exchange=exchange)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["records"]  # staging and the old tree gone
+    assert sorted(p.name for p in final.iterdir()) == ["collection=b"]  # nothing of the old tree
+    assert (final / "collection=b" / "part-2").read_text() == "second"
+    assert final.stat().st_ino != inode
+
+
+def test_exchange_swaps_two_directories(tmp_path: Path) -> None:
+    """renameat2(RENAME_EXCHANGE) works here (else replace_dir falls back to renaming aside)."""
+    from spark.export import _exchange
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    (a / "x").write_text("a")
+    (b / "y").write_text("b")
+    assert _exchange(a, b)
+    assert (a / "y").read_text() == "b" and (b / "x").read_text() == "a"

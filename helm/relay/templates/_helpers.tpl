@@ -1,40 +1,131 @@
-{{- define "relay.fullname" -}}{{ printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" }}{{- end -}}
-
-{{- define "relay.labels" -}}
-app.kubernetes.io/name: {{ .Chart.Name }}
-app.kubernetes.io/instance: {{ .Release.Name }}
-app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+{{/* Names ------------------------------------------------------------------------------- */}}
+{{- define "relay.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
 
-{{/* Environment shared by every relay container. */}}
+{{- define "relay.selectorLabels" -}}
+app.kubernetes.io/name: {{ default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "relay.labels" -}}
+{{ include "relay.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{- define "relay.secretName" -}}
+{{- .Values.secrets.existingSecret | default (printf "%s-secrets" (include "relay.fullname" .)) -}}
+{{- end -}}
+
+{{- define "relay.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- .Values.serviceAccount.name | default (include "relay.fullname" .) -}}
+{{- else -}}
+{{- .Values.serviceAccount.name | default "default" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "relay.image" -}}
+{{- printf "%s:%s" .repository (.tag | toString) -}}
+{{- end -}}
+
+{{/* Environment shared by every relay container: secrets by reference, the rest from the
+     ConfigMap (every RELAY_* setting of relay/config.py is a key of .Values.config). */}}
 {{- define "relay.env" -}}
 - name: RELAY_DATABASE_URL
   valueFrom:
     secretKeyRef:
-      name: {{ .Values.database.existingSecret | default (printf "%s-secrets" (include "relay.fullname" .)) }}
-      key: {{ .Values.database.secretKey }}
+      name: {{ include "relay.secretName" . }}
+      key: {{ .Values.secrets.keys.databaseUrl }}
 - name: RELAY_REDIS_URL
-  value: {{ .Values.redis.url | quote }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "relay.secretName" . }}
+      key: {{ .Values.secrets.keys.redisUrl }}
 - name: RELAY_ADMIN_TOKEN
   valueFrom:
     secretKeyRef:
-      name: {{ .Values.adminToken.existingSecret | default (printf "%s-secrets" (include "relay.fullname" .)) }}
-      key: {{ .Values.adminToken.secretKey }}
-      optional: true
-{{- range $k, $v := .Values.config }}
-- name: {{ $k }}
-  value: {{ $v | quote }}
+      name: {{ include "relay.secretName" . }}
+      key: {{ .Values.secrets.keys.adminToken }}
+{{- with .Values.extraEnv }}
+{{ toYaml . }}
 {{- end }}
 {{- end -}}
 
+{{- define "relay.envFrom" -}}
+- configMapRef:
+    name: {{ include "relay.fullname" . }}-config
+{{- end -}}
+
+{{/* Probes. startupProbe: the HTTP port opens before the service starts, so this only covers
+     the interpreter starting. liveness: /_health never asks PostgreSQL or Redis, and answers 200
+     in every phase (a standby waiting for the writer lease included). readiness: /_ready is 503
+     while starting, in standby, or while the store / sequencer / Redis is unavailable. */}}
 {{- define "relay.probes" -}}
-readinessProbe:
+startupProbe:
   httpGet: {path: /_health, port: http}
-  periodSeconds: 5
-  failureThreshold: 3
+  periodSeconds: {{ .Values.probes.startup.periodSeconds }}
+  failureThreshold: {{ .Values.probes.startup.failureThreshold }}
+  timeoutSeconds: 3
 livenessProbe:
   httpGet: {path: /_health, port: http}
-  initialDelaySeconds: 20
-  periodSeconds: 15
-  failureThreshold: 4
+  periodSeconds: {{ .Values.probes.liveness.periodSeconds }}
+  failureThreshold: {{ .Values.probes.liveness.failureThreshold }}
+  timeoutSeconds: {{ .Values.probes.liveness.timeoutSeconds }}
+readinessProbe:
+  httpGet: {path: /_ready, port: http}
+  periodSeconds: {{ .Values.probes.readiness.periodSeconds }}
+  failureThreshold: {{ .Values.probes.readiness.failureThreshold }}
+  timeoutSeconds: {{ .Values.probes.readiness.timeoutSeconds }}
+{{- end -}}
+
+{{- define "relay.podSecurityContext" -}}
+{{ toYaml .Values.podSecurityContext }}
+{{- end -}}
+
+{{- define "relay.containerSecurityContext" -}}
+{{ toYaml .Values.containerSecurityContext }}
+{{- end -}}
+
+{{/* Pod-level settings shared by every workload. */}}
+{{- define "relay.podCommon" -}}
+serviceAccountName: {{ include "relay.serviceAccountName" . }}
+automountServiceAccountToken: false
+securityContext: {{- include "relay.podSecurityContext" . | nindent 2 }}
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets: {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.nodeSelector }}
+nodeSelector: {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.tolerations }}
+tolerations: {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- end -}}
+
+{{- define "relay.podAnnotations" -}}
+checksum/config: {{ include (print $.Template.BasePath "/configmap.yaml") . | sha256sum }}
+{{- if not .Values.secrets.existingSecret }}
+checksum/secret-values: {{ printf "%s|%s|%s" .Values.secrets.databaseUrl .Values.secrets.redisUrl .Values.secrets.adminToken | sha256sum }}
+{{- end }}
+{{- with .Values.podAnnotations }}
+{{ toYaml . }}
+{{- end }}
 {{- end -}}

@@ -1,0 +1,115 @@
+"""The operator dashboard in a real browser (Debian's Chromium driven by Playwright).
+
+Against a relay fed by the simulator, the page must show the same numbers as ``/metrics`` once
+the traffic has settled; the admin view must need the token and act through the admin API. A
+screenshot is written to ``$RELAY_TEST_ARTIFACTS`` (default ``test-artifacts/``) for a person to look at.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import httpx
+from playwright.async_api import Page, async_playwright
+
+from relay.sim import SimConfig, SimFleet
+from tests.relay.conftest import RelayFactory
+from tests.relay.e2e import crawl, metric_value
+from tests.waiting import until_async
+
+ROOT = Path(__file__).resolve().parents[2]
+ARTIFACTS = Path(os.environ.get("RELAY_TEST_ARTIFACTS", ROOT / "test-artifacts"))
+TOKEN = "dash-token"
+
+
+def chromium() -> str:
+    """Debian's Chromium (``./run`` installs it); Playwright downloads no browser of its own."""
+    path = os.environ.get("RELAY_TEST_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+    assert path, "chromium is not installed (./run test installs Debian's chromium package)"
+    return path
+
+
+def number(text: str | None) -> float:
+    assert text is not None
+    return float(text.replace(",", ""))
+
+
+async def shown(page: Page, selector: str) -> float:
+    return number(await page.locator(selector).text_content())
+
+
+async def settled_polls(page: Page, after: int) -> None:
+    """Wait until the page has rendered a poll made after ``after`` polls."""
+    await page.wait_for_function(f"Number(document.body.dataset.polls || 0) >= {after}", timeout=20_000)
+
+
+async def test_dashboard_matches_metrics_in_chromium(relay_factory: RelayFactory) -> None:
+    fleet = SimFleet(SimConfig(hosts=2, accounts_per_host=4, seed=33))
+    await fleet.start()
+    try:
+        async with relay_factory(allow_insecure_hosts=True, plc_url=fleet.plc_url, validation_workers=0,
+                                 admin_token=TOKEN) as relay, httpx.AsyncClient(base_url=relay.url) as http:
+            for host in fleet.hosts:
+                await crawl(relay.url, host.hostname)
+            await fleet.generate(40)
+            accepted = len([t for t in fleet.ground_truth if t.verdict == "accept"])
+
+            async def all_sequenced() -> bool:
+                text = (await http.get("/metrics")).text
+                return metric_value(text, "relay_events_sequenced_total") >= accepted
+
+            await until_async(all_sequenced, "every accepted event to be sequenced")
+            metrics = (await http.get("/metrics")).text  # traffic has stopped: these numbers hold
+
+            async with async_playwright() as pw:
+                browser = await pw.chromium.launch(executable_path=chromium(), args=["--no-sandbox"])
+                try:
+                    page = await browser.new_page(viewport={"width": 1400, "height": 900})
+                    await page.goto(relay.url + "/dashboard?interval=300")
+                    await settled_polls(page, 3)
+                    assert await shown(page, "#seq") == metric_value(metrics, "relay_current_seq") > 0
+                    assert await shown(page, "#sequenced-total") == metric_value(metrics, "relay_events_sequenced_total")
+                    assert await shown(page, "#events-in") == metric_value(metrics, "relay_events_in_total")
+                    assert await shown(page, "#consumers") == metric_value(metrics, "relay_consumers")
+                    assert await shown(page, "#resync-queue") == metric_value(metrics, "relay_resync_queue")
+                    assert await page.locator("#store").text_content() == "up"
+                    for kind in ("#commit", "#identity", "#account"):
+                        cell = f'#sequenced tr[data-type="{kind}"] td[data-field="count"]'
+                        assert await shown(page, cell) == metric_value(metrics, "relay_events_sequenced_total", type=kind)
+                    verdict = '#verdicts tr[data-verdict="accept/ok"] td[data-field="count"]'
+                    assert await shown(page, verdict) == metric_value(metrics, "relay_verdicts_total",
+                                                                      kind="accept", reason="ok")
+                    for host in fleet.hosts:
+                        row = f'#hosts tr[data-host="{host.hostname}"]'
+                        assert await shown(page, row + ' td[data-field="eventsIn"]') == \
+                            metric_value(metrics, "relay_events_in_total", host=host.hostname) > 0
+                        assert await page.locator(row + ' td[data-field="status"]').text_content() == "active"
+                        assert await shown(page, row + ' td[data-field="accounts"]') == 4
+                        stored = await relay.service.store.get_host(host.hostname)
+                        assert stored is not None and await shown(page, row + ' td[data-field="cursor"]') == stored.cursor
+                    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+                    await page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
+                    assert (ARTIFACTS / "dashboard.png").stat().st_size > 10_000
+
+                    # read-only without the token: no mutating control on the page
+                    assert await page.locator("button[data-action]").count() == 0
+                    assert (await http.get("/dashboard/data", headers={"authorization": "Bearer nope"})).status_code == 403
+                    # with it: connections are listed and a host can be blocked (through the admin API)
+                    await page.fill("#token", TOKEN)
+                    await page.click("#token-set")
+                    target = fleet.hosts[0].hostname
+                    button = f'#hosts tr[data-host="{target}"] button[data-action="block"]'
+                    await page.wait_for_selector(button, timeout=20_000)
+                    await page.click(button)
+                    await page.wait_for_selector(f'#hosts tr[data-host="{target}"] button[data-action="unblock"]',
+                                                 timeout=20_000)
+                    listed = (await http.get("/admin/hosts", headers={"authorization": f"Bearer {TOKEN}"})).json()
+                    assert {h["hostname"]: h["status"] for h in listed["hosts"]}[target] == "banned"
+                    audit = (await http.get("/admin/audit", headers={"authorization": f"Bearer {TOKEN}"})).json()
+                    assert any(a["target"] == target for a in audit["actions"])
+                finally:
+                    await browser.close()
+    finally:
+        await fleet.stop()
