@@ -182,7 +182,8 @@ class RelayService:
                               default_account_limit=config.default_account_limit)
         self.lanes = AccountLanes(store=self.store, sequencer=self.sequencer, pool=self.pool, admission=admission,
                                   identity=self.identity, resync=resync_queue, count=self._count)
-        self.upstreams = Upstreams(store=self.store, sequencer=self.sequencer, lanes=self.lanes, policy=policy,
+        self.upstreams = Upstreams(store=self.store, sequencer=self.sequencer, lanes=self.lanes,
+                                   admission=admission, policy=policy,
                                    guard=self.guard, metrics=self.metrics, config=config, count=self._count)
         self.resync = ResyncManager(store=self.store, identity=self.identity, safe=self.safe,
                                     metrics=self.metrics, config=config, queue=resync_queue, lanes=self.lanes,
