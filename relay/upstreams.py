@@ -106,6 +106,7 @@ class _HostRun:
     relay: bool = False  # the host is another relay (see relay.admission)
     #: the sequencer future of the last event submitted (futures resolve in submission order)
     last_submitted: asyncio.Future[SequencedEvent | None] | None = None
+    last_read: int | None = None  # upstream seq of the last frame read
 
 
 class Upstreams:
@@ -309,6 +310,7 @@ class Upstreams:
                 return
             run.last_frame = time.monotonic()
             run.outstanding += 1
+            run.last_read = uf.seq
             await run.queue.put(self.dispatch(hostname, uf, fence))
 
         return on_frame
@@ -328,6 +330,11 @@ class Upstreams:
                         "stream again from the start", extra=fields(host=hostname, old_cursor=old, reason=reason))
 
         return on_reset
+
+    def last_read(self, hostname: str) -> int | None:
+        """The upstream seq of the last frame read from ``hostname`` (None: none yet, or not followed)."""
+        run = self._runs.get(hostname)
+        return None if run is None else run.last_read
 
     async def settle_read(self, hostname: str) -> None:
         """Wait until every frame read from ``hostname`` so far is through the drainer and, if it

@@ -33,7 +33,7 @@ from tests.firehose.scenario_cases import CASE_NAMES, MODES, Case, cases
 from tests.relay.conftest import RunningRelay
 from tests.relay.e2e import Consumer, crawl, metric_value
 from tests.relay.helpers import serve_asgi
-from tests.waiting import until_async
+from tests.waiting import until
 
 #: Fields indigo's runner compares per message type (seq and time are the relay's own).
 COMPARED = {
@@ -112,17 +112,12 @@ def _plc_app(accounts: list[dict[str, Any]], pds_url: str) -> Starlette:
                              Route("/{did}", doc)])
 
 
-async def _settled(relay: RunningRelay, hostname: str, frames: int) -> int:
-    """Wait until the relay has read ``frames`` frames from ``hostname`` and every one of them is
-    settled (sequenced or dropped); returns the relay's latest seq then."""
-    async with httpx.AsyncClient(base_url=relay.url) as http:
-        async def read_all() -> bool:
-            text = (await http.get("/metrics")).text
-            return metric_value(text, "relay_events_in_total", host=hostname) >= frames
-
-        await until_async(read_all, f"the relay to read {frames} frames from {hostname}")
+async def _settled(relay: RunningRelay, hostname: str, last_seq: int) -> int:
+    """Wait until the relay has read ``hostname``'s stream up to ``last_seq`` and settled every
+    frame (sequenced or dropped); returns the relay's latest seq then."""
     upstreams = relay.service.upstreams
     assert upstreams is not None
+    await until(lambda: (upstreams.last_read(hostname) or 0) >= last_seq, f"the relay to read {hostname}")
     await upstreams.settle_read(hostname)
     return await relay.service.store.latest_seq()
 
@@ -155,7 +150,7 @@ async def _play(case: Case, mode: str, relay_factory, *, lenient: bool, host_len
                             listed = (await http.get("/admin/hosts")).json()["hosts"]
                             assert [h["lenient"] for h in listed] == [host_lenient]  # stored with the host
                         upstream.release()
-                    latest = await _settled(relay, upstream.hostname, len(frames))
+                    latest = await _settled(relay, upstream.hostname, frames[-1][0])
                     await consumer.wait_for(lambda evs: len(evs) >= len(expected) and (latest == 0 or
                                                                                      evs[-1].seq >= latest))
                     async with httpx.AsyncClient(base_url=relay.url) as http:
