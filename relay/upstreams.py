@@ -88,6 +88,11 @@ class _HostRun:
     marks: deque[list[Any]] = dataclasses.field(default_factory=deque)
     #: host ``time`` of the latest frame such that it and every frame before it are done
     done_time: str | None = None
+    lenient: bool = False  # judge sync 1.0 commits leniently (the host's setting, else the relay's)
+    relay: bool = False  # the host is another relay (see relay.admission)
+    #: the sequencer future of the last event submitted (futures resolve in submission order)
+    last_submitted: asyncio.Future[SequencedEvent | None] | None = None
+    last_read: int | None = None  # upstream seq of the last frame read
 
     def mark(self, work: Work) -> list[Any]:
         entry = [work.uf.frame.body.get("time"), False]
@@ -102,11 +107,6 @@ class _HostRun:
             stamp = marks.popleft()[0]
             if isinstance(stamp, str):
                 self.done_time = stamp
-    lenient: bool = False  # judge sync 1.0 commits leniently (the host's setting, else the relay's)
-    relay: bool = False  # the host is another relay (see relay.admission)
-    #: the sequencer future of the last event submitted (futures resolve in submission order)
-    last_submitted: asyncio.Future[SequencedEvent | None] | None = None
-    last_read: int | None = None  # upstream seq of the last frame read
 
 
 class Upstreams:
