@@ -20,8 +20,6 @@ from mst.repo import Write
 from .commits import commit_body, flip_sig, frame, new_repo, posts, rewrite_car, state_of
 from .scenario_cases import CASE_NAMES, MODES, Case, cases
 
-NOW = time.time()
-
 
 def _run(case: Case, lenient: bool) -> list[Verdict]:
     keys = {}
@@ -34,7 +32,7 @@ def _run(case: Case, lenient: bool) -> list[Verdict]:
         hdr, body = m["frame"]["header"], m["frame"]["body"]
         raw = cbrrr.encode_dag_cbor(hdr, atjson_mode=True) + cbrrr.encode_dag_cbor(body, atjson_mode=True)
         did = body.get("did") or body.get("repo")
-        v = validate_frame(raw, states.get(did), keys[did], NOW, lenient=lenient)
+        v = validate_frame(raw, states.get(did), keys[did], time.time(), lenient=lenient)
         if v.new_state is not None:
             states[did] = v.new_state
         out.append(v)
@@ -138,7 +136,7 @@ CHECKS = ("valid", "dropped_op", "prev_data_not_stored", "sync10", "sync10_bad_s
 @pytest.mark.parametrize("name", CHECKS)
 def test_commit_checks_in_both_modes(chain, name: str, mode: str) -> None:  # type: ignore[no-untyped-def]
     body, state, key, strict, lenient = _id_cases(chain)[name]
-    v = validate_frame(frame(body), state, key, NOW, lenient=mode == "lenient")
+    v = validate_frame(frame(body), state, key, time.time(), lenient=mode == "lenient")
     assert (v.kind, v.reason) == (strict if mode == "strict" else lenient)
     if v.kind == "accept":
         assert v.new_state is not None and v.new_state.rev == body["rev"] and v.new_state.sync_state == "synced"
@@ -148,8 +146,8 @@ def test_lenient_accept_keeps_the_chain(chain) -> None:  # type: ignore[no-untyp
     """A sync 1.0 commit accepted leniently becomes the state the next commit chains to."""
     repo, before, r, after = chain
     key = repo.key.did_key()
-    v = validate_frame(frame(_no_prev_data(commit_body(repo, r))), before, key, NOW, lenient=True)
+    v = validate_frame(frame(_no_prev_data(commit_body(repo, r))), before, key, time.time(), lenient=True)
     assert v.kind == "accept" and v.new_state is not None
     assert v.new_state.data_cid == r.data.encode() and v.new_state.commit_cid == r.commit_cid.encode()
-    nxt = validate_frame(frame(commit_body(repo, after)), v.new_state, key, NOW, lenient=True)
+    nxt = validate_frame(frame(commit_body(repo, after)), v.new_state, key, time.time(), lenient=True)
     assert (nxt.kind, nxt.reason) == ("accept", "ok")
