@@ -326,8 +326,12 @@ class Upstreams:
             self.count("host", reason)
             self.metrics.host_resets.labels(host=hostname, reason=reason).inc()
             await self.store.set_host_cursor(hostname, 0)
-            log.warning("upstream cursor reset: the host was probably wiped or restored; reading its "
-                        "stream again from the start", extra=fields(host=hostname, old_cursor=old, reason=reason))
+            if reason in (Reason.FUTURE_CURSOR, Reason.SEQ_WENT_BACKWARDS):
+                log.warning("upstream cursor reset: the host's stream restarted (wiped or restored?); "
+                            "reading it again from the start", extra=fields(host=hostname, old_cursor=old, reason=reason))
+            else:
+                log.warning("upstream cursor reset: the host keeps sending a frame that cannot be read; "
+                            "following it live", extra=fields(host=hostname, old_cursor=old, reason=reason))
 
         return on_reset
 

@@ -53,12 +53,14 @@ async def test_concurrent_requests_share_one_verified_fetch(relay_factory) -> No
         async with httpx.AsyncClient(base_url=relay.url, timeout=30) as http:
             requests = [asyncio.create_task(http.get(GET_REPO, params={"did": acct.did})) for _ in range(n)]
 
-            async def all_waiting() -> bool:
-                return await _metric(relay, "relay_getrepo_total", result="coalesced") == n - 1
+            async def all_waiting() -> bool:  # n - 1 joined the fetch, which reached the PDS
+                joined = await _metric(relay, "relay_getrepo_total", result="coalesced")
+                return joined == n - 1 and host.requests[GET_REPO_PATH] == 1
 
-            await until_async(all_waiting, "every request to wait for the one fetch")
-            assert host.requests[GET_REPO_PATH] == 1
-            host.release_repos()
+            try:
+                await until_async(all_waiting, "every request to wait for the one fetch")
+            finally:
+                host.release_repos()
             answers = await asyncio.gather(*requests)
             assert {r.status_code for r in answers} == {200}
             assert len({r.content for r in answers}) == 1
