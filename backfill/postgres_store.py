@@ -42,7 +42,7 @@ def _numbered(sql: str) -> str:
 _ACCOUNT_COLS = "did, host, upstream_status, local_status, rev, commit_cid, data_cid, sync_state, updated_at"
 _HOST_COLS = (
     "hostname, status, upstream_cursor, account_limit, trusted, rate_limit_per_second, "
-    "rate_limit_per_hour, rate_limit_per_day, last_seen, account_count, created_at"
+    "rate_limit_per_hour, rate_limit_per_day, last_seen, account_count, created_at, is_relay, lenient_sync"
 )
 
 # Batch write of account state from the sequencer: the batch is COPYed into a per-connection
@@ -395,13 +395,14 @@ class PostgresStore(Store):
 
     async def upsert_host(self, host: HostState) -> None:
         await self._pool.execute(
-            f"INSERT INTO hosts ({_HOST_COLS}) VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9,$10,$11) "
+            f"INSERT INTO hosts ({_HOST_COLS}) VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9,$10,$11,$12,$13) "
             "ON CONFLICT (hostname) DO UPDATE SET status = EXCLUDED.status, "
             "account_limit = EXCLUDED.account_limit, trusted = EXCLUDED.trusted, "
             "rate_limit_per_second = EXCLUDED.rate_limit_per_second, "
             "rate_limit_per_hour = EXCLUDED.rate_limit_per_hour, "
             "rate_limit_per_day = EXCLUDED.rate_limit_per_day, "
-            "last_seen = COALESCE(EXCLUDED.last_seen, hosts.last_seen)",
+            "last_seen = COALESCE(EXCLUDED.last_seen, hosts.last_seen), "
+            "is_relay = EXCLUDED.is_relay, lenient_sync = EXCLUDED.lenient_sync",
             host.hostname,
             host.status,
             host.cursor,
@@ -413,6 +414,8 @@ class PostgresStore(Store):
             host.last_seen,
             host.account_count,
             host.created_at or time.time(),
+            host.relay,
+            host.lenient,
         )
 
     async def set_host_status(self, hostname: str, status: str) -> bool:

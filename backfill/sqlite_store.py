@@ -40,7 +40,7 @@ T = TypeVar("T")
 _ACCOUNT_COLS = "did, host, upstream_status, local_status, rev, commit_cid, data_cid, sync_state, updated_at"
 _HOST_COLS = (
     "hostname, status, upstream_cursor, account_limit, trusted, rate_limit_per_second, "
-    "rate_limit_per_hour, rate_limit_per_day, last_seen, account_count, created_at"
+    "rate_limit_per_hour, rate_limit_per_day, last_seen, account_count, created_at, is_relay, lenient_sync"
 )
 _SQL_UPSERT_ACCOUNT_FROM_EVENT = (
     f"INSERT INTO accounts ({_ACCOUNT_COLS}) VALUES (?,?,?,?,?,?,?,?,?) "
@@ -64,6 +64,8 @@ def _account(row: tuple[Any, ...]) -> AccountState:
 def _host(row: tuple[Any, ...]) -> HostState:
     values = list(row)
     values[4] = bool(values[4])
+    values[11] = bool(values[11])
+    values[12] = None if values[12] is None else bool(values[12])
     return HostState(*values)
 
 
@@ -379,13 +381,14 @@ class SqliteStore(Store):
     async def upsert_host(self, host: HostState) -> None:
         def _upsert(conn: sqlite3.Connection) -> None:
             conn.execute(
-                f"INSERT INTO hosts ({_HOST_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?) "
+                f"INSERT INTO hosts ({_HOST_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?) "
                 "ON CONFLICT (hostname) DO UPDATE SET status = excluded.status, "
                 "account_limit = excluded.account_limit, trusted = excluded.trusted, "
                 "rate_limit_per_second = excluded.rate_limit_per_second, "
                 "rate_limit_per_hour = excluded.rate_limit_per_hour, "
                 "rate_limit_per_day = excluded.rate_limit_per_day, "
-                "last_seen = COALESCE(excluded.last_seen, last_seen)",
+                "last_seen = COALESCE(excluded.last_seen, last_seen), "
+                "is_relay = excluded.is_relay, lenient_sync = excluded.lenient_sync",
                 (
                     host.hostname,
                     host.status,
@@ -398,6 +401,8 @@ class SqliteStore(Store):
                     host.last_seen,
                     host.account_count,
                     host.created_at or time.time(),
+                    int(host.relay),
+                    None if host.lenient is None else int(host.lenient),
                 ),
             )
 

@@ -15,6 +15,7 @@ class HostState:
 
     ``cursor`` is the last upstream ``seq`` whose effects are durable (the value to resume from).
     Rate limits are events per second/hour/day; ``None`` means "use the relay's default".
+    ``relay`` and ``lenient`` are operator settings (``relay.hosts.HostManager``).
     ``account_count`` is maintained by the sequencer and ``Store.upsert_account``.
     """
 
@@ -29,3 +30,7 @@ class HostState:
     last_seen: float | None = None
     account_count: int = 0
     created_at: float = 0.0
+    #: another relay (added by an operator), not a PDS (migration 0085; see ARCHITECTURE.md)
+    relay: bool = False
+    #: judge sync 1.0 commits leniently (True), strictly (False), or per the relay setting (None)
+    lenient: bool | None = None

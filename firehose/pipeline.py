@@ -24,20 +24,21 @@ from firehose.state import AccountState, account_row
 from firehose.validate import OUTGOING_FIELDS, Verdict, judge_frame, outgoing_body
 from firehose.workers import WorkerDied, WorkerPool
 
-Job = tuple[bytes, AccountState | None, str | None, float]
+Job = tuple[bytes, AccountState | None, str | None, float, bool]
 #: Completion of one queued job: ``(verdict, None)`` or ``(None, exception)``.
 Done = Callable[[Verdict | None, BaseException | None], None]
 
 
 def validate_and_encode(
-    frame: bytes, state: AccountState | None, signing_key: str | None, now: float
+    frame: bytes, state: AccountState | None, signing_key: str | None, now: float, lenient: bool = False
 ) -> Verdict:
     """``validate_frame``, plus, for an accepted ``#commit``/``#sync``, the outgoing body
     (``firehose.validate.outgoing_body``: lexicon fields only, no upstream ``seq``, ``blocks``
     verbatim) encoded as canonical DAG-CBOR with the offset where ``seq`` belongs
     (``Verdict.body_cbor``/``seq_offset``, for ``PendingEvent``). Runs in a worker process, so
-    the parent neither encodes the body nor receives it as a (large, slow to unpickle) dict."""
-    verdict, decoded = judge_frame(frame, state, signing_key, now)
+    the parent neither encodes the body nor receives it as a (large, slow to unpickle) dict.
+    ``lenient``: sync 1.0 commits (``firehose.validate.validate_commit``)."""
+    verdict, decoded = judge_frame(frame, state, signing_key, now, lenient=lenient)
     if verdict.kind != "accept" or decoded is None or decoded.t not in OUTGOING_FIELDS:
         return verdict
     try:
@@ -49,13 +50,13 @@ def validate_and_encode(
 
 # ``AccountState`` travels to the workers and back as ``account_row`` tuples: pickling slotted
 # dataclasses runs Python-level ``__getstate__``/``__setstate__`` per object, a tuple is pickled in C.
-WireJob = tuple[bytes, tuple[Any, ...] | None, str | None, float]
+WireJob = tuple[bytes, tuple[Any, ...] | None, str | None, float, bool]
 WireVerdict = tuple[str, str, tuple[Any, ...] | None, str, bytes | None, int | None]
 
 
 def _to_wire(job: Job) -> WireJob:
-    frame, state, key, now = job
-    return frame, None if state is None else account_row(state), key, now
+    frame, state, key, now, lenient = job
+    return frame, None if state is None else account_row(state), key, now, lenient
 
 
 def _verdict_from_wire(w: WireVerdict) -> Verdict:
@@ -69,8 +70,8 @@ def validate_batch(jobs: list[WireJob]) -> tuple[list[WireVerdict], float]:
     verdicts (as tuples) and the worker CPU seconds they took (exported as a metric)."""
     t0 = time.process_time()
     out: list[WireVerdict] = []
-    for frame, state, key, now in jobs:
-        v = validate_and_encode(frame, None if state is None else AccountState(*state), key, now)
+    for frame, state, key, now, lenient in jobs:
+        v = validate_and_encode(frame, None if state is None else AccountState(*state), key, now, lenient)
         new_state = v.new_state
         out.append((v.kind, v.reason, None if new_state is None else account_row(new_state), v.detail,
                     v.body_cbor, v.seq_offset))
@@ -131,13 +132,14 @@ class ValidationPool:
         await self.close()
 
     def judge(
-        self, frame: bytes, state: AccountState | None, signing_key: str | None, now: float | None = None
+        self, frame: bytes, state: AccountState | None, signing_key: str | None, now: float | None = None, *,
+        lenient: bool = False,
     ) -> asyncio.Future[Verdict]:
         """The verdict on ``frame`` against ``state`` (``validate_and_encode``), as a future: judged
         inline at once with ``workers=0``, else queued for the next batch (dispatched at the end of
         this loop iteration, so frames judged together leave together)."""
         fut: asyncio.Future[Verdict] = asyncio.get_running_loop().create_future()
-        job: Job = (frame, state, signing_key, self.clock() if now is None else now)
+        job: Job = (frame, state, signing_key, self.clock() if now is None else now, lenient)
         if self._pool is None:
             try:
                 fut.set_result(validate_and_encode(*job))  # inline (workers=0)

@@ -16,6 +16,8 @@ class Reason(StrEnum):
     # --- accept verdicts
     OK = "ok"
     SYNC_RESET = "sync_reset"  # accepted #sync that does not match stored state: resync needed
+    LENIENT_NO_PREV_DATA = "lenient_no_prev_data"  # lenient mode: sync 1.0 commit, not inverted
+    LENIENT_NO_OP_PREV = "lenient_no_op_prev"  # lenient mode: update/delete op without prev, not inverted
 
     # --- frame codec (firehose.frames)
     FRAME_TOO_LARGE = "frame_too_large"
@@ -70,6 +72,7 @@ class Reason(StrEnum):
     INVERSION_INVALID_OP = "inversion_invalid_op"
     INVERSION_MISMATCH = "inversion_mismatch"
     PREV_DATA_WRONG = "prev_data_wrong"
+    OPS_NOT_IN_TREE = "ops_not_in_tree"  # lenient mode: an op's outcome is not in the signed tree
 
     # --- identity / signature
     BAD_SIGNING_KEY = "bad_signing_key"
@@ -100,6 +103,7 @@ class Reason(StrEnum):
     VALIDATOR_CRASHED = "validator_crashed"
     # --- host binding and account admission (the account's lane)
     WRONG_HOST = "wrong_host"  # the sender is not the account's PDS (per a fresh DID document)
+    RELAY_NOT_AUTHORITATIVE = "relay_not_authoritative"  # a relay upstream may not speak for the account
     ACCOUNT_THROTTLED = "account_throttled"  # over the host's account limit: held, resynced later
     HANDLE_NOT_VERIFIED = "handle_not_verified"  # #identity passed on without its handle
     RESYNC_PENDING = "resync_pending"  # buffered until the account's resync completes

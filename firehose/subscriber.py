@@ -11,8 +11,10 @@ Contract:
   (``duplicate_event``).
 * Cursor-reset policy (a wiped or restored host): a ``FutureCursor`` error, a first frame whose
   ``seq`` is below the cursor we asked for, or more than ``max_backwards`` consecutive
-  non-increasing frames reset the cursor (``on_cursor_reset(old, reason)``) and the stream is
-  followed from its current position instead of idling forever.
+  non-increasing frames reset the cursor (``on_cursor_reset(old, reason)``, awaited before the
+  cursor changes: the owner settles what is still in flight from the old stream first, so no
+  late ``ack`` of it can move the new cursor) and the host's new stream is read from its start
+  (cursor 0: what it emitted since it restarted is not skipped) instead of idling forever.
 * Rate limits are token buckets awaited before ``on_frame``: backpressure, never drops
   (``SubscriberConfig.for_host(per_second, per_hour, per_day)`` maps a host's stored limits).
 * Reconnects use capped exponential backoff with jitter; WebSocket pings keep the link alive.
@@ -167,9 +169,11 @@ class HostSubscriber:
         if self._acked is None or upstream_seq > self._acked:
             self._acked = upstream_seq
 
-    async def _reset(self, reason: Reason) -> None:
+    async def _reset(self, reason: Reason, resume: int | None = None) -> None:
+        """Reset the cursor to ``resume`` (0: the host's whole stream; None: live from now). The
+        owner's ``on_cursor_reset`` runs first and must return only once no ``ack`` for the old
+        stream can follow (``relay.upstreams`` waits for the run's in-flight frames to settle)."""
         old = self._acked
-        self._acked = None
         self.resets += 1
         self.counters[reason.value] += 1
         log.warning("cursor reset", extra={"host": self.host, "old_cursor": old, "reason": reason.value})
@@ -177,6 +181,7 @@ class HostSubscriber:
             result = self.on_cursor_reset(old, reason.value)
             if isinstance(result, Awaitable):
                 await result
+        self._acked = resume
 
     def backoff_delay(self, attempt: int) -> float:
         """Capped exponential backoff with "equal jitter": in [cap/2, cap] (``firehose.backoff``)."""
@@ -194,11 +199,11 @@ class HostSubscriber:
                 await self._connect_once()
                 reset_now = False
             except _Reset as r:
-                if self._acked is None:  # nothing to reset: a host that misbehaves anyway
+                if not self._acked:  # nothing to reset (no cursor, or 0): a host that misbehaves anyway
                     self.counters[r.reason] += 1
                     reset_now = False
-                else:
-                    await self._reset(Reason(r.reason))
+                else:  # a wiped or restored host: read its new stream from the start
+                    await self._reset(Reason(r.reason), resume=0)
                     reset_now = True
             except _Poison as p:
                 reset_now = await self._poisoned(p.reason)
@@ -300,7 +305,7 @@ class HostSubscriber:
                         self.counters[Reason.MISSING_SEQ.value] += 1
                         continue
                     if last_seq is None and asked is not None and seq < asked:
-                        await self._reset(Reason.SEQ_WENT_BACKWARDS)
+                        await self._reset(Reason.SEQ_WENT_BACKWARDS, resume=0)
                         asked = None
                     elif last_seq is not None and seq <= last_seq:
                         self.counters[Reason.SEQ_NOT_INCREASING.value] += 1

@@ -14,7 +14,11 @@ signing key, now) returning a :class:`Verdict`. No I/O, no clocks, no globals.
    well-formed, ``did``/``rev`` equal the signed commit's, rev not more than ``max_clock_skew``
    in the future, every created/updated record block present and a DAG-CBOR map (``bad_record``);
 3. MST operation inversion against ``prevData`` (the empty tree for a repo's first commit);
-   a result equal to the *stored* data root but not to ``prevData`` is ``prev_data_wrong``;
+   a result equal to the *stored* data root but not to ``prevData`` is ``prev_data_wrong``.
+   No ``prevData`` on a later commit (a sync 1.0 host) → ``missing_prev_data``, unless judged
+   ``lenient`` (see ``validate_commit``): then instead of inversion each op is looked up in the
+   signed tree (``ops_not_in_tree``), and the commit is accepted as ``lenient_no_prev_data``
+   (likewise ``lenient_no_op_prev`` for update/delete ops without ``prev``);
 4. signature with the current key → ``bad_signature`` (the caller refreshes identity once and
    retries; see ``firehose.pipeline``);
 5./6. chain: ``since`` ≠ stored rev → *desync* ``since_mismatch``; ``prevData`` ≠ stored data
@@ -60,6 +64,7 @@ from mst.errors import (
     MSTError,
 )
 from mst.invert import invert_ops
+from mst.mst import MST
 from mst.node import empty_node
 from mst.tid import tid_to_micros
 
@@ -180,6 +185,49 @@ def _base_state(state: AccountState | None, did: str) -> AccountState:
     return state if state is not None else AccountState(did=did)
 
 
+def _lenient_reason(msg: CommitMessage, expected: CID | None) -> Reason | None:
+    """Why a commit judged leniently cannot be inverted (its accept reason), or None when it can
+    (then it is judged exactly as in strict mode)."""
+    if expected is None:
+        return Reason.LENIENT_NO_PREV_DATA
+    if any(op.action != "create" and op.prev is None for op in msg.ops):
+        return Reason.LENIENT_NO_OP_PREV
+    return None
+
+
+def _check_inversion(car: Car, data: CID, msg: CommitMessage, expected: CID, state: AccountState | None) -> None:
+    """Step 3: the ops, inverted on the slice's partial tree, give back ``expected``."""
+    try:
+        computed = invert_ops(car.blocks, data, msg.ops)
+    except MissingBlockError:
+        raise _reject(Reason.MISSING_MST_BLOCK) from None
+    except InversionError as exc:
+        raise _reject(Reason.INVERSION_INVALID_OP, exc.reason) from None
+    except MSTError as exc:
+        raise _reject(Reason.BAD_MST, exc.reason) from None
+    if computed != expected:
+        stored_data = state.data_cid if state is not None else None
+        if stored_data is not None and cid_text(computed) == stored_data:
+            raise _reject(Reason.PREV_DATA_WRONG)
+        raise _reject(Reason.INVERSION_MISMATCH)
+
+
+def _check_ops_in_tree(car: Car, data: CID, msg: CommitMessage) -> None:
+    """What lenient mode still checks of the ops without inversion: each op's outcome is what the
+    signed tree holds (a created/updated path maps to the op's CID, a deleted path is absent), read
+    from the slice's partial tree (a sync-1.0 slice carries every node on those paths). It cannot
+    show that the ops are *complete*: that is what inversion against ``prevData`` proves."""
+    try:
+        tree = MST.load(car.blocks, data)
+        for op in msg.ops:
+            if tree.get(op.path) != op.cid:
+                raise _reject(Reason.OPS_NOT_IN_TREE, op.path)
+    except MissingBlockError:
+        raise _reject(Reason.MISSING_MST_BLOCK) from None
+    except MSTError as exc:
+        raise _reject(Reason.BAD_MST, exc.reason) from None
+
+
 def validate_commit(
     msg: CommitMessage,
     state: AccountState | None,
@@ -187,8 +235,13 @@ def validate_commit(
     now: float,
     *,
     max_clock_skew: float = MAX_CLOCK_SKEW_S,
+    lenient: bool = False,
 ) -> Verdict:
-    """Judge a ``#commit``; see the module docstring for the order of checks."""
+    """Judge a ``#commit``; see the module docstring for the order of checks. ``lenient`` (sync 1.0
+    hosts): a commit without ``prevData``, or with an update/delete op without ``prev``, is judged
+    without step 3 and accepted with its own reason (``lenient_no_prev_data`` /
+    ``lenient_no_op_prev``); every other check still applies, and step 6 whenever ``prevData`` is
+    present."""
     try:
         gate = _gate(state, msg.repo)
         if gate is not None:
@@ -208,38 +261,35 @@ def validate_commit(
                 if record is None:
                     raise _reject(Reason.MISSING_RECORD_BLOCK)
                 _check_record(op.cid, record)
+        expected: CID | None  # the previous data root the commit claims (None: sync 1.0, lenient)
         if msg.prev_data is not None:
             expected = msg.prev_data
         elif msg.since is None:
             expected = EMPTY_TREE_ROOT
+        elif lenient:
+            expected = None
         else:
             raise _reject(Reason.MISSING_PREV_DATA)
-        try:
-            computed = invert_ops(car.blocks, commit.data, msg.ops)
-        except MissingBlockError:
-            raise _reject(Reason.MISSING_MST_BLOCK) from None
-        except InversionError as exc:
-            raise _reject(Reason.INVERSION_INVALID_OP, exc.reason) from None
-        except MSTError as exc:
-            raise _reject(Reason.BAD_MST, exc.reason) from None
-        if computed != expected:
-            stored_data = state.data_cid if state is not None else None
-            if stored_data is not None and cid_text(computed) == stored_data:
-                raise _reject(Reason.PREV_DATA_WRONG)
-            raise _reject(Reason.INVERSION_MISMATCH)
+        accepted = _lenient_reason(msg, expected) if lenient else None
+        if accepted is None:
+            assert expected is not None
+            _check_inversion(car, commit.data, msg, expected, state)
+        else:
+            _check_ops_in_tree(car, commit.data, msg)
         _check_signature(commit, signing_key)
         base = _base_state(state, msg.repo)
         if stored_rev is not None:
             if msg.since != stored_rev:
                 return Verdict("desync", Reason.SINCE_MISMATCH.value, replace(base, sync_state="desynchronized", updated_at=now))
-            if state is not None and state.data_cid is not None and cid_text(expected) != state.data_cid:
+            if (expected is not None and state is not None and state.data_cid is not None
+                    and cid_text(expected) != state.data_cid):
                 return Verdict(
                     "desync", Reason.PREV_DATA_MISMATCH.value, replace(base, sync_state="desynchronized", updated_at=now)
                 )
         new_state = replace(
             base, rev=msg.rev, commit_cid=cid_text(commit_cid), data_cid=cid_text(commit.data), sync_state="synced", updated_at=now
         )
-        return Verdict("accept", Reason.OK.value, new_state)
+        return Verdict("accept", (accepted or Reason.OK).value, new_state)
     except _Stop as stop:
         return stop.verdict
 
@@ -310,15 +360,17 @@ def identity_body(body: dict[str, Any], handle_verified: bool) -> dict[str, Any]
 
 
 def validate_message(
-    msg: Message, state: AccountState | None, signing_key: str | PublicKey | None, now: float
+    msg: Message, state: AccountState | None, signing_key: str | PublicKey | None, now: float, *,
+    lenient: bool = False,
 ) -> Verdict:
     """Dispatch on the message type. ``#identity`` is accepted (the caller refreshes identity);
-    ``#info`` is ignored. ``signing_key`` may be None only for messages that need none."""
+    ``#info`` is ignored. ``signing_key`` may be None only for messages that need none;
+    ``lenient`` applies to ``#commit`` (see ``validate_commit``)."""
     if isinstance(msg, CommitMessage | SyncMessage):
         if signing_key is None:
             return Verdict("reject", Reason.BAD_SIGNING_KEY.value, None, "no signing key")
         if isinstance(msg, CommitMessage):
-            return validate_commit(msg, state, signing_key, now)
+            return validate_commit(msg, state, signing_key, now, lenient=lenient)
         return validate_sync(msg, state, signing_key, now)
     if isinstance(msg, AccountMessage):
         return validate_account(msg, state, now)
@@ -329,7 +381,8 @@ def validate_message(
 
 
 def judge_frame(
-    data: bytes | Frame, state: AccountState | None, signing_key: str | PublicKey | None, now: float
+    data: bytes | Frame, state: AccountState | None, signing_key: str | PublicKey | None, now: float, *,
+    lenient: bool = False,
 ) -> tuple[Verdict, Frame | None]:
     """``validate_frame`` that also returns the decoded frame (None when it did not decode)."""
     frame: Frame | None = None
@@ -343,14 +396,15 @@ def judge_frame(
         msg = parse_frame(frame)
     except (FrameError, MessageError) as exc:
         return Verdict("reject", exc.reason, None, exc.message[:200]), frame
-    return validate_message(msg, state, signing_key, now), frame
+    return validate_message(msg, state, signing_key, now, lenient=lenient), frame
 
 
 def validate_frame(
-    data: bytes | Frame, state: AccountState | None, signing_key: str | PublicKey | None, now: float
+    data: bytes | Frame, state: AccountState | None, signing_key: str | PublicKey | None, now: float, *,
+    lenient: bool = False,
 ) -> Verdict:
     """Decode, parse and judge one raw frame. Never raises for bad input: a typed reject."""
-    return judge_frame(data, state, signing_key, now)[0]
+    return judge_frame(data, state, signing_key, now, lenient=lenient)[0]
 
 
 #: Fields the relay re-emits per message type: the ``com.atproto.sync.subscribeRepos`` lexicon's

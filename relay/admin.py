@@ -7,10 +7,11 @@ wrong one 403 ``InvalidToken``. Bodies are JSON; errors are ``{error, message}``
 | method | path | body / effect |
 | --- | --- | --- |
 | GET | /admin/hosts | ``?cursor&limit`` list hosts (with limits) |
-| POST | /admin/hosts | ``{hostname, account_limit?, trusted?}`` add (skips crawl switch/limit) |
+| POST | /admin/hosts | ``{hostname, account_limit?, trusted?, relay?}`` add (skips crawl switch/limit; ``relay``: the host is another relay) |
 | POST | /admin/hosts/{hostname}/block · /unblock | ban / re-admit a host |
 | POST | /admin/hosts/{hostname}/limits | ``{account_limit?, trusted?, rate_limit_per_second?, …_per_hour?, …_per_day?}`` |
 | POST | /admin/hosts/{hostname}/reset-cursor | ``{cursor?: 0}`` resubscribe from there |
+| POST | /admin/hosts/{hostname}/validation | ``{lenient: true|false|null}`` sync 1.0 commits: lenient, strict, or per ``RELAY_LENIENT_SYNC_VALIDATION`` |
 | GET/POST | /admin/domain-bans | list / ``{domain}`` ban (blocks matching hosts) |
 | DELETE | /admin/domain-bans/{domain} | lift a ban |
 | POST | /admin/accounts/{did}/takedown · /reverse-takedown | emits ``#account`` |
@@ -118,6 +119,8 @@ def _admin_host_view(service: RelayService, host: HostState) -> dict[str, Any]:
             "trusted": _hosts(service).is_trusted(host), "lastSeen": host.last_seen,
             "rateLimits": {"perSecond": host.rate_limit_per_second, "perHour": host.rate_limit_per_hour,
                            "perDay": host.rate_limit_per_day},
+            "relay": host.relay, "lenient": host.lenient,
+            "lenientEffective": service.config.lenient_sync_validation if host.lenient is None else host.lenient,
             "createdAt": host.created_at}
 
 
@@ -152,7 +155,8 @@ async def add_host(request: Request, service: RelayService) -> Response:
     if not isinstance(hostname, str):
         raise invalid("hostname required")
     host = await _hosts(service).add_host(hostname, account_limit=_opt_int(body, "account_limit"),
-                                          trusted=bool(_opt_bool(body, "trusted")))
+                                          trusted=bool(_opt_bool(body, "trusted")),
+                                          relay=bool(_opt_bool(body, "relay")))
     return JSONResponse(_admin_host_view(service, host))
 
 
@@ -180,6 +184,14 @@ async def reset_cursor(request: Request, service: RelayService) -> Response:
     body = await _json(request)
     cursor = _opt_int(body, "cursor") or 0
     host = await _hosts(service).reset_cursor(request.path_params["hostname"], cursor)
+    return JSONResponse(_admin_host_view(service, host))
+
+
+async def set_validation(request: Request, service: RelayService) -> Response:
+    body = await _json(request)
+    if "lenient" not in body:
+        raise invalid("lenient (true, false, or null for the relay setting) required")
+    host = await _hosts(service).set_validation(request.path_params["hostname"], _opt_bool(body, "lenient"))
     return JSONResponse(_admin_host_view(service, host))
 
 
@@ -250,6 +262,7 @@ def admin_routes() -> list[BaseRoute]:
         Route("/admin/hosts/{hostname}/unblock", _admin(unblock_host), methods=["POST"]),
         Route("/admin/hosts/{hostname}/limits", _admin(set_limits), methods=["POST"]),
         Route("/admin/hosts/{hostname}/reset-cursor", _admin(reset_cursor), methods=["POST"]),
+        Route("/admin/hosts/{hostname}/validation", _admin(set_validation), methods=["POST"]),
         Route("/admin/domain-bans", _admin(domain_bans), methods=["GET", "POST"]),
         Route("/admin/domain-bans/{domain}", _admin(remove_domain_ban), methods=["DELETE"]),
         Route("/admin/accounts/{did}", _admin(get_account), methods=["GET"]),

@@ -1,11 +1,12 @@
 """``relay admin …``: call a running relay's admin API.
 
     relay admin [--url URL] [--token TOKEN] hosts
-    relay admin add-host HOSTNAME [--account-limit N] [--trusted]
+    relay admin add-host HOSTNAME [--account-limit N] [--trusted] [--relay]
     relay admin block HOSTNAME | unblock HOSTNAME
     relay admin limits HOSTNAME [--account-limit N] [--per-second N] [--per-hour N] [--per-day N]
                                 [--trusted | --untrusted]
     relay admin reset-cursor HOSTNAME [--cursor N]
+    relay admin validation HOSTNAME lenient|strict|default
     relay admin bans | ban DOMAIN | unban DOMAIN
     relay admin takedown DID | reverse-takedown DID | account DID
     relay admin consumers
@@ -56,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("hostname")
     a.add_argument("--account-limit", type=int, default=None)
     a.add_argument("--trusted", action="store_true")
+    a.add_argument("--relay", action="store_true", help="the host is another relay (follow it as an upstream)")
     for name in ("block", "unblock"):
         command(name, f"{name} a host").add_argument("hostname")
     limits = command("limits", "change a host's account limit / trust")
@@ -69,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     reset = command("reset-cursor", "resubscribe to a host from a given upstream seq")
     reset.add_argument("hostname")
     reset.add_argument("--cursor", type=int, default=0)
+    val = command("validation", "judge a host's sync 1.0 commits leniently or strictly")
+    val.add_argument("hostname")
+    val.add_argument("mode", choices=["lenient", "strict", "default"],
+                     help="default: as RELAY_LENIENT_SYNC_VALIDATION says")
     command("bans", "list domain bans")
     command("ban", "ban a domain (and every host under it)").add_argument("domain")
     command("unban", "lift a domain ban").add_argument("domain")
@@ -91,7 +97,7 @@ def request_for(ns: argparse.Namespace) -> tuple[str, str, dict[str, Any] | None
         return "GET", "/admin/hosts", None
     if c == "add-host":
         return "POST", "/admin/hosts", {"hostname": ns.hostname, "account_limit": ns.account_limit,
-                                        "trusted": ns.trusted}
+                                        "trusted": ns.trusted, "relay": ns.relay}
     if c in ("block", "unblock"):
         return "POST", f"/admin/hosts/{host}/{c}", None
     if c == "limits":
@@ -102,6 +108,8 @@ def request_for(ns: argparse.Namespace) -> tuple[str, str, dict[str, Any] | None
         return "POST", f"/admin/hosts/{host}/limits", body
     if c == "reset-cursor":
         return "POST", f"/admin/hosts/{host}/reset-cursor", {"cursor": ns.cursor}
+    if c == "validation":
+        return "POST", f"/admin/hosts/{host}/validation", {"lenient": {"lenient": True, "strict": False}.get(ns.mode)}
     if c == "bans":
         return "GET", "/admin/domain-bans", None
     if c == "ban":

@@ -3,13 +3,23 @@
 * Host binding: an event about an account counts only when it comes from the account's PDS per
   its DID document (``identity_for_host``: cached resolution, re-resolved once fresh on a
   mismatch, which also follows account migrations).
+* Relay upstreams (a host an operator marked as a relay): the relay is a transport, not a PDS. It
+  may speak for an account whose DID document names a PDS that this relay does not follow directly
+  (no known non-relay host of that name, whatever its status — so a direct subscription's binding,
+  or a ban of the PDS, is never overridden through a relay) and that no domain ban covers
+  (``relay_may_speak``). The account is bound to the relay it first came through and stays bound
+  while other relays carry it too (failover between relays does not rebind it); an event from the
+  PDS itself rebinds it to the PDS, after which relays may no longer speak for it.
 * Admission: a host has an account limit (``relay.hosts.HostPolicy``); an account first seen on
   a host over its limit is *held* (stored ``sync_state="throttled"``, nothing redistributed) and
   resynchronised when the limit is raised. An account that moved here (its DID document says so)
   is rebound to this host.
 
 Per-host account counts are loaded once from the store and then kept here (check and count with
-no ``await`` in between, since lanes admit accounts concurrently).
+no ``await`` in between, since lanes admit accounts concurrently). Host settings and domain bans
+used by the relay rule are cached for ``host_ttl`` seconds; ``relay.upstreams`` calls
+``host_changed`` whenever a host is started or stopped (added, blocked, changed), so operator
+changes to known hosts apply at once (a new domain ban on a host never seen: within ``host_ttl``).
 """
 
 from __future__ import annotations
@@ -19,8 +29,10 @@ import logging
 import time
 
 from backfill.store import Store
+from backfill.types import HostState
+from firehose.lru import BoundedLRU
 from firehose.state import AccountState
-from relay.hosts import HostPolicy
+from relay.hosts import HostPolicy, matches_domain
 from relay.identity import Identity, IdentityResolver
 from relay.jsonlog import fields
 
@@ -31,32 +43,75 @@ class Admission:
     """Host binding and account limits (see the module docstring)."""
 
     def __init__(self, *, store: Store, identity: IdentityResolver, policy: HostPolicy,
-                 default_account_limit: int | None) -> None:
+                 default_account_limit: int | None, host_ttl: float = 10.0) -> None:
         self.store = store
         self.identity = identity
         self.policy = policy
         self.default_account_limit = default_account_limit
+        self.host_ttl = host_ttl
         self._host_counts: dict[str, int] = {}
+        self._hosts: BoundedLRU[str, tuple[float, HostState | None]] = BoundedLRU(50_000)
+        self._bans: tuple[float, list[str]] | None = None
+
+    def host_changed(self) -> None:
+        """A host was started, stopped or changed: forget the cached host settings and bans."""
+        self._hosts.clear()
+        self._bans = None
+
+    async def _host(self, hostname: str) -> HostState | None:
+        now = time.monotonic()
+        cached = self._hosts.get(hostname)
+        if cached is not None and now - cached[0] < self.host_ttl:
+            return cached[1]
+        host = await self.store.get_host(hostname)
+        self._hosts.put(hostname, (now, host))
+        return host
+
+    async def relay_may_speak(self, pds_hostname: str | None) -> bool:
+        """The relay rule (module docstring): a relay upstream may carry the accounts of
+        ``pds_hostname`` — a PDS named by a DID document, not followed directly, not banned."""
+        if not pds_hostname:
+            return False
+        host = await self._host(pds_hostname)
+        if host is not None and not host.relay:
+            return False
+        now = time.monotonic()
+        if self._bans is None or now - self._bans[0] >= self.host_ttl:
+            self._bans = (now, await self.store.list_domain_bans())
+        return not matches_domain(pds_hostname, self._bans[1])
 
     async def identity_for_host(self, did: str, hostname: str, *, fresh: bool = False,
-                                max_age: float | None = None) -> Identity | None:
-        """The account's identity if ``hostname`` is its PDS (after one fresh re-resolution when
-        the cached document names another host), else None. ``fresh`` resolves fresh at once
-        (``max_age``: a fresh answer this recent is fresh enough). Raises ``IdentityError``."""
+                                max_age: float | None = None, relay: bool = False) -> Identity | None:
+        """The account's identity if ``hostname`` may speak for it — it is the account's PDS, or
+        (``relay``) a relay upstream allowed by ``relay_may_speak`` — after one fresh
+        re-resolution when the cached document says otherwise; else None. ``fresh`` resolves
+        fresh at once (``max_age``: a fresh answer this recent is fresh enough). Raises
+        ``IdentityError``."""
         if fresh:
             ident = await self.identity.resolve(did, fresh=True, max_age=max_age or 0.0)
-            return ident if ident.pds_hostname == hostname else None
+            return ident if await self._speaks(ident, hostname, relay) else None
         ident = await self.identity.resolve(did)
-        if ident.pds_hostname == hostname:
+        if await self._speaks(ident, hostname, relay):
             return ident
         ident = await self.identity.resolve(did, fresh=True)
-        return ident if ident.pds_hostname == hostname else None
+        return ident if await self._speaks(ident, hostname, relay) else None
+
+    async def _speaks(self, ident: Identity, hostname: str, relay: bool) -> bool:
+        if relay:
+            return await self.relay_may_speak(ident.pds_hostname)
+        return ident.pds_hostname == hostname
 
     async def admit(self, hostname: str, did: str, state: AccountState | None) -> AccountState | None:
         """The state to judge an account's event against, now that ``hostname`` speaks for it;
-        None when the account is held (throttled) — its held state is then already stored."""
+        None when the account is held (throttled) — its held state is then already stored. The
+        returned state's ``host`` is the account's binding (see the module docstring)."""
         if state is not None and state.host == hostname:
             return state
+        if state is not None and state.host is not None:
+            bound = await self._host(state.host)
+            here = await self._host(hostname)
+            if bound is not None and bound.relay and here is not None and here.relay:
+                return state  # carried by another relay as well: keep the binding
         if state is not None:  # migrated here (the DID document says so): rebind
             return dataclasses.replace(state, host=hostname)
         host = await self.store.get_host(hostname)

@@ -24,6 +24,7 @@ from relay.admin import admin_routes
 from relay.dashboard import dashboard_routes
 from relay.hosts import CrawlRefused, HostManager, host_base_url
 from relay.metrics import CONTENT_TYPE_LATEST
+from relay.repo_proxy import RepoRefused, RepoUnavailable
 from relay.xrpc import XrpcError, did_param, int_param, invalid, param
 
 if TYPE_CHECKING:
@@ -149,7 +150,8 @@ async def get_latest_commit(request: Request) -> Response:
 
 
 async def get_repo(request: Request) -> Response:
-    """Relays do not serve repositories: redirect to the account's PDS."""
+    """A 302 to the account's PDS; with ``RELAY_GETREPO_PROXY`` the verified repository itself
+    (``relay.repo_proxy``), falling back to the 302 when the PDS cannot be reached."""
     did = did_param(request)
     since = param(request, "since")
     service = _service(request)
@@ -164,6 +166,20 @@ async def get_repo(request: Request) -> Response:
         pds = host_base_url(state.host, insecure=service.config.allow_insecure_hosts)
     if not pds:
         raise XrpcError(400, "RepoNotFound", f"no PDS known for {did}")
+    proxy = service.repo_proxy
+    if proxy is not None:
+        try:
+            answer = await proxy.get(did, pds, since=since, known_rev=state.rev)
+        except RepoRefused as exc:
+            service.metrics.getrepo.labels(result="refused").inc()
+            raise XrpcError(502, "UpstreamFailure",
+                            f"the repository from the account's PDS failed verification: {exc.reason}") from None
+        except RepoUnavailable:
+            service.metrics.getrepo.labels(result="fallback_redirect").inc()
+        else:
+            return Response(answer.car, media_type="application/vnd.ipld.car")
+    else:
+        service.metrics.getrepo.labels(result="redirect").inc()
     query = {"did": did, **({"since": since} if since else {})}
     return RedirectResponse(f"{pds.rstrip('/')}/xrpc/com.atproto.sync.getRepo?{urlencode(query)}",
                             status_code=302)

@@ -118,6 +118,16 @@ SETTINGS: tuple[Setting, ...] = (
             "DNS TXT _atproto.HANDLE, then https://HANDLE/.well-known/atproto-did"),
     Setting("dns_servers", "RELAY_DNS_SERVERS", "--dns-servers", "",
             "DNS servers (ip or ip:port, comma-separated) for handle TXT lookups; empty = /etc/resolv.conf"),
+    Setting("lenient_sync_validation", "RELAY_LENIENT_SYNC_VALIDATION", "--lenient-sync-validation", "false",
+            "accept sync 1.0 commits (no prevData, or update/delete ops without prev) after every check but "
+            "operation inversion, counted as lenient_no_prev_data / lenient_no_op_prev; per host: admin "
+            "validation endpoint", "bool"),
+    Setting("getrepo_proxy", "RELAY_GETREPO_PROXY", "--getrepo-proxy", "false",
+            "serve getRepo from the relay (concurrent requests share one fetch from the PDS, the CAR is "
+            "verified before it is served, small cache) instead of a 302 to the PDS", "bool"),
+    Setting("getrepo_cache_mb", "RELAY_GETREPO_CACHE_MB", "--getrepo-cache-mb", "64",
+            "getRepo proxy: memory for cached verified CARs (MB; a CAR over a quarter of it is not cached, "
+            "one over the whole is answered with the 302)", "int"),
     Setting("log_level", "RELAY_LOG_LEVEL", "--log-level", "info", "debug, info, warning or error"),
 )
 
@@ -193,6 +203,9 @@ class RelayConfig:
     identity_rate: int = 200
     handle_resolver_url: str = ""
     dns_servers: str = ""
+    lenient_sync_validation: bool = False
+    getrepo_proxy: bool = False
+    getrepo_cache_mb: int = 64
     log_level: str = "info"
 
     @property

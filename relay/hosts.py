@@ -18,6 +18,12 @@ Host statuses and their transitions (``com.atproto.sync.defs#hostStatus``):
 
 Account limits: trusted domains (``RELAY_TRUSTED_DOMAINS``, suffix match) and hosts marked
 trusted are unlimited; others get their own ``account_limit`` or ``RELAY_DEFAULT_ACCOUNT_LIMIT``.
+
+Relay upstreams: an operator may add a host as a relay (``add_host(relay=True)``; probed with
+``listHosts`` instead of ``describeServer``; never through public ``requestCrawl``). A relay carries
+the accounts of many PDSes (which ones it may speak for: ``relay.admission``), so it has no account
+or event rate limit. Lenient validation of sync 1.0 commits is set per host (``set_validation``:
+on, off, or as ``RELAY_LENIENT_SYNC_VALIDATION`` says), stored with the host.
 """
 
 from __future__ import annotations
@@ -88,7 +94,8 @@ class HostPolicy:
         self.config = config
 
     def is_trusted(self, host: HostState) -> bool:
-        return host.trusted or matches_domain(host.hostname, self.config.trusted_domains)
+        """No account or rate limit: marked trusted, under a trusted domain, or a relay upstream."""
+        return host.trusted or host.relay or matches_domain(host.hostname, self.config.trusted_domains)
 
     def account_limit(self, host: HostState) -> int | None:
         """Accounts allowed on ``host`` (None = unlimited)."""
@@ -164,14 +171,17 @@ class HostManager:
         return host
 
     async def add_host(self, raw_hostname: str, *, account_limit: int | None = None,
-                       trusted: bool = False) -> HostState:
-        """Operator add: skips the crawling switch and the daily limit, not the safety checks."""
-        host = await self._admit(raw_hostname, public=False, account_limit=account_limit, trusted=trusted)
-        await self.record_action("add_host", host.hostname, account_limit=account_limit, trusted=trusted)
+                       trusted: bool = False, relay: bool = False) -> HostState:
+        """Operator add: skips the crawling switch and the daily limit, not the safety checks.
+        ``relay``: the host is another relay (an existing host is changed into one)."""
+        host = await self._admit(raw_hostname, public=False, account_limit=account_limit, trusted=trusted,
+                                 relay=relay)
+        await self.record_action("add_host", host.hostname, account_limit=account_limit, trusted=trusted,
+                                 relay=relay)
         return host
 
     async def _admit(self, raw_hostname: str, *, public: bool, account_limit: int | None = None,
-                     trusted: bool = False) -> HostState:
+                     trusted: bool = False, relay: bool = False) -> HostState:
         if public and not self.crawling_enabled:
             raise CrawlRefused("crawling_disabled", "this relay is not accepting new hosts right now")
         insecure = self.config.allow_insecure_hosts
@@ -191,8 +201,12 @@ class HostManager:
                     existing.account_limit, changed = account_limit, True
                 if trusted and not existing.trusted:
                     existing.trusted, changed = True, True
+                if relay and not existing.relay:
+                    existing.relay, changed = True, True
                 if changed:
                     await self.store.upsert_host(existing)
+                    if self.stop_host is not None:  # its run picks the new settings up
+                        await self.stop_host(existing.hostname)
             if self.start_host is not None:
                 await self.start_host(existing)
             return existing
@@ -205,36 +219,39 @@ class HostManager:
             await self.guard.check_host(name)
         except SSRFError as exc:
             raise CrawlRefused(exc.reason, str(exc)) from None
-        await self._probe(hostname)
+        await self._probe(hostname, relay=relay)
         host = HostState(hostname=hostname, status="active", account_limit=account_limit, trusted=trusted,
-                         created_at=time.time())
+                         created_at=time.time(), relay=relay)
         await self.store.upsert_host(host)
         if public:
             await self.store.record_crawl_admission(hostname, time.time())
-        log.info("host added", extra=fields(hostname=hostname, public=public))
+        log.info("host added", extra=fields(hostname=hostname, public=public, relay=relay))
         stored = await self.store.get_host(hostname) or host
         if self.start_host is not None:
             await self.start_host(stored)
         return stored
 
-    async def _probe(self, hostname: str) -> None:
-        """``describeServer`` must answer 200 with a JSON object naming the server's DID."""
+    async def _probe(self, hostname: str, *, relay: bool = False) -> None:
+        """``describeServer`` must answer 200 with a JSON object naming the server's DID; a relay
+        (which has no server DID) must answer ``listHosts`` with a JSON object listing hosts."""
         url = host_base_url(hostname, insecure=self.config.allow_insecure_hosts)
+        method = "com.atproto.sync.listHosts?limit=1" if relay else "com.atproto.server.describeServer"
         try:
-            status, body, _ = await self.safe.get(f"{url}/xrpc/com.atproto.server.describeServer",
-                                                  max_bytes=256 * 1024)
+            status, body, _ = await self.safe.get(f"{url}/xrpc/{method}", max_bytes=256 * 1024)
         except SSRFError as exc:
             raise CrawlRefused(exc.reason, f"describeServer: {exc}") from None
         except httpx.HTTPError as exc:
             raise CrawlRefused("host_unreachable", f"describeServer failed: {type(exc).__name__}") from None
+        name = method.partition("?")[0].rpartition(".")[2]
         if status != 200:
-            raise CrawlRefused("describe_server_failed", f"describeServer answered HTTP {status}")
+            raise CrawlRefused("describe_server_failed", f"{name} answered HTTP {status}")
         try:
             doc = json.loads(body)
         except ValueError:
             doc = None
-        if not isinstance(doc, dict) or not isinstance(doc.get("did"), str):
-            raise CrawlRefused("describe_server_failed", "describeServer did not return a server DID")
+        if not isinstance(doc, dict) or not isinstance(doc.get("hosts" if relay else "did"), list if relay else str):
+            raise CrawlRefused("describe_server_failed", f"{name} did not answer as a "
+                                                         f"{'relay' if relay else 'PDS'} does")
 
     # -- operator changes -----------------------------------------------------------------
     async def _require(self, hostname: str) -> HostState:
@@ -283,6 +300,18 @@ class HostManager:
         raised = after is None or (before is not None and after > before)
         if raised and self.limit_raised is not None:
             await self.limit_raised(host.hostname)
+        return await self._require(host.hostname)
+
+    async def set_validation(self, hostname: str, lenient: bool | None) -> HostState:
+        """Judge the host's sync 1.0 commits leniently (True), strictly (False), or as the relay
+        setting says (None); stored with the host, applied from its next connection (now)."""
+        host = await self._require(hostname)
+        host.lenient = lenient
+        await self.store.upsert_host(host)
+        await self.record_action("set_validation", host.hostname, lenient=lenient)
+        if host.status != "banned" and self.stop_host and self.start_host:
+            await self.stop_host(host.hostname)
+            await self.start_host(await self._require(host.hostname))
         return await self._require(host.hostname)
 
     async def reset_cursor(self, hostname: str, cursor: int = 0) -> HostState:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import logging
 import time
 from collections import deque
@@ -51,6 +52,7 @@ from firehose.reasons import Reason
 from firehose.state import AccountState, Fence, PendingEvent, SequencedEvent
 from firehose.subscriber import UpstreamFrame
 from firehose.validate import Verdict, identity_body, outgoing_body, validate_account, validate_identity
+from mst import cbor
 from relay.accounts import account_event_body, now_iso
 from relay.admission import Admission
 from relay.identity import IdentityError, IdentityResolver
@@ -81,9 +83,27 @@ class Work:
     fence: Fence
     judged: asyncio.Future[PendingEvent | None]
     signing_key: str | None = None
+    #: the host's settings at dispatch: judge sync 1.0 commits leniently; the host is a relay
+    lenient: bool = False
+    relay: bool = False
 
 
 _Op = Callable[["_Lane"], Awaitable[Any]]
+
+
+def _not_speaker(work: Work) -> Reason:
+    """Why a host may not speak for the account (``relay.admission``)."""
+    return Reason.RELAY_NOT_AUTHORITATIVE if work.relay else Reason.WRONG_HOST
+
+
+def _digest(work: Work) -> bytes:
+    """The identity of a relayed event: its body without the upstream's ``seq``."""
+    body = {k: v for k, v in work.uf.frame.body.items() if k != "seq"}
+    try:
+        data = cbor.encode(body)
+    except (TypeError, ValueError):  # not encodable canonically: never equal to another copy
+        data = work.uf.raw
+    return hashlib.sha256(work.kind.encode() + data).digest()
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -116,7 +136,8 @@ class AccountLanes:
 
     def __init__(self, *, store: Store, sequencer: Sequencer, pool: ValidationPool, admission: Admission,
                  identity: IdentityResolver, resync: ResyncQueue, count: Count,
-                 idle_cache: int = 200_000, clock: Callable[[], float] = time.time) -> None:
+                 idle_cache: int = 200_000, relay_dedup: int = 100_000,
+                 clock: Callable[[], float] = time.time) -> None:
         self.store = store
         self.sequencer = sequencer
         self.pool = pool
@@ -128,6 +149,9 @@ class AccountLanes:
         self.identity_refreshes = 0
         self._lanes: dict[str, _Lane] = {}
         self._idle: BoundedLRU[str, AccountState | None] = BoundedLRU(idle_cache)
+        #: (did, kind) -> digest of the last #identity/#account accepted from a relay upstream:
+        #: the same event carried by a second relay is dropped (commits dedup by rev instead)
+        self._relayed: BoundedLRU[tuple[str, str], bytes] = BoundedLRU(relay_dedup)
 
     # -- lanes ---------------------------------------------------------------------------------
     def _lane(self, did: str) -> _Lane:
@@ -186,6 +210,8 @@ class AccountLanes:
         self._settle(event, None, True)
 
     def _settle(self, event: PendingEvent, result: SequencedEvent | None, failed: bool) -> None:
+        if failed:  # a relayed copy not stored is re-read: let it (or another relay's copy) through
+            self._relayed.pop((event.did, event.kind))
         lane = self._lanes.get(event.did)
         if lane is None:
             return
@@ -194,6 +220,9 @@ class AccountLanes:
                 del lane.inflight[i]
                 break
         if failed:
+            for doomed, _ in lane.inflight:
+                if doomed.fence is not None and not doomed.fence.valid:
+                    self._relayed.pop((doomed.did, doomed.kind))
             lane.inflight = [e for e in lane.inflight if e[0].fence is None or e[0].fence.valid]
         elif result is None:
             self.count("ignore", Reason.ALREADY_SEQUENCED)
@@ -286,8 +315,9 @@ class AccountLanes:
             if not work.judged.done():
                 work.judged.set_result(event)
 
-    async def _judge(self, did: str, raw: bytes, state: AccountState | None, key: str) -> Verdict:
-        verdict = await self.pool.judge(raw, state, key)
+    async def _judge(self, work: Work, state: AccountState | None, key: str) -> Verdict:
+        did, raw, lenient = work.did, work.uf.raw, work.lenient
+        verdict = await self.pool.judge(raw, state, key, lenient=lenient)
         if verdict.reason == Reason.BAD_SIGNATURE:  # I-D §4.5: maybe a key rotation; refresh once
             self.identity_refreshes += 1
             try:
@@ -295,7 +325,7 @@ class AccountLanes:
             except IdentityError:
                 fresh = None
             if fresh is not None and fresh != key:
-                verdict = await self.pool.judge(raw, state, fresh)
+                verdict = await self.pool.judge(raw, state, fresh, lenient=lenient)
         return verdict
 
     async def _admitted(self, lane: _Lane, work: Work) -> AccountState | None:
@@ -312,9 +342,9 @@ class AccountLanes:
 
     async def _repo_event(self, lane: _Lane, work: Work) -> PendingEvent | None:
         did = work.did
-        ident = await self.admission.identity_for_host(did, work.hostname)
+        ident = await self.admission.identity_for_host(did, work.hostname, relay=work.relay)
         if ident is None:
-            self.count("reject", Reason.WRONG_HOST)
+            self.count("reject", _not_speaker(work))
             return None
         known = lane.head is not None
         state = await self._admitted(lane, work)
@@ -324,7 +354,7 @@ class AccountLanes:
         if state.sync_state in ("desynchronized", "resyncing"):
             self._hold(lane, work)
             return None
-        verdict = await self._judge(did, work.uf.raw, state if known else None, ident.signing_key)
+        verdict = await self._judge(work, state if known else None, ident.signing_key)
         event = await self._apply(lane, work, state, verdict)
         if event is not None:
             self._advance(lane, event, event.account)
@@ -345,7 +375,7 @@ class AccountLanes:
             # The verdict's state is a fresh object (unpickled from a worker, or built by the
             # validator) that nothing else holds: completed in place rather than copied.
             new_state = verdict.new_state
-            new_state.host = work.hostname
+            new_state.host = state.host or work.hostname  # the binding (relay.admission)
             new_state.upstream_status = state.upstream_status
             new_state.local_status = state.local_status
             new_state.updated_at = self.clock()
@@ -376,6 +406,18 @@ class AccountLanes:
         lane.durable = marked
         await self.resync.enqueue(lane.did, hostname)
 
+    def _relayed_again(self, work: Work) -> bool:
+        """True (counted ``duplicate_event``) for an ``#identity``/``#account`` from a relay upstream
+        that is the very event already accepted from a relay (two relays carry the same stream)."""
+        if not work.relay or self._relayed.get((work.did, work.kind)) != _digest(work):
+            return False
+        self.count("ignore", Reason.DUPLICATE_EVENT)
+        return True
+
+    def _remember_relayed(self, work: Work) -> None:
+        if work.relay:
+            self._relayed.put((work.did, work.kind), _digest(work))
+
     def _parsed(self, work: Work, kind: type[M]) -> M | None:
         """The frame's message, if it parses as ``kind`` (else counted as a reject, None)."""
         try:
@@ -387,17 +429,17 @@ class AccountLanes:
 
     async def _identity_event(self, lane: _Lane, work: Work) -> PendingEvent | None:
         msg = self._parsed(work, IdentityMessage)
-        if msg is None:
+        if msg is None or self._relayed_again(work):
             return None
         await self.identity.purge(work.did)
-        ident = await self.admission.identity_for_host(work.did, work.hostname, fresh=True)
+        ident = await self.admission.identity_for_host(work.did, work.hostname, fresh=True, relay=work.relay)
         state = None
         if ident is not None:
             state = await self._admitted(lane, work)
             if state is None:
                 return None
         verdict = validate_identity(msg, state, from_account_pds=ident is not None)
-        self.count(verdict.kind, verdict.reason)
+        self.count(verdict.kind, _not_speaker(work) if verdict.reason == Reason.WRONG_HOST else verdict.reason)
         if verdict.kind != "accept":
             return None
         verified = False
@@ -411,18 +453,20 @@ class AccountLanes:
         event = PendingEvent(kind="#identity", did=work.did, body=identity_body(work.uf.frame.body, verified),
                              account=first_sight)
         self._advance(lane, event, first_sight or lane.head)
+        self._remember_relayed(work)
         return event
 
     async def _account_event(self, lane: _Lane, work: Work) -> PendingEvent | None:
         msg = self._parsed(work, AccountMessage)
-        if msg is None:
+        if msg is None or self._relayed_again(work):
             return None
         # Status changes are rare and decisive: check the binding against a fresh DID document
         # (a cached one would let a host the account just left deactivate it).
-        ident = await self.admission.identity_for_host(work.did, work.hostname, fresh=True, max_age=5.0)
+        ident = await self.admission.identity_for_host(work.did, work.hostname, fresh=True, max_age=5.0,
+                                                       relay=work.relay)
         if ident is None:
             verdict = validate_account(msg, lane.head, self.clock(), from_account_pds=False)
-            self.count(verdict.kind, verdict.reason)
+            self.count(verdict.kind, _not_speaker(work))
             return None
         state = await self._admitted(lane, work)
         if state is None:  # held: keep the status, emit nothing
@@ -443,6 +487,7 @@ class AccountLanes:
             out["time"] = work.uf.frame.body["time"]
         event = PendingEvent(kind="#account", did=work.did, body=out, account=new_state)
         self._advance(lane, event, new_state)
+        self._remember_relayed(work)
         return event
 
     # -- operations ----------------------------------------------------------------------------
@@ -512,7 +557,7 @@ class AccountLanes:
                 continue
             head = lane.head
             assert head is not None and work.signing_key is not None
-            verdict = await self._judge(lane.did, work.uf.raw, head, work.signing_key)
+            verdict = await self._judge(work, head, work.signing_key)
             # judged again outside its run: sequenced without its fence and without moving
             # the host cursor (which went past it when it was buffered)
             work.fence = Fence()

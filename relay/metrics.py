@@ -63,6 +63,15 @@ class RelayMetrics:
         self.hosts = Gauge("relay_hosts", "Upstream hosts by status", ["status"], registry=r)
         self.host_connects = Counter("relay_host_connects_total", "Upstream connection attempts",
                                      ["result"], registry=r)
+        self.host_resets = Counter("relay_host_cursor_resets_total",
+                                   "Upstream cursors reset: the host's stream went backwards or it answered "
+                                   "FutureCursor (wiped or restored), or a frame it keeps replaying is unreadable",
+                                   ["host", "reason"], registry=r)
+        self.getrepo = Counter("relay_getrepo_total", "getRepo requests by how they were answered",
+                               ["result"], registry=r)
+        self.getrepo_fetches = Counter("relay_getrepo_fetches_total",
+                                       "getRepo proxy: repository fetches from PDSes by outcome", ["result"],
+                                       registry=r)
         self.crawl_requests = Counter("relay_crawl_requests_total", "requestCrawl outcomes",
                                       ["result"], registry=r)
         self.admin_requests = Counter("relay_admin_requests_total", "Admin API requests",

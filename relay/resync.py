@@ -19,9 +19,6 @@ import asyncio
 import dataclasses
 import logging
 import time
-from urllib.parse import quote
-
-import httpx
 
 from backfill.collections import counts_from_paths
 from backfill.store import Store
@@ -35,8 +32,9 @@ from relay.identity import IdentityError, IdentityResolver
 from relay.jsonlog import fields
 from relay.lanes import AccountLanes
 from relay.metrics import RelayMetrics
+from relay.repo_proxy import RepoFetchError, fetch_repo_car
 from relay.resync_queue import ResyncQueue
-from relay.ssrf import SafeClient, SSRFError
+from relay.ssrf import SafeClient
 
 log = logging.getLogger("relay.resync")
 
@@ -136,15 +134,10 @@ class ResyncManager:
         pds = ident.pds or (host_base_url(host, insecure=self.config.allow_insecure_hosts) if host else None)
         if not pds:
             raise ResyncFailed("no_pds", "no PDS endpoint for the account")
-        url = f"{pds.rstrip('/')}/xrpc/com.atproto.sync.getRepo?did={quote(did, safe=':')}"
         try:
-            status, car, _ = await self.safe.get(url, max_bytes=self.max_repo_bytes)
-        except SSRFError as exc:
-            raise ResyncFailed(exc.reason, str(exc)) from None
-        except httpx.HTTPError as exc:
-            raise ResyncFailed("fetch_failed", type(exc).__name__) from None
-        if status != 200:
-            raise ResyncFailed("fetch_failed", f"getRepo answered HTTP {status}")
+            car = await fetch_repo_car(self.safe, pds, did, max_bytes=self.max_repo_bytes)
+        except RepoFetchError as exc:
+            raise ResyncFailed(exc.reason, exc.message) from None
         try:
             verified = await asyncio.to_thread(verify_repo_car, car, did, parse_did_key(ident.signing_key))
         except Exception as exc:  # every verification failure is typed below mst; keep its reason

@@ -52,6 +52,7 @@ from relay.jetstream_server import JetstreamServer, jetstream_server
 from relay.jsonlog import fields
 from relay.lanes import AccountLanes
 from relay.metrics import RelayMetrics
+from relay.repo_proxy import RepoProxy
 from relay.resync import ResyncManager
 from relay.resync_queue import ResyncQueue
 from relay.ssrf import AddressGuard, Resolver, SafeClient
@@ -119,6 +120,8 @@ class RelayService:
         self.upstreams: Upstreams | None = None
         self.resync: ResyncManager | None = None
         self.pool: ValidationPool | None = None
+        #: getRepo served by the relay (RELAY_GETREPO_PROXY); None: getRepo redirects to the PDS
+        self.repo_proxy: RepoProxy | None = None
         self._redis: Any = None
         self._tasks: list[asyncio.Task[None]] = []
         #: The ``RELAY_FIREHOSE_BIND`` listener (a ``websockets`` server) and its ws:// base URL.
@@ -157,6 +160,9 @@ class RelayService:
                                          rate=max(1.0, float(config.identity_rate)),
                                          burst=max(1, int(config.identity_rate * 2.5)),
                                          txt_lookup=dns_txt_lookup(parse_nameservers(config.dns_servers) or None))
+        if config.getrepo_proxy:
+            self.repo_proxy = RepoProxy(identity=self.identity, safe=self.safe, metrics=self.metrics,
+                                        cache_bytes=max(1, config.getrepo_cache_mb) * 1024 * 1024)
         self.broadcaster = Broadcaster(self.store, self.bus)
         self.jetstream = jetstream_server(self.broadcaster, self.metrics, self.consumers)
         self.metrics.watch_broadcast(lambda: self.broadcaster.stats if self.broadcaster is not None else None)
@@ -182,7 +188,8 @@ class RelayService:
                               default_account_limit=config.default_account_limit)
         self.lanes = AccountLanes(store=self.store, sequencer=self.sequencer, pool=self.pool, admission=admission,
                                   identity=self.identity, resync=resync_queue, count=self._count)
-        self.upstreams = Upstreams(store=self.store, sequencer=self.sequencer, lanes=self.lanes, policy=policy,
+        self.upstreams = Upstreams(store=self.store, sequencer=self.sequencer, lanes=self.lanes,
+                                   admission=admission, policy=policy,
                                    guard=self.guard, metrics=self.metrics, config=config, count=self._count)
         self.resync = ResyncManager(store=self.store, identity=self.identity, safe=self.safe,
                                     metrics=self.metrics, config=config, queue=resync_queue, lanes=self.lanes,

@@ -38,6 +38,7 @@ from firehose.reasons import Reason
 from firehose.state import Fence, PendingEvent, SequencedEvent
 from firehose.subscriber import HostSubscriber, SubscriberConfig, UpstreamFrame
 from mst.syntax import is_valid_did
+from relay.admission import Admission
 from relay.config import RelayConfig
 from relay.hosts import HostPolicy, host_base_url
 from relay.jsonlog import fields
@@ -87,6 +88,11 @@ class _HostRun:
     marks: deque[list[Any]] = dataclasses.field(default_factory=deque)
     #: host ``time`` of the latest frame such that it and every frame before it are done
     done_time: str | None = None
+    lenient: bool = False  # judge sync 1.0 commits leniently (the host's setting, else the relay's)
+    relay: bool = False  # the host is another relay (see relay.admission)
+    #: the sequencer future of the last event submitted (futures resolve in submission order)
+    last_submitted: asyncio.Future[SequencedEvent | None] | None = None
+    last_read: int | None = None  # upstream seq of the last frame read
 
     def mark(self, work: Work) -> list[Any]:
         entry = [work.uf.frame.body.get("time"), False]
@@ -106,12 +112,14 @@ class _HostRun:
 class Upstreams:
     """The host runs (see the module docstring)."""
 
-    def __init__(self, *, store: Store, sequencer: Sequencer, lanes: AccountLanes, policy: HostPolicy,
-                 guard: AddressGuard, metrics: RelayMetrics, config: RelayConfig, count: Count,
+    def __init__(self, *, store: Store, sequencer: Sequencer, lanes: AccountLanes, admission: Admission,
+                 policy: HostPolicy, guard: AddressGuard, metrics: RelayMetrics, config: RelayConfig, count: Count,
                  max_in_flight_per_host: int = 512, backoff_base: float = 1.0) -> None:
+        """``admission`` is told whenever a host starts or stops (its cached host settings)."""
         self.store = store
         self.sequencer = sequencer
         self.lanes = lanes
+        self.admission = admission
         self.policy = policy
         self.guard = guard
         self.metrics = metrics
@@ -150,6 +158,7 @@ class Upstreams:
 
     async def start_host(self, host: HostState) -> None:
         """Start following ``host`` from its durable cursor (no-op when already running)."""
+        self.admission.host_changed()
         if self._closed or host.status == "banned":
             return
         run = self._runs.get(host.hostname)
@@ -160,13 +169,16 @@ class Upstreams:
         # A new host is read from the start of its backfill window (cursor 0), so nothing it
         # emitted before it was added is missed; later runs resume from the durable cursor.
         subscriber, fence = self._subscriber(host.hostname, url, cursor or 0, self.subscriber_config(host))
-        run = _HostRun(host.hostname, subscriber, fence, asyncio.Queue(self.max_in_flight_per_host))
+        run = _HostRun(host.hostname, subscriber, fence, asyncio.Queue(self.max_in_flight_per_host),
+                       lenient=self.config.lenient_sync_validation if host.lenient is None else host.lenient,
+                       relay=host.relay)
         self._runs[host.hostname] = run
         run.drainer = asyncio.create_task(self._drain(run), name=f"drain:{host.hostname}")
         run.task = asyncio.create_task(self._run_host(run), name=f"host:{host.hostname}")
         if host.status not in ("active", "throttled"):
             await self.store.set_host_status(host.hostname, "active")
-        log.info("subscribing", extra=fields(host=host.hostname, cursor=cursor))
+        log.info("subscribing", extra=fields(host=host.hostname, cursor=cursor, relay=run.relay,
+                                             lenient=run.lenient))
 
     async def _run_host(self, run: _HostRun) -> None:
         """Run the host's subscriber; when it must be restarted (a frame was not stored, or it
@@ -218,6 +230,7 @@ class Upstreams:
         run.stopping = asyncio.get_running_loop().create_task(run.subscriber.stop())
 
     async def stop_host(self, hostname: str) -> None:
+        self.admission.host_changed()
         run = self._runs.pop(hostname, None)
         if run is None:
             return
@@ -297,16 +310,47 @@ class Upstreams:
                 return
             run.last_frame = time.monotonic()
             run.outstanding += 1
+            run.last_read = uf.seq
             await run.queue.put(self.dispatch(hostname, uf, fence))
 
         return on_frame
 
     def _on_reset(self, hostname: str) -> Callable[[int | None, str], Awaitable[None]]:
         async def on_reset(old: int | None, reason: str) -> None:
+            """The host's stream went backwards or it answered ``FutureCursor`` (wiped or restored),
+            or it keeps replaying an unreadable frame: once every frame already read from the old
+            stream is settled (stored or not — so no late write or ack moves the cursor past the
+            reset), its durable cursor restarts at 0. Its accounts keep their stored state: a
+            restored repository's next commit does not chain to it and is resynchronised."""
+            await self.settle_read(hostname)
             self.count("host", reason)
+            self.metrics.host_resets.labels(host=hostname, reason=reason).inc()
             await self.store.set_host_cursor(hostname, 0)
+            if reason in (Reason.FUTURE_CURSOR, Reason.SEQ_WENT_BACKWARDS):
+                log.warning("upstream cursor reset: the host's stream restarted (wiped or restored?); "
+                            "reading it again from the start", extra=fields(host=hostname, old_cursor=old, reason=reason))
+            else:
+                log.warning("upstream cursor reset: the host keeps sending a frame that cannot be read; "
+                            "following it live", extra=fields(host=hostname, old_cursor=old, reason=reason))
 
         return on_reset
+
+    def last_read(self, hostname: str) -> int | None:
+        """The upstream seq of the last frame read from ``hostname`` (None: none yet, or not followed)."""
+        run = self._runs.get(hostname)
+        return None if run is None else run.last_read
+
+    async def settle_read(self, hostname: str) -> None:
+        """Wait until every frame read from ``hostname`` so far is through the drainer and, if it
+        made an event, that event's sequencer future is resolved (the sequencer resolves them in
+        order): then nothing read so far is still on its way (stored, ignored or re-read)."""
+        run = self._runs.get(hostname)
+        if run is None:
+            return
+        await run.queue.join()
+        last = run.last_submitted
+        if last is not None and not last.done():
+            await asyncio.wait([last])
 
     def dispatch(self, hostname: str, uf: UpstreamFrame, fence: Fence) -> Work:
         """Start judging one upstream frame in its account's lane; never raises for bad input
@@ -315,7 +359,9 @@ class Upstreams:
         self.metrics.child(self.metrics.events_in, hostname, kind).inc()
         did = did_of(kind, uf.frame.body)
         judged: asyncio.Future[PendingEvent | None] = asyncio.get_running_loop().create_future()
-        work = Work(hostname, uf, kind, did or "", time.monotonic(), fence, judged)
+        run = self._runs.get(hostname)
+        work = Work(hostname, uf, kind, did or "", time.monotonic(), fence, judged,
+                    lenient=run is not None and run.lenient, relay=run is not None and run.relay)
         if did is None:
             self.count("reject", Reason.BAD_DID)
             judged.set_result(None)
@@ -355,6 +401,7 @@ class Upstreams:
             finally:
                 if not submitted:
                     run.outstanding -= 1
+                queue.task_done()
 
     async def _skip(self, run: _HostRun, work: Work) -> None:
         """A frame that produced no event: persist the cursor now and then (not every time)."""
@@ -371,6 +418,7 @@ class Upstreams:
         event.upstream_seq = work.uf.seq
         event.fence = work.fence
         future = await self.sequencer.enqueue(event)
+        run.last_submitted = future
         future.add_done_callback(lambda f: self._settled(run, work, event, entry, f))
 
     def _settled(self, run: _HostRun, work: Work, event: PendingEvent, entry: list[Any],

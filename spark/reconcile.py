@@ -235,13 +235,14 @@ def reconcile_host(cfg: JobConfig, host: str) -> Iterator[tuple[str, str, int]]:
 
 
 def relay_hosts(db: JobDB) -> list[str]:
-    """Hosts the relay subscribes to (the ``hosts`` table), excluding banned/blocked ones."""
+    """Hosts the relay subscribes to (the ``hosts`` table), excluding banned/blocked ones and relay
+    upstreams (another relay is not authoritative for any account: reconcile against PDSes)."""
     rows = db.fetch("SELECT * FROM hosts")
     out = []
     for row in rows:
         name = row.get("hostname") or row.get("host")
         status = row.get("status") or "active"
-        if name and status not in ("banned", "blocked"):
+        if name and status not in ("banned", "blocked") and not row.get("is_relay"):
             out.append(str(name))
     return sorted(out)
 

@@ -19,6 +19,10 @@ Frame-level faults (the frame itself is wrong):
 * ``seq_backwards`` – the host is wiped: log cleared, seq restarts at 1, connections dropped;
   the repositories are intact, later frames are valid (a relay reconnecting with its old cursor
   gets ``FutureCursor``).
+* ``wipe_restore`` – the host is wiped and restored from a backup that predates each account's
+  latest commit: as ``seq_backwards``, and every account on it (with more than its first commit)
+  loses its latest commit. That account's next commit does not chain to what a relay holds →
+  ``desync`` ``since_mismatch``; a resync then finds the repository the host serves now.
 
 Connection faults (frames stay valid; only delivery misbehaves):
 
@@ -51,7 +55,10 @@ from __future__ import annotations
 
 from typing import Final
 
-FRAME_FAULTS: Final = ("bad_signature", "broken_chain", "missing_block", "oversized", "duplicate", "replay", "seq_backwards")
+FRAME_FAULTS: Final = ("bad_signature", "broken_chain", "missing_block", "oversized", "duplicate", "replay",
+                       "seq_backwards", "wipe_restore")
+#: Faults that restart the host's stream (seq back to 1): judged by a relay across reconnections.
+WIPE_FAULTS: Final = ("seq_backwards", "wipe_restore")
 CONNECTION_FAULTS: Final = ("slow", "stall", "disconnect")
 ACCOUNT_FAULTS: Final = ("deactivate", "takedown", "key_rotation", "migration")
 FAULT_KINDS: Final = FRAME_FAULTS + CONNECTION_FAULTS + ACCOUNT_FAULTS
@@ -60,6 +67,7 @@ FAULT_KINDS: Final = FRAME_FAULTS + CONNECTION_FAULTS + ACCOUNT_FAULTS
 EXPECTED: Final[dict[str, tuple[str, str]]] = {
     "bad_signature": ("reject", "bad_signature"),
     "broken_chain": ("desync", "since_mismatch"),
+    "wipe_restore": ("desync", "since_mismatch"),
     "missing_block": ("reject", "missing_mst_block"),
     "oversized": ("reject", "frame_too_large"),
     "duplicate": ("ignore", "seq_not_increasing"),

@@ -116,7 +116,8 @@ class SimFleet:
         self.commits_generated = 0
         self._pending: list[_Pending] = []
         self._inactive: list[SimAccount] = []
-        self._wiped_hosts: set[int] = set()
+        self._wiped_hosts: dict[int, str] = {}  # host index -> the wipe fault, until its next frame
+        self._restored: set[str] = set()  # accounts rolled back by a wipe_restore, until their next commit
         self._mix: WriteMix | None = None
         self._started = False
 
@@ -198,9 +199,9 @@ class SimFleet:
         action: str | None = None,
     ) -> LogEntry:
         entry = host.make_entry(t, body, action)
-        if host.index in self._wiped_hosts:
-            self._wiped_hosts.discard(host.index)
-            fault = fault or "seq_backwards"
+        wiped = self._wiped_hosts.pop(host.index, None)
+        if wiped is not None:
+            fault = fault or wiped
         truth = TruthEvent(host.hostname, entry.seq, did, t, rev, verdict == "accept", reason, verdict, fault, commit)
         self.ground_truth.append(truth)
         self._pending.append(_Pending(host, entry, truth))
@@ -240,6 +241,10 @@ class SimFleet:
         return body
 
     def _emit_commit(self, acct: SimAccount, res: CommitResult, **truth: Any) -> None:
+        if acct.did in self._restored and truth.get("verdict", "accept") == "accept":
+            self._restored.discard(acct.did)  # the first commit after the restore does not chain
+            verdict, reason = EXPECTED["wipe_restore"]
+            truth = {**truth, "verdict": verdict, "reason": reason, "fault": "wipe_restore"}
         body = self._commit_body(acct, res)
         if truth.get("verdict", "accept") == "accept":
             acct.history.append(dict(body))
@@ -275,7 +280,7 @@ class SimFleet:
             return False
         faults = acct.host.faults
         if faults:
-            for kind in ("deactivate", "takedown", "key_rotation", "migration", "seq_backwards"):
+            for kind in ("deactivate", "takedown", "key_rotation", "migration", "seq_backwards", "wipe_restore"):
                 rate = faults.get(kind)
                 if rate and rng.random() < rate:
                     self.inject(kind, acct)
@@ -394,10 +399,17 @@ class SimFleet:
             self._queue(old, "#account", {"did": acct.did, "time": now_iso(), "active": False, "status": "deactivated"},
                         acct.did, verdict=EXPECTED["migration"][0], reason=EXPECTED["migration"][1],
                         fault="migration")
-        elif kind == "seq_backwards":
-            acct.host.seq = 0  # frames generated from now on restart at seq 1
-            self._pending.append(_Pending(acct.host, None, None))
-            self._wiped_hosts.add(acct.host.index)
+        elif kind in ("seq_backwards", "wipe_restore"):
+            host = acct.host
+            if kind == "wipe_restore":
+                for other in host.accounts.values():
+                    if other.repo.rollback():
+                        self._restored.add(other.did)
+                        if other.history:
+                            other.history.pop()
+            host.seq = 0  # frames generated from now on restart at seq 1
+            self._pending.append(_Pending(host, None, None))
+            self._wiped_hosts[host.index] = kind
         elif kind in ("bad_signature", "missing_block", "oversized"):
             snap = repo.snapshot()
             verdict, reason = EXPECTED[kind]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from bisect import bisect_left
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from relay.sim.fleet import SimAccount
 
 SUBSCRIBE_PATH = "/xrpc/com.atproto.sync.subscribeRepos"
+GET_REPO_PATH = "/xrpc/com.atproto.sync.getRepo"
 
 
 def encode_frame(t: str, body: dict[str, Any]) -> bytes:
@@ -104,6 +106,13 @@ class SimHost:
         self.connections_dropped = 0
         self._subscribers: set[ServerConnection] = set()
         self._server: Server | None = None
+        #: XRPC requests served, by path; the query of every getRepo
+        self.requests: Counter[str] = Counter()
+        self.repo_requests: list[dict[str, str]] = []
+        #: getRepo answers wait for this event while it is set (``hold_repos``/``release_repos``)
+        self._repo_gate: asyncio.Event | None = None
+        #: accounts whose getRepo answer is tampered with (a record block's last byte flipped)
+        self.tampered_repos: set[str] = set()
         self._waiter: asyncio.Future[None] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -161,6 +170,16 @@ class SimHost:
             dropped += 1
         self.connections_dropped += dropped
         return dropped
+
+    def hold_repos(self) -> None:
+        """Hold every getRepo answer until :meth:`release_repos` (a slow PDS under a resync storm)."""
+        if self._repo_gate is None:
+            self._repo_gate = asyncio.Event()
+
+    def release_repos(self) -> None:
+        gate, self._repo_gate = self._repo_gate, None
+        if gate is not None:
+            gate.set()
 
     # -- emitting ----------------------------------------------------------------------------
     def next_seq(self) -> int:
@@ -257,6 +276,12 @@ class SimHost:
         path, params = split_request(request)
         if path == SUBSCRIBE_PATH and is_upgrade(request):
             return None
+        self.requests[path] += 1
+        if path == GET_REPO_PATH:
+            self.repo_requests.append(dict(params))
+            gate = self._repo_gate
+            if gate is not None:
+                await gate.wait()
         try:
             return self._route(path, params)
         except Exception as exc:  # never let a handler bug kill the host
@@ -314,14 +339,17 @@ class SimHost:
                 return xrpc_error(400, _status_error(acct.status), f"Repo is {acct.status}")
             assert acct.repo.head is not None  # a hosted account has its genesis commit
             return json_response({"cid": acct.repo.head.encode(), "rev": acct.repo.rev})
-        if path == "/xrpc/com.atproto.sync.getRepo":
+        if path == GET_REPO_PATH:
             acct, err = self._account(params)
             if err is not None:
                 return err
             assert acct is not None
             if acct.status != "active":
                 return xrpc_error(400, _status_error(acct.status), f"Repo is {acct.status}")
-            return response(200, acct.repo.export_car(), "application/vnd.ipld.car")
+            car = acct.repo.export_car()
+            if acct.did in self.tampered_repos:
+                car = car[:-1] + bytes([car[-1] ^ 0xFF])  # the last block's content: its hash no longer matches
+            return response(200, car, "application/vnd.ipld.car")
         return xrpc_error(404, "MethodNotImplemented", f"no such method {path}")
 
 

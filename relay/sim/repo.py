@@ -232,6 +232,8 @@ class SimRepo:
         self.clock = clock or TidClock()
         self._builder = MSTBuilder()
         self._s = _State([], [], {}, Node(None, []), None, None, None)
+        #: (state before, state after) the last commit, for :meth:`rollback`
+        self._last: tuple[_State, _State] | None = None
 
     # -- state -------------------------------------------------------------------------------
     @property
@@ -260,6 +262,16 @@ class SimRepo:
 
     def restore(self, state: _State) -> None:
         self._s = state
+
+    def rollback(self) -> bool:
+        """Go back to the state before the latest commit (a host restored from a backup that
+        predates it). False, and nothing changed, when that is not possible: the latest commit was
+        undone already (or by :meth:`restore`), or it was the repository's first."""
+        last = self._last
+        if last is None or last[1] is not self._s or last[0].rev is None:
+            return False
+        self._s, self._last = last[0], None
+        return True
 
     # -- producing ---------------------------------------------------------------------------
     def apply_writes(self, writes: list[Write], *, sign_with: SigningKey | None = None) -> CommitResult:
@@ -338,6 +350,7 @@ class SimRepo:
             blocks=blocks,
         )
         self._s = _State(keys, values, records, root, rev, commit_cid, commit_bytes)
+        self._last = (s, self._s)
         return result
 
     def resign(self) -> CommitResult:

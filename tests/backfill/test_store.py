@@ -118,6 +118,18 @@ async def test_hosts_crud_and_cursor(store: Store) -> None:
     assert got is not None and got.status == "banned"
 
 
+async def test_host_kind_and_lenient_setting_round_trip(store: Store) -> None:
+    """Migration 0085: a host may be a relay, and carries its lenient setting (None = the relay's)."""
+    await store.upsert_host(HostState("pds.example"))
+    await store.upsert_host(HostState("relay.example", relay=True, lenient=False))
+    got = {h.hostname: (h.relay, h.lenient) for h in await store.list_hosts()}
+    assert got == {"pds.example": (False, None), "relay.example": (True, False)}
+    await store.upsert_host(HostState("pds.example", lenient=True))
+    await store.upsert_host(HostState("relay.example", relay=True, lenient=None))
+    got = {h.hostname: (h.relay, h.lenient) for h in await store.list_hosts()}
+    assert got == {"pds.example": (False, True), "relay.example": (True, None)}
+
+
 async def test_list_hosts_paging(store: Store) -> None:
     names = [f"h{i:02d}.example" for i in range(7)]
     for name in reversed(names):

@@ -134,8 +134,25 @@ async def test_future_cursor_resets_instead_of_idling() -> None:
             on_cursor_reset=lambda old, reason: resets.append((old, reason)),
         )
         await run_until(sub, lambda: got == [1, 2])
-    assert upstream.cursors == [100, None]
+    assert upstream.cursors == [100, 0]  # the wiped host's new stream is read from its start
     assert resets == [(100, "future_cursor")]
+
+
+async def test_acks_while_the_owner_settles_a_reset_do_not_survive_it() -> None:
+    """The owner's ``on_cursor_reset`` settles the old stream's in-flight frames, whose acks land
+    meanwhile; the cursor is reset after it returns, so none of them outlives the reset (else the
+    new stream's frames up to that old seq would be skipped as re-deliveries)."""
+    got: list[int] = []
+    upstream = Upstream([sends(encode_error_frame("FutureCursor"), hold=False), sends(msg(1), msg(2))])
+    async with upstream as url:
+        async def on_reset(old: int | None, reason: str) -> None:
+            sub.ack(120)  # a late ack of a frame read before the host was wiped
+            await asyncio.sleep(0)
+
+        sub = HostSubscriber(url, lambda f: _append(got, f), cursor=100, config=fast_config(),
+                             on_cursor_reset=on_reset)
+        await run_until(sub, lambda: got == [1, 2])
+    assert upstream.cursors == [100, 0]
 
 
 async def test_seq_below_cursor_on_new_connection_is_a_reset() -> None:
@@ -162,7 +179,7 @@ async def test_many_backwards_frames_reset_the_stream() -> None:
 
         sub = HostSubscriber(url, on_frame, config=fast_config(max_backwards=3))
         await run_until(sub, lambda: got == [100, 6, 7])
-    assert sub.resets == 1 and upstream.cursors == [None, None]  # reset: not resumed from 100
+    assert sub.resets == 1 and upstream.cursors == [None, 0]  # reset: read from the start, not from 100
 
 
 async def test_malformed_frame_drops_connection_then_reconnects() -> None:

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,20 +12,10 @@ import asyncpg
 import pytest
 
 from backfill.store import Store
-from relay.config import RelayConfig
-from relay.service import RelayService
 from relay.ssrf import Resolver
-from tests.relay.helpers import serve_asgi
+from tests.relay.helpers import RunningRelay, running_relay
 
-
-@dataclass
-class RunningRelay:
-    service: RelayService
-    url: str
-
-    @property
-    def ws_url(self) -> str:
-        return self.url.replace("http://", "ws://") + "/xrpc/com.atproto.sync.subscribeRepos"
+__all__ = ["RunningRelay", "database_url", "relay_factory"]
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -57,18 +46,9 @@ RelayFactory = Callable[..., contextlib.AbstractAsyncContextManager[RunningRelay
 def relay_factory(tmp_path: Path) -> RelayFactory:
     """``async with relay_factory(database_url=…, **settings) as relay:`` runs a relay on 127.0.0.1."""
 
-    @contextlib.asynccontextmanager
-    async def factory(*, resolver: Resolver | None = None, store: Store | None = None,
-                      **settings: Any) -> AsyncIterator[RunningRelay]:
-        raw = {"database_url": str(tmp_path / "relay.sqlite"), "bind": "127.0.0.1:0", **settings}
-        config = RelayConfig.from_values({k: str(v).lower() if isinstance(v, bool) else str(v)
-                                          for k, v in raw.items()})
-        service = RelayService(config, resolver=resolver, store=store)
-        await service.start()
-        try:
-            async with serve_asgi(service.build_app()) as url:
-                yield RunningRelay(service, url)
-        finally:
-            await service.stop()
+    def factory(*, resolver: Resolver | None = None, store: Store | None = None,
+                **settings: Any) -> contextlib.AbstractAsyncContextManager[RunningRelay]:
+        return running_relay(resolver=resolver, store=store,
+                             **{"database_url": str(tmp_path / "relay.sqlite"), **settings})
 
     return factory

@@ -11,6 +11,11 @@ import httpx
 from websockets.asyncio.client import ClientConnection, connect
 
 from firehose.frames import decode_frame
+from tests.relay.helpers import RunningRelay
+from tests.waiting import until
+
+#: the admin token the tests' relays are started with when they need the admin API
+ADMIN_TOKEN = "test-admin"
 
 
 @dataclass
@@ -103,3 +108,24 @@ def metric_value(text: str, name: str, **labels: str) -> float:
         if all(f'{k}="{v}"' in line for k, v in labels.items()):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+async def add_relay(downstream: RunningRelay, upstream_url: str) -> None:
+    """Have ``downstream`` follow the relay at ``upstream_url`` (admin API, ``relay: true``)."""
+    async with httpx.AsyncClient(base_url=downstream.url, headers={"authorization": f"Bearer {ADMIN_TOKEN}"}) as http:
+        r = await http.post("/admin/hosts", json={"hostname": upstream_url.removeprefix("http://"), "relay": True})
+        assert r.status_code == 200 and r.json()["relay"] is True, r.text
+
+
+async def settled(relay: RunningRelay, upstream_url: str, timeout: float = 60.0) -> int:
+    """Wait until ``relay`` has read every event the upstream relay at ``upstream_url`` holds now
+    and settled each of them (stored or dropped); returns ``relay``'s latest seq then."""
+    hostname = upstream_url.removeprefix("http://")
+    upstreams = relay.service.upstreams
+    assert upstreams is not None
+    async with httpx.AsyncClient() as http:
+        target = (await http.get(f"{upstream_url}/_health")).json()["seq"]
+    await until(lambda: (upstreams.last_read(hostname) or 0) >= target,
+                f"the relay to read up to seq {target} from {hostname}", timeout=timeout)
+    await upstreams.settle_read(hostname)
+    return await relay.service.store.latest_seq()

@@ -1,4 +1,4 @@
-"""Helpers for the relay tests: run an ASGI app on 127.0.0.1 with an ephemeral port."""
+"""Helpers for the relay tests: run an ASGI app (or a whole relay) on 127.0.0.1 with an ephemeral port."""
 
 from __future__ import annotations
 
@@ -6,11 +6,43 @@ import asyncio
 import contextlib
 import socket
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
 
 import uvicorn
 from starlette.types import ASGIApp
 
+from backfill.store import Store
 from firehose.uvicorn_batch import BatchingWebSocketsProtocol
+from relay.config import RelayConfig
+from relay.service import RelayService
+from relay.ssrf import Resolver
+
+
+@dataclass
+class RunningRelay:
+    service: RelayService
+    url: str
+
+    @property
+    def ws_url(self) -> str:
+        return self.url.replace("http://", "ws://") + "/xrpc/com.atproto.sync.subscribeRepos"
+
+
+@contextlib.asynccontextmanager
+async def running_relay(*, resolver: Resolver | None = None, store: Store | None = None,
+                        **settings: Any) -> AsyncIterator[RunningRelay]:
+    """A relay in this process (``settings``: ``RelayConfig`` fields; ``database_url`` required),
+    serving on 127.0.0.1:<ephemeral>."""
+    raw = {"bind": "127.0.0.1:0", **settings}
+    config = RelayConfig.from_values({k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in raw.items()})
+    service = RelayService(config, resolver=resolver, store=store)
+    await service.start()
+    try:
+        async with serve_asgi(service.build_app()) as url:
+            yield RunningRelay(service, url)
+    finally:
+        await service.stop()
 
 
 @contextlib.asynccontextmanager

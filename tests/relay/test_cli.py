@@ -85,6 +85,11 @@ def test_admin_cli_requests() -> None:
         ("POST", "/admin/accounts/did:plc:abc/takedown", None)
     assert admin_cli.request_for(parser.parse_args(["unban", "x.example"])) == \
         ("DELETE", "/admin/domain-bans/x.example", None)
+    assert admin_cli.request_for(parser.parse_args(["add-host", "r.example", "--relay"])) == \
+        ("POST", "/admin/hosts", {"hostname": "r.example", "account_limit": None, "trusted": False, "relay": True})
+    for mode, lenient in (("lenient", True), ("strict", False), ("default", None)):
+        assert admin_cli.request_for(parser.parse_args(["validation", "h.example", mode])) == \
+            ("POST", "/admin/hosts/h.example/validation", {"lenient": lenient})
 
 
 def test_helm_values_use_real_settings_and_commands() -> None:

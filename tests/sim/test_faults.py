@@ -15,7 +15,7 @@ import pytest
 
 from firehose.frames import decode_frame
 from relay.sim import EXPECTED, SimConfig, SimFleet
-from relay.sim.faults import ACCOUNT_FAULTS, CONNECTION_FAULTS, FRAME_FAULTS
+from relay.sim.faults import ACCOUNT_FAULTS, CONNECTION_FAULTS, FRAME_FAULTS, WIPE_FAULTS
 from tests.sim.harness import RelayJudge, read_frames, ws_url
 from tests.waiting import until
 
@@ -82,7 +82,7 @@ async def test_clean_fleet_every_frame_is_accepted() -> None:
         assert {t.kind for t, _ in pairs} == {"#commit", "#identity", "#account"}
 
 
-@pytest.mark.parametrize("kind", [k for k in FRAME_FAULTS if k != "seq_backwards"] + list(ACCOUNT_FAULTS))
+@pytest.mark.parametrize("kind", [k for k in FRAME_FAULTS if k not in WIPE_FAULTS] + list(ACCOUNT_FAULTS))
 async def test_fault_mode_verdicts_match_ground_truth(kind: str) -> None:
     async with SimFleet(SimConfig(hosts=2, accounts_per_host=3, seed=30)) as fleet:
         rate = 0.1 if kind == "oversized" else 0.25
@@ -142,6 +142,37 @@ async def test_wiped_host_restarts_seq_and_refuses_old_cursor() -> None:
         assert [decode_frame(f).body["seq"] for f in frames] == [1, 2, 3, 4, 5]
         after = [t for t in fleet.ground_truth if t.fault == "seq_backwards"]
         assert len(after) == 1 and after[0].upstream_seq == 1 and after[0].verdict == "accept"
+
+
+async def test_wipe_restore_rolls_accounts_back_so_their_next_commit_does_not_chain() -> None:
+    async with SimFleet(SimConfig(hosts=1, accounts_per_host=3, seed=35)) as fleet:
+        host = fleet.hosts[0]
+        await fleet.generate(12)
+        held = {a.did: a.repo.rev for a in fleet.accounts}
+        fleet.inject("wipe_restore", fleet.accounts[0])
+        rolled = {a.did for a in fleet.accounts if a.repo.rev != held[a.did]}
+        assert rolled and all(fleet.by_did[d].repo.rev < held[d] for d in rolled)  # type: ignore[operator]
+        before = len(fleet.ground_truth)
+        await fleet.generate(30)
+        truth = fleet.ground_truth[before:]
+        assert [t.upstream_seq for t in truth] == list(range(1, len(truth) + 1))  # the stream restarted
+        firsts = {}
+        for t in truth:
+            firsts.setdefault(t.did, t)
+        assert {d for d in rolled if d in firsts}, "no rolled-back account committed again"
+        for did, t in firsts.items():
+            want = ("desync", "since_mismatch", "wipe_restore") if did in rolled else ("accept", None, None)
+            assert (t.verdict, t.reason, t.fault if did in rolled else None) == want
+        assert all(t.verdict == "accept" for t in truth if firsts[t.did] is not t)
+        frames, _ = await read_frames(host.url, 0, count=len(truth))
+        for raw in frames:
+            body = decode_frame(raw).body
+            if body["repo"] in rolled and firsts[body["repo"]].upstream_seq == body["seq"]:
+                assert body["since"] < held[body["repo"]] < body["rev"]  # it skips the lost commit
+        async with httpx.AsyncClient() as http:  # the host serves the restored repository
+            for acct in fleet.accounts:
+                r = await http.get(f"{host.url}/xrpc/com.atproto.sync.getLatestCommit", params={"did": acct.did})
+                assert r.json()["rev"] == acct.repo.rev
 
 
 async def _follow(url: str, want: int, limit: float = 30.0) -> tuple[list[int], int, list[float]]:

@@ -196,6 +196,24 @@ def test_did_boundaries_split_evenly(tmp_path: Path) -> None:
         assert did_boundaries(db, 4, AccountFilter(hosts=("nowhere",))) == [(None, None)]
 
 
+async def test_reconcile_skips_relay_upstreams(tmp_path: Path) -> None:
+    """Reconcile lists PDSes, not relays (migration 0085 ``is_relay``): a relay is authoritative
+    for no account, and listing a whole network through it would be the costliest host of all."""
+    from backfill.store import open_store
+    from backfill.types import HostState
+    from spark.db import connect_db
+    from spark.reconcile import relay_hosts
+
+    store = await open_store(str(tmp_path / "r.sqlite"))
+    await store.migrate()
+    for host in (HostState("pds.example"), HostState("relay.example", relay=True),
+                 HostState("gone.example", status="banned")):
+        await store.upsert_host(host)
+    await store.close()
+    with connect_db(str(tmp_path / "r.sqlite")) as db:
+        assert relay_hosts(db) == ["pds.example"]
+
+
 class _RecordingNetwork(httpcore.NetworkBackend):
     """Stands in for the network below the pinned transport: records where each socket would go."""
 

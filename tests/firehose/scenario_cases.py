@@ -1,0 +1,108 @@
+"""indigo's relay scenarios (``../shared/fixtures/indigo-relay-scenarios``) and their sync 1.0
+variants, with what each validation mode must do with every message.
+
+A scenario file records what indigo's relay does in one mode: its ``lenient`` flag names the
+mode, each message's ``drop`` flag (with ``invalid``) the outcome. ``cases()`` gives, per scenario,
+the expected drop flags in *both* modes:
+
+* the recorded scenarios carry ``prevData`` and every op's ``prev``, so lenient mode has nothing
+  to relax and expects exactly the recorded flags (checked: ``_fully_sync_11``);
+* ``sync10_no_prev_data``: the same commits as a sync 1.0 host sends them (no ``prevData``). Strict:
+  every commit is rejected ``missing_prev_data``. Lenient: all accepted (``lenient_no_prev_data``);
+* ``legacy_delete_without_prev``: delete ops without ``prev``. Strict: the first such commit is
+  rejected (inversion needs ``prev``) and every later commit no longer chains (``since``) — the
+  account is desynchronized, so all of them are dropped. Lenient: all accepted, the deletes as
+  ``lenient_no_op_prev``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+MODES = ("strict", "lenient")
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    accounts: list[dict[str, Any]]
+    #: message dicts as in the scenario files (``frame.header``, ``frame.body`` in atproto JSON)
+    messages: list[dict[str, Any]]
+    #: mode -> per-message "not redistributed" flag
+    drop: dict[str, list[bool]]
+    #: mode -> per-message accept reason expected for the messages not dropped (None: not checked)
+    reasons: dict[str, list[str | None]]
+
+
+def load(fixtures_dir: Path, name: str) -> dict[str, Any]:
+    doc: dict[str, Any] = json.loads((fixtures_dir / "indigo-relay-scenarios" / f"{name}.json").read_text())
+    return doc
+
+
+def _fully_sync_11(messages: list[dict[str, Any]]) -> bool:
+    for m in messages:
+        body = m["frame"]["body"]
+        if m["frame"]["header"]["t"] != "#commit":
+            continue
+        if "prevData" not in body or any(op["action"] != "create" and "prev" not in op for op in body["ops"]):
+            return False
+    return True
+
+
+def recorded(fixtures_dir: Path, name: str) -> Case:
+    doc = load(fixtures_dir, name)
+    messages = doc["messages"]
+    assert _fully_sync_11(messages), "a recorded scenario lacks prevData/prev: derive its other mode by hand"
+    flags = [bool(m["drop"] or m["invalid"]) for m in messages]
+    ok: list[str | None] = [None if f else "ok" for f in flags]
+    return Case(name, doc["accounts"], messages, {mode: flags for mode in MODES}, {mode: ok for mode in MODES})
+
+
+def _commits(messages: list[dict[str, Any]]) -> list[int]:
+    return [i for i, m in enumerate(messages) if m["frame"]["header"]["t"] == "#commit"]
+
+
+def sync10_no_prev_data(fixtures_dir: Path) -> Case:
+    doc = load(fixtures_dir, "post_lifecycle")
+    messages = copy.deepcopy(doc["messages"])
+    for i in _commits(messages):
+        messages[i]["frame"]["body"].pop("prevData")
+    n = len(messages)
+    return Case("sync10_no_prev_data", doc["accounts"], messages,
+                {"strict": [True] * n, "lenient": [False] * n},
+                {"strict": [None] * n, "lenient": ["lenient_no_prev_data"] * n})
+
+
+def legacy_delete_without_prev(fixtures_dir: Path) -> Case:
+    doc = load(fixtures_dir, "post_lifecycle")
+    messages = copy.deepcopy(doc["messages"])
+    first: int | None = None
+    reasons: list[str | None] = []
+    for i, m in enumerate(messages):
+        ops = m["frame"]["body"]["ops"]
+        deletes = [op for op in ops if op["action"] == "delete"]
+        for op in deletes:
+            op.pop("prev")
+        if deletes and first is None:
+            first = i
+        reasons.append("lenient_no_op_prev" if deletes else "ok")
+    assert first is not None and first > 0
+    n = len(messages)
+    return Case("legacy_delete_without_prev", doc["accounts"], messages,
+                {"strict": [i >= first for i in range(n)], "lenient": [False] * n},
+                {"strict": ["ok" if i < first else None for i in range(n)], "lenient": reasons})
+
+
+def cases(fixtures_dir: Path) -> dict[str, Case]:
+    out = {name: recorded(fixtures_dir, name) for name in ("account_lifecycle", "post_lifecycle")}
+    for build in (sync10_no_prev_data, legacy_delete_without_prev):
+        case = build(fixtures_dir)
+        out[case.name] = case
+    return out
+
+
+CASE_NAMES = ("account_lifecycle", "post_lifecycle", "sync10_no_prev_data", "legacy_delete_without_prev")

@@ -1,0 +1,136 @@
+"""Following another relay: which accounts a relay upstream may speak for (both sides of the rule
+in ARCHITECTURE.md "Relay upstreams"), and failover between two upstream relays.
+
+Upstream relays are instances of this relay fed by the simulator; the downstream relay adds them
+through the admin API as relays.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+
+from backfill.types import HostState
+from firehose.state import AccountState
+from relay.admission import Admission
+from relay.sim import SimConfig, SimFleet
+from relay.sim.ident import did_document
+from tests.relay.e2e import (
+    ADMIN_TOKEN,
+    Consumer,
+    add_relay,
+    check_stream,
+    crawl,
+    key_of,
+    metric_value,
+    settled,
+)
+from tests.relay.helpers import RunningRelay
+
+TOKEN = ADMIN_TOKEN
+
+
+def _settings(fleet: SimFleet, **extra: object) -> dict[str, object]:
+    return {"allow_insecure_hosts": True, "plc_url": fleet.plc_url, "validation_workers": 0,
+            "default_account_limit": 1000, "admin_token": TOKEN, **extra}
+
+
+def _admin(relay: RunningRelay) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=relay.url, headers={"authorization": f"Bearer {TOKEN}"})
+
+
+@contextlib.asynccontextmanager
+async def _fleet(config: SimConfig) -> AsyncIterator[SimFleet]:
+    fleet = SimFleet(config)
+    await fleet.start()
+    try:
+        yield fleet
+    finally:
+        await fleet.stop()
+
+
+def _admission(relay: RunningRelay) -> Admission:
+    assert relay.service.lanes is not None
+    return relay.service.lanes.admission
+
+
+async def test_the_relay_rule_both_sides(relay_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Accepted: accounts whose DID document names a PDS this relay does not follow directly.
+    Refused: a PDS followed directly (whatever its status), a banned domain, no PDS at all."""
+    async with _fleet(SimConfig(hosts=2, accounts_per_host=2, seed=71)) as fleet:
+        h0, h1 = fleet.hosts
+        async with relay_factory(database_url=str(tmp_path / "up.sqlite"), **_settings(fleet)) as up, \
+                relay_factory(database_url=str(tmp_path / "down.sqlite"), **_settings(fleet)) as down:
+            await crawl(down.url, h1.hostname)
+            await add_relay(down, up.url)
+            relay_host = up.url.removeprefix("http://")
+            admission = _admission(down)
+            a0 = next(a for a in fleet.accounts if a.host is h0)
+            a1 = next(a for a in fleet.accounts if a.host is h1)
+            assert await admission.identity_for_host(a0.did, relay_host, relay=True) is not None
+            assert await admission.identity_for_host(a1.did, relay_host, relay=True) is None  # followed directly
+            assert await admission.identity_for_host(a1.did, h1.hostname) is not None  # its PDS still may
+            # a PDS this relay follows directly keeps its binding even while it is blocked
+            async with _admin(down) as http:
+                assert (await http.post(f"/admin/hosts/{h1.hostname}/block")).status_code == 200
+            assert await admission.identity_for_host(a1.did, relay_host, relay=True) is None
+            # a domain ban covers a PDS this relay has never seen
+            fleet.plc.docs[a0.did] = did_document(a0.did, a0.handle, a0.key, "https://pds.banned.example")
+            await down.service.identity.purge(a0.did)
+            assert await admission.identity_for_host(a0.did, relay_host, relay=True) is not None
+            async with _admin(down) as http:
+                assert (await http.post("/admin/domain-bans", json={"domain": "banned.example"})).status_code == 200
+            admission.host_changed()  # (a ban on an unknown host applies within host_ttl otherwise)
+            assert await admission.identity_for_host(a0.did, relay_host, relay=True) is None
+            # an account carried by two relays stays bound to the one it came through first;
+            # an event from its PDS rebinds it there
+            other = "127.0.0.1:1"
+            await down.service.store.upsert_host(HostState(hostname=other, relay=True, status="banned"))
+            admission.host_changed()
+            via_first = AccountState(did=a0.did, host=relay_host)
+            assert (await admission.admit(other, a0.did, via_first)).host == relay_host  # type: ignore[union-attr]
+            assert (await admission.admit(h0.hostname, a0.did, via_first)).host == h0.hostname  # type: ignore[union-attr]
+            # a DID document that names no PDS
+            doc = did_document(a0.did, a0.handle, a0.key, h0.url)
+            doc["service"] = []
+            fleet.plc.docs[a0.did] = doc
+            await down.service.identity.purge(a0.did)
+            assert await admission.identity_for_host(a0.did, relay_host, relay=True) is None
+
+
+async def test_relay_upstream_carries_what_is_not_followed_directly(relay_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Over real sockets: host 0 reaches the downstream relay only through the upstream relay,
+    host 1 both directly and through it. Every valid event arrives once; host 1's accounts stay
+    bound to host 1 (the relay's copies are refused ``relay_not_authoritative``), host 0's are
+    bound to the relay."""
+    async with _fleet(SimConfig(hosts=2, accounts_per_host=3, seed=72)) as fleet:
+        h0, h1 = fleet.hosts
+        async with relay_factory(database_url=str(tmp_path / "up.sqlite"), **_settings(fleet)) as up, \
+                relay_factory(database_url=str(tmp_path / "down.sqlite"), **_settings(fleet)) as down:
+            for h in fleet.hosts:
+                await crawl(up.url, h.hostname)
+            async with Consumer(down.ws_url, cursor=0) as consumer:
+                await crawl(down.url, h1.hostname)
+                await add_relay(down, up.url)
+                await fleet.generate(40)
+                valid = [t for t in fleet.ground_truth if t.verdict == "accept"]
+                await consumer.wait_for(lambda evs: len(evs) >= len(valid))
+                latest = await settled(down, up.url)
+                await down.service.upstreams.settle_read(h1.hostname)  # type: ignore[union-attr]
+                latest = max(latest, await down.service.store.latest_seq())
+                await consumer.wait_for(lambda evs: evs[-1].seq >= latest)
+                async with _admin(down) as http:
+                    bound = {a.did: (await http.get(f"/admin/accounts/{a.did}")).json()["host"]
+                             for a in fleet.accounts}
+                    text = (await http.get("/metrics")).text
+    got = Counter(key_of(e.t, e.did, e.rev) for e in consumer.events)
+    assert got == Counter(key_of(t.kind, t.did, t.rev) for t in valid)
+    check_stream(consumer.events)
+    relay_host = up.url.removeprefix("http://")
+    assert {bound[a.did] for a in fleet.accounts if a.host is h1} == {h1.hostname}
+    assert {bound[a.did] for a in fleet.accounts if a.host is h0} == {relay_host}
+    assert metric_value(text, "relay_verdicts_total", kind="reject", reason="relay_not_authoritative") > 0
