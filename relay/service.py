@@ -48,6 +48,7 @@ from relay.identity import (
     RedisIdentityCache,
     dns_txt_lookup,
 )
+from relay.identity_store import PersistedIdentities
 from relay.jetstream_server import JetstreamServer, jetstream_server
 from relay.jsonlog import fields
 from relay.lanes import AccountLanes
@@ -114,6 +115,7 @@ class RelayService:
         self.broadcaster: Broadcaster = None  # type: ignore[assignment]
         self.jetstream: JetstreamServer | None = None
         self.identity: IdentityResolver = None  # type: ignore[assignment]
+        self.identities: PersistedIdentities | None = None
         self.hosts: HostManager | None = None
         self.lanes: AccountLanes | None = None
         self.upstreams: Upstreams | None = None
@@ -152,11 +154,14 @@ class RelayService:
         else:
             self.bus = InProcessBus()
             cache = MemoryIdentityCache()
+        self.identities = PersistedIdentities(self.store)
+        self.identities.start()
         self.identity = IdentityResolver(plc_url=config.plc_url, safe_client=self.safe, cache=cache,
                                          metrics=self.metrics, handle_resolver_url=config.handle_resolver_url,
                                          rate=max(1.0, float(config.identity_rate)),
                                          burst=max(1, int(config.identity_rate * 2.5)),
-                                         txt_lookup=dns_txt_lookup(parse_nameservers(config.dns_servers) or None))
+                                         txt_lookup=dns_txt_lookup(parse_nameservers(config.dns_servers) or None),
+                                         persisted=self.identities, stale_after=config.identity_max_age)
         self.broadcaster = Broadcaster(self.store, self.bus)
         self.jetstream = jetstream_server(self.broadcaster, self.metrics, self.consumers)
         self.metrics.watch_broadcast(lambda: self.broadcaster.stats if self.broadcaster is not None else None)
@@ -317,6 +322,8 @@ class RelayService:
                 await self.bus.close()
         if self.identity is not None:
             await self.identity.aclose()
+        if self.identities is not None:
+            await self.identities.close()
         await self.safe.aclose()
         if self._redis is not None:
             with contextlib.suppress(Exception):
