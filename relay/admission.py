@@ -9,7 +9,10 @@
   is rebound to this host.
 
 Per-host account counts are loaded once from the store and then kept here (check and count with
-no ``await`` in between, since lanes admit accounts concurrently).
+no ``await`` in between, since lanes admit accounts concurrently). Host rows (limit, trust, status)
+are re-read at most every ``HOST_TTL`` seconds — a burst of never-seen accounts costs one query per
+host, not one per account (issue 18) — and at once after ``forget_host`` (the host manager raised
+the limit, or this module throttled the host); a limit lowered elsewhere applies within ``HOST_TTL``.
 """
 
 from __future__ import annotations
@@ -17,8 +20,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 
 from backfill.store import Store
+from backfill.types import HostState
+from firehose.lru import BoundedLRU
 from firehose.state import AccountState
 from relay.hosts import HostPolicy
 from relay.identity import Identity, IdentityResolver
@@ -26,17 +32,35 @@ from relay.jsonlog import fields
 
 log = logging.getLogger("relay.admission")
 
+#: seconds a host row read for admission is reused
+HOST_TTL = 1.0
+
 
 class Admission:
     """Host binding and account limits (see the module docstring)."""
 
     def __init__(self, *, store: Store, identity: IdentityResolver, policy: HostPolicy,
-                 default_account_limit: int | None) -> None:
+                 default_account_limit: int | None, clock: Callable[[], float] = time.monotonic) -> None:
         self.store = store
         self.identity = identity
         self.policy = policy
         self.default_account_limit = default_account_limit
+        self.clock = clock
         self._host_counts: dict[str, int] = {}
+        self._hosts: BoundedLRU[str, tuple[float, HostState | None]] = BoundedLRU(10_000)
+
+    async def _host(self, hostname: str) -> HostState | None:
+        now = self.clock()
+        cached = self._hosts.get(hostname)
+        if cached is not None and now - cached[0] < HOST_TTL:
+            return cached[1]
+        host = await self.store.get_host(hostname)
+        self._hosts.put(hostname, (now, host))
+        return host
+
+    def forget_host(self, hostname: str) -> None:
+        """Read ``hostname``'s row again at its next admission (its limit or status changed)."""
+        self._hosts.pop(hostname, None)
 
     async def identity_for_host(self, did: str, hostname: str, *, fresh: bool = False,
                                 max_age: float | None = None) -> Identity | None:
@@ -59,7 +83,7 @@ class Admission:
             return state
         if state is not None:  # migrated here (the DID document says so): rebind
             return dataclasses.replace(state, host=hostname)
-        host = await self.store.get_host(hostname)
+        host = await self._host(hostname)
         limit = self.policy.account_limit(host) if host is not None else self.default_account_limit
         if hostname not in self._host_counts:
             loaded = await self.store.count_accounts(hostname)
@@ -72,6 +96,7 @@ class Admission:
             await self.store.upsert_account(held)
             if host is not None and host.status == "active":
                 await self.store.set_host_status(hostname, "throttled")
+                self.forget_host(hostname)
                 log.info("host throttled", extra=fields(host=hostname, limit=limit))
             return None
         return AccountState(did=did, host=hostname)

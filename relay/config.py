@@ -237,6 +237,8 @@ class RelayConfig:
             raise ConfigError("bad_dns_servers", f"RELAY_DNS_SERVERS: expected ip[:port],…; got {config.dns_servers!r}") from None
         if not config.redis_stream:
             raise ConfigError("bad_redis_stream", "RELAY_REDIS_STREAM must not be empty")
+        if not re.match(r"^https?://[^/]", config.plc_url):
+            raise ConfigError("bad_plc_url", f"RELAY_PLC_URL: expected http(s)://host…, got {config.plc_url!r}")
         if config.log_level not in ("debug", "info", "warning", "error"):
             raise ConfigError("bad_log_level", f"RELAY_LOG_LEVEL: unknown level {config.log_level!r}")
         return config

@@ -41,6 +41,7 @@ from backfill.identities import Identity as Identity  # re-exported: the resolve
 from firehose import ratelimit
 from firehose.lru import BoundedLRU
 from mst.errors import ReasonError
+from relay.keepalive import HttpError, KeepAliveClient
 from relay.metrics import RelayMetrics
 from relay.ssrf import SafeClient, SSRFError
 
@@ -333,6 +334,9 @@ class IdentityResolver:
         self.metrics = metrics
         self.bucket = TokenBucket(rate, burst)
         self.handle_resolver_url = handle_resolver_url.rstrip("/")
+        #: the PLC directory (the hot path: see ``relay.keepalive``)
+        self._plc = KeepAliveClient(self.plc_url, max_connections=concurrency, timeout=timeout)
+        #: the handle resolver service (``handle_resolver_url``)
         self._trusted = httpx.AsyncClient(timeout=timeout, headers={"user-agent": "atproto-relay (python)"},
                                           limits=httpx.Limits(max_connections=concurrency,
                                                               max_keepalive_connections=concurrency))
@@ -346,6 +350,7 @@ class IdentityResolver:
         self.handle_ttl = 60.0
 
     async def aclose(self) -> None:
+        await self._plc.aclose()
         await self._trusted.aclose()
 
     def _count(self, metric: str, result: str) -> None:
@@ -433,7 +438,7 @@ class IdentityResolver:
         started = self.clock()
         try:
             if did.startswith("did:plc:"):
-                doc = await self._fetch_trusted(f"{self.plc_url}/{quote(did, safe=':')}")
+                doc = await self._fetch_plc(f"/{quote(did, safe=':')}")
             elif did.startswith("did:web:"):
                 doc = await self._fetch_safe(did_web_url(did))
             else:
@@ -445,17 +450,18 @@ class IdentityResolver:
         self._count("identity_resolutions", "ok")
         return replace(identity, fetched_at=started)
 
-    async def _fetch_trusted(self, url: str) -> object:
+    async def _fetch_plc(self, target: str) -> object:
+        url = self.plc_url + target
         try:
-            resp = await self._trusted.get(url)
-        except httpx.HTTPError as exc:
+            status, body = await self._plc.get(target, max_bytes=MAX_DOC_BYTES)
+        except HttpError as exc:
             raise IdentityError("resolution_failed", f"{url}: {exc}") from None
-        if resp.status_code in (404, 410):
-            raise IdentityError("did_not_found", f"{url}: HTTP {resp.status_code}")
-        if resp.status_code != 200 or len(resp.content) > MAX_DOC_BYTES:
-            raise IdentityError("resolution_failed", f"{url}: HTTP {resp.status_code}")
+        if status in (404, 410):
+            raise IdentityError("did_not_found", f"{url}: HTTP {status}")
+        if status != 200:
+            raise IdentityError("resolution_failed", f"{url}: HTTP {status}")
         try:
-            return resp.json()
+            return json.loads(body)
         except ValueError:
             raise IdentityError("bad_did_document", f"{url}: not JSON") from None
 

@@ -118,6 +118,7 @@ class RelayService:
         self.identities: PersistedIdentities | None = None
         self.hosts: HostManager | None = None
         self.lanes: AccountLanes | None = None
+        self.admission: Admission | None = None
         self.upstreams: Upstreams | None = None
         self.resync: ResyncManager | None = None
         self.pool: ValidationPool | None = None
@@ -183,8 +184,8 @@ class RelayService:
         self.pool = ValidationPool(config.validation_workers)
         await self.pool.start()
         resync_queue = ResyncQueue(on_change=self.metrics.resync_queue.set)
-        admission = Admission(store=self.store, identity=self.identity, policy=policy,
-                              default_account_limit=config.default_account_limit)
+        self.admission = admission = Admission(store=self.store, identity=self.identity, policy=policy,
+                                               default_account_limit=config.default_account_limit)
         self.lanes = AccountLanes(store=self.store, sequencer=self.sequencer, pool=self.pool, admission=admission,
                                   identity=self.identity, resync=resync_queue, count=self._count)
         self.upstreams = Upstreams(store=self.store, sequencer=self.sequencer, lanes=self.lanes, policy=policy,
@@ -233,7 +234,8 @@ class RelayService:
         log.info("firehose listening", extra=fields(url=self.firehose_url))
 
     async def _limit_raised(self, hostname: str) -> None:
-        assert self.resync is not None
+        assert self.resync is not None and self.admission is not None
+        self.admission.forget_host(hostname)
         await self.resync.release_throttled(hostname)
 
     async def _publish(self, events: list[SequencedEvent]) -> None:
