@@ -3,8 +3,9 @@
 ``PersistedIdentities(store)`` is the one owner of this process's identity writes:
 
 * ``get(did)`` — read-through for a cache miss. Lookups made in the same event-loop turn (and
-  while one batch is being read) share one query (``Store.get_identities``), so a burst of
-  never-seen accounts costs one round trip per batch, not one per account.
+  while one batch is being read) share one query (``Store.get_identities`` through
+  ``relay.batched.BatchedLookup``), so a burst of never-seen accounts costs one round trip per
+  batch, not one per account.
 * ``put(identity)`` — write-behind: queued and written in batches (``flush_interval``). A queued
   write lost in a crash costs one re-resolution after the restart, nothing else.
 * ``purge(did, at)`` — an ``#identity`` (or a vanished DID) must never be answered with the old
@@ -30,6 +31,7 @@ import logging
 from backfill.identities import Identity, IdentityPurge, IdentityWrite
 from backfill.store import Store
 from firehose.backoff import Backoff
+from relay.batched import BatchedLookup
 from relay.jsonlog import fields
 
 log = logging.getLogger("relay.identity_store")
@@ -45,14 +47,12 @@ class PersistedIdentities:
         self.store = store
         self.flush_interval = flush_interval
         self.max_pending = max_pending
-        self.reads = 0  # store queries made by get()
         self.flushes = 0  # successful flushes
         self._pending: dict[str, IdentityWrite] = {}
         self._flushing: dict[str, IdentityWrite] = {}
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
-        self._wanted: dict[str, asyncio.Future[Identity | None]] = {}
-        self._reader: asyncio.Task[None] | None = None
+        self._reads: BatchedLookup[str, Identity | None] = BatchedLookup(self._fetch, max_batch=READ_BATCH)
         self._task: asyncio.Task[None] | None = None
         self._failing = ""
 
@@ -68,9 +68,7 @@ class PersistedIdentities:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        if self._reader is not None:
-            with contextlib.suppress(Exception):
-                await self._reader
+        await self._reads.wait_idle()
         await self.flush()
 
     # -- reads -------------------------------------------------------------------------------
@@ -83,37 +81,23 @@ class PersistedIdentities:
         queued = self._queued(did)
         if queued is not None:
             return queued if isinstance(queued, Identity) else None
-        future = self._wanted.get(did)
-        if future is None:
-            future = self._wanted[did] = asyncio.get_running_loop().create_future()
-            if self._reader is None:
-                self._reader = asyncio.get_running_loop().create_task(self._read_batches(), name="identity-reads")
-        found = await asyncio.shield(future)
+        found = await self._reads.get(did)
         queued = self._queued(did)  # written (or purged) while the read was in flight: newer
         if queued is not None:
             return queued if isinstance(queued, Identity) else None
         return found
 
-    async def _read_batches(self) -> None:
-        """Answer every wanted DID, a batch per query, until none is wanted."""
+    @property
+    def reads(self) -> int:
+        """Store queries made by ``get``."""
+        return self._reads.queries
+
+    async def _fetch(self, dids: list[str]) -> dict[str, Identity | None]:
         try:
-            await asyncio.sleep(0)  # let the rest of this loop turn add its lookups
-            while self._wanted:
-                dids = list(self._wanted)[:READ_BATCH]
-                futures = [self._wanted.pop(did) for did in dids]
-                try:
-                    self.reads += 1
-                    found = await self.store.get_identities(dids)
-                except Exception as exc:
-                    self._report("read", exc)
-                    found = {}
-                for did, future in zip(dids, futures, strict=True):
-                    if not future.done():
-                        future.set_result(found.get(did))
-        finally:
-            self._reader = None
-            for future in self._wanted.values():  # only when cancelled
-                future.cancel()
+            return await self.store.get_identities(dids)
+        except Exception as exc:  # a miss: the DIDs are resolved from the network
+            self._report("read", exc)
+            return {}
 
     # -- writes ------------------------------------------------------------------------------
     def put(self, identity: Identity) -> None:

@@ -53,6 +53,7 @@ from firehose.subscriber import UpstreamFrame
 from firehose.validate import Verdict, identity_body, outgoing_body, validate_account, validate_identity
 from relay.accounts import account_event_body, now_iso
 from relay.admission import Admission
+from relay.batched import BatchedLookup
 from relay.identity import IdentityError, IdentityResolver
 from relay.jsonlog import fields
 from relay.resync_queue import ResyncQueue
@@ -128,6 +129,8 @@ class AccountLanes:
         self.identity_refreshes = 0
         self._lanes: dict[str, _Lane] = {}
         self._idle: BoundedLRU[str, AccountState | None] = BoundedLRU(idle_cache)
+        #: lanes loading at once share one query (a burst of never-seen accounts: issue 18)
+        self._accounts: BatchedLookup[str, AccountState] = BatchedLookup(store.get_accounts)
 
     # -- lanes ---------------------------------------------------------------------------------
     def _lane(self, did: str) -> _Lane:
@@ -227,7 +230,7 @@ class AccountLanes:
 
     async def _load(self, lane: _Lane) -> None:
         if not lane.loaded or (lane.stale and not lane.inflight):
-            lane.durable = await self.store.get_account(lane.did)
+            lane.durable = await self._accounts.get(lane.did)
             lane.loaded = True
             lane.stale = False
 
