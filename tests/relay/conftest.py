@@ -15,6 +15,7 @@ import pytest
 from backfill.store import Store
 from relay.config import RelayConfig
 from relay.service import RelayService
+from relay.sim.plc import SimPLC
 from relay.ssrf import Resolver
 from tests.relay.helpers import serve_asgi
 
@@ -72,3 +73,12 @@ def relay_factory(tmp_path: Path) -> RelayFactory:
             await service.stop()
 
     return factory
+
+
+@pytest.fixture
+async def plc() -> AsyncIterator[SimPLC]:
+    """The simulator's PLC directory on its own (its ``requests`` count the resolutions)."""
+    directory = SimPLC()
+    await directory.start()
+    yield directory
+    await directory.stop()

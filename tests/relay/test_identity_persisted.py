@@ -33,14 +33,6 @@ class Clock:
 
 
 @pytest.fixture
-async def plc() -> AsyncIterator[SimPLC]:
-    directory = SimPLC()
-    await directory.start()
-    yield directory
-    await directory.stop()
-
-
-@pytest.fixture
 async def safe() -> AsyncIterator[SafeClient]:
     client = SafeClient(AddressGuard())
     yield client

@@ -4,7 +4,7 @@ every body framing, closes idle connections, stalls or sends too much."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 import pytest
 
@@ -54,14 +54,6 @@ class RawServer:
                     return
         except (asyncio.IncompleteReadError, ConnectionError):
             writer.close()
-
-
-@pytest.fixture
-async def plc() -> AsyncIterator[SimPLC]:
-    directory = SimPLC()
-    await directory.start()
-    yield directory
-    await directory.stop()
 
 
 async def test_keep_alive_against_the_simulated_directory(plc: SimPLC) -> None:
