@@ -10,12 +10,20 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import asyncpg
 
 from backfill.errors import MigrationError, SequencerConflictError, SequencerLockedError
+from backfill.identities import (
+    FRESHER_ONLY,
+    IDENTITY_COLS,
+    Identity,
+    IdentityWrite,
+    identity_from_row,
+    identity_row,
+)
 from backfill.migrations import discover
 from backfill.store import (
     PENDING_REPAIRS_SQL,
@@ -82,6 +90,13 @@ ON CONFLICT (hostname) DO UPDATE SET
     upstream_cursor = GREATEST(hosts.upstream_cursor, COALESCE(EXCLUDED.upstream_cursor, 0)),
     last_seen = COALESCE(EXCLUDED.last_seen, hosts.last_seen),
     account_count = hosts.account_count + EXCLUDED.account_count
+"""
+
+# One statement for a whole batch of identity writes (unique DIDs: a flush holds one write per DID).
+_SQL_PUT_IDENTITIES = f"""
+INSERT INTO identities ({IDENTITY_COLS})
+SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::bool[], $6::float8[], $7::float8[])
+{FRESHER_ONLY}
 """
 
 
@@ -370,6 +385,19 @@ class PostgresStore(Store):
         rows = await self._pool.fetch(
             "SELECT host, count(*) FROM accounts WHERE sync_state = $1 AND host IS NOT NULL GROUP BY host", sync_state)
         return {r[0]: int(r[1]) for r in rows}
+
+    # -- persisted identities ----------------------------------------------------------------
+    async def get_identities(self, dids: Iterable[str]) -> dict[str, Identity | None]:
+        rows = await self._pool.fetch(
+            f"SELECT {IDENTITY_COLS} FROM identities WHERE did = ANY($1::text[])", list(dids)
+        )
+        return {r[0]: identity_from_row(r) for r in rows}
+
+    async def write_identities(self, writes: Sequence[IdentityWrite]) -> None:
+        if not writes:
+            return
+        columns = list(zip(*(identity_row(w) for w in writes), strict=True))
+        await self._pool.execute(_SQL_PUT_IDENTITIES, *columns)
 
     # -- hosts -------------------------------------------------------------------------------
     async def list_repos_by_collection(self, collection: str, after_did: str | None = None,

@@ -14,11 +14,19 @@ import fcntl
 import os
 import sqlite3
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 from backfill.errors import MigrationError, SequencerConflictError, SequencerLockedError
+from backfill.identities import (
+    FRESHER_ONLY,
+    IDENTITY_COLS,
+    Identity,
+    IdentityWrite,
+    identity_from_row,
+    identity_row,
+)
 from backfill.migrations import discover, split_sqlite_statements
 from backfill.sqlite_conn import SqliteConn, Tx, fetchall, fetchval
 from backfill.store import (
@@ -355,6 +363,31 @@ class SqliteStore(Store):
             fetchall, "SELECT host, count(*) FROM accounts WHERE sync_state = ? AND host IS NOT NULL GROUP BY host",
             (sync_state,))
         return {r[0]: int(r[1]) for r in rows}
+
+    # -- persisted identities ----------------------------------------------------------------
+    async def get_identities(self, dids: Iterable[str]) -> dict[str, Identity | None]:
+        wanted = list(dict.fromkeys(dids))
+
+        def _get(conn: sqlite3.Connection) -> dict[str, Identity | None]:
+            out: dict[str, Identity | None] = {}
+            for i in range(0, len(wanted), 500):
+                chunk = wanted[i : i + 500]
+                marks = ",".join("?" * len(chunk))
+                for row in conn.execute(f"SELECT {IDENTITY_COLS} FROM identities WHERE did IN ({marks})", chunk):
+                    out[row[0]] = identity_from_row(row)
+            return out
+
+        return await self._read(_get) if wanted else {}
+
+    async def write_identities(self, writes: Sequence[IdentityWrite]) -> None:
+        rows = [identity_row(w) for w in writes]
+
+        def _put(conn: sqlite3.Connection) -> None:
+            with Tx(conn):
+                conn.executemany(f"INSERT INTO identities ({IDENTITY_COLS}) VALUES (?,?,?,?,?,?,?) {FRESHER_ONLY}", rows)
+
+        if rows:
+            await self._write(_put)
 
     # -- hosts -------------------------------------------------------------------------------
     async def list_repos_by_collection(self, collection: str, after_did: str | None = None,

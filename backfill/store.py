@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
+from backfill.identities import Identity, IdentityWrite
 from backfill.types import HostState
 from firehose.state import AccountState, SequencedEvent
 
@@ -261,6 +262,16 @@ class Store(ABC):
     @abstractmethod
     async def count_accounts_by_host(self, sync_state: str) -> dict[str, int]:
         """Accounts in ``sync_state`` (e.g. ``throttled``: held over a host's limit) per host."""
+
+    # -- persisted identities (migration 0090; see backfill.identities) -------------------------
+    @abstractmethod
+    async def get_identities(self, dids: Iterable[str]) -> dict[str, Identity | None]:
+        """The stored identities among ``dids``: None for a purged row, absent when never stored."""
+
+    @abstractmethod
+    async def write_identities(self, writes: Sequence[IdentityWrite]) -> None:
+        """Upsert identities and purges (one row per DID, at most once each) in one transaction;
+        a write older (``fetched_at`` / ``at``) than the stored row is skipped."""
 
     # -- hosts -------------------------------------------------------------------------------
     @abstractmethod

@@ -4,7 +4,7 @@ Each size runs ``bench/ingest.py``'s measurement on a fresh relay (SQLite) with 
 many accounts (no start-up announcements, so most first commits are also the relay's first sight
 of the account: identity resolution and a new account row are part of the cost).
 
-    .venv/bin/python bench/growth.py [--quick] [--sizes 1000,10000,100000] [--commits N]
+    .venv/bin/python bench/growth.py [--quick] [--sizes 1000,10000,100000] [--commits N] [--profile FILE]
 """
 
 from __future__ import annotations
@@ -21,14 +21,15 @@ from bench.ingest import run_ingest  # noqa: E402
 from relay.sim import SimConfig  # noqa: E402
 
 
-async def run(sizes: list[int], commits: int) -> None:
+async def run(sizes: list[int], commits: int, profile: str | None = None) -> None:
     figures = {}
     for n in sizes:
         hosts = 4
         cfg = SimConfig(hosts=hosts, accounts_per_host=n // hosts, seed=3, announce_accounts=False)
         note(f"growth: {n} accounts")
         out = await run_ingest(hosts=hosts, accounts=n // hosts, commits=commits, db="sqlite",
-                               prefix=f"growth_{n}", fleet_config=cfg, stall_s=60.0)
+                               prefix=f"growth_{n}", fleet_config=cfg, stall_s=60.0,
+                               profile=f"{profile}.{n}" if profile else None)
         figures[n] = out
     first = sizes[0]
     for n in sizes[1:]:
@@ -42,10 +43,18 @@ def main() -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--sizes", default=None)
     p.add_argument("--commits", type=int, default=None)
+    p.add_argument("--profile", default=None,
+                   help="run the relay's main process under cProfile; stats in PROFILE.<size>")
     a = p.parse_args()
     sizes = [int(x) for x in (a.sizes or ("1000,10000" if a.quick else "1000,10000,100000")).split(",")]
     commits = a.commits or (1500 if a.quick else 10_000)
-    asyncio.run(run(sizes, commits))
+    asyncio.run(run(sizes, commits, a.profile))
+    if a.profile:
+        import pstats
+
+        for n in sizes:
+            print(f"# relay main process at {n} accounts, top functions by cumulative time:", file=sys.stderr)
+            pstats.Stats(f"{a.profile}.{n}", stream=sys.stderr).sort_stats("cumulative").print_stats(40)
     return 0
 
 

@@ -112,6 +112,7 @@ async def run_ingest(*, hosts: int, accounts: int, commits: int, db: str, prefix
         "relay_cpu_cores": steady_cpu,
         "relay_cpu_ms_per_commit": 1000 * (cpu_main + cpu_workers) / max(1, delivered),
         "relay_cpu_main_s": cpu_main,
+        "relay_cpu_main_ms_per_commit": 1000 * cpu_main / max(1, delivered),
         "relay_cpu_workers_s": cpu_workers,
         "sim_and_consumer_cpu_s": sim_cpu,
         "seconds": wall,

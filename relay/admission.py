@@ -20,6 +20,9 @@ no ``await`` in between, since lanes admit accounts concurrently). Host settings
 used by the relay rule are cached for ``host_ttl`` seconds; ``relay.upstreams`` calls
 ``host_changed`` whenever a host is started or stopped (added, blocked, changed), so operator
 changes to known hosts apply at once (a new domain ban on a host never seen: within ``host_ttl``).
+Host rows (limit, trust, status) are also what a burst of never-seen accounts reads: one query per
+host per ``host_ttl`` (issue 18), and at once again after ``forget_host`` (the host manager raised
+the limit, or this module throttled the host); a limit lowered elsewhere applies within ``host_ttl``.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 
 from backfill.store import Store
 from backfill.types import HostState
@@ -38,17 +42,22 @@ from relay.jsonlog import fields
 
 log = logging.getLogger("relay.admission")
 
+#: seconds a host row read for admission is reused
+HOST_TTL = 1.0
+
 
 class Admission:
     """Host binding and account limits (see the module docstring)."""
 
     def __init__(self, *, store: Store, identity: IdentityResolver, policy: HostPolicy,
-                 default_account_limit: int | None, host_ttl: float = 10.0) -> None:
+                 default_account_limit: int | None, host_ttl: float = HOST_TTL,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.store = store
         self.identity = identity
         self.policy = policy
         self.default_account_limit = default_account_limit
         self.host_ttl = host_ttl
+        self.clock = clock
         self._host_counts: dict[str, int] = {}
         self._hosts: BoundedLRU[str, tuple[float, HostState | None]] = BoundedLRU(50_000)
         self._bans: tuple[float, list[str]] | None = None
@@ -59,7 +68,7 @@ class Admission:
         self._bans = None
 
     async def _host(self, hostname: str) -> HostState | None:
-        now = time.monotonic()
+        now = self.clock()
         cached = self._hosts.get(hostname)
         if cached is not None and now - cached[0] < self.host_ttl:
             return cached[1]
@@ -75,10 +84,14 @@ class Admission:
         host = await self._host(pds_hostname)
         if host is not None and not host.relay:
             return False
-        now = time.monotonic()
+        now = self.clock()
         if self._bans is None or now - self._bans[0] >= self.host_ttl:
             self._bans = (now, await self.store.list_domain_bans())
         return not matches_domain(pds_hostname, self._bans[1])
+
+    def forget_host(self, hostname: str) -> None:
+        """Read ``hostname``'s row again at its next admission (its limit or status changed)."""
+        self._hosts.pop(hostname, None)
 
     async def identity_for_host(self, did: str, hostname: str, *, fresh: bool = False,
                                 max_age: float | None = None, relay: bool = False) -> Identity | None:
@@ -114,7 +127,7 @@ class Admission:
                 return state  # carried by another relay as well: keep the binding
         if state is not None:  # migrated here (the DID document says so): rebind
             return dataclasses.replace(state, host=hostname)
-        host = await self.store.get_host(hostname)
+        host = await self._host(hostname)
         limit = self.policy.account_limit(host) if host is not None else self.default_account_limit
         if hostname not in self._host_counts:
             loaded = await self.store.count_accounts(hostname)
@@ -127,6 +140,7 @@ class Admission:
             await self.store.upsert_account(held)
             if host is not None and host.status == "active":
                 await self.store.set_host_status(hostname, "throttled")
+                self.forget_host(hostname)
                 log.info("host throttled", extra=fields(host=hostname, limit=limit))
             return None
         return AccountState(did=did, host=hostname)

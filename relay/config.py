@@ -113,6 +113,10 @@ SETTINGS: tuple[Setting, ...] = (
             "the job looked (or the host has been quiet this long): the host's clock-skew margin", "duration"),
     Setting("identity_rate", "RELAY_IDENTITY_RATE", "--identity-rate", "200",
             "DID resolutions per second (PLC / did:web), bursts up to 2.5x", "int"),
+    Setting("identity_max_age", "RELAY_IDENTITY_MAX_AGE", "--identity-max-age", "24h",
+            "identities are kept in the database (a restart resolves nothing known again); one fetched "
+            "longer ago than this is resolved again on its next use, and kept in use while the directory "
+            "is unreachable (0 = never by age; #identity and signature failures always re-resolve)", "duration"),
     Setting("handle_resolver_url", "RELAY_HANDLE_RESOLVER_URL", "--handle-resolver-url", "",
             "resolve handles via this service's com.atproto.identity.resolveHandle instead of "
             "DNS TXT _atproto.HANDLE, then https://HANDLE/.well-known/atproto-did"),
@@ -201,6 +205,7 @@ class RelayConfig:
     repair_interval: float = 5.0
     repair_settle: float = 10.0
     identity_rate: int = 200
+    identity_max_age: float = 24 * 3600.0
     handle_resolver_url: str = ""
     dns_servers: str = ""
     lenient_sync_validation: bool = False
@@ -245,6 +250,8 @@ class RelayConfig:
             raise ConfigError("bad_dns_servers", f"RELAY_DNS_SERVERS: expected ip[:port],…; got {config.dns_servers!r}") from None
         if not config.redis_stream:
             raise ConfigError("bad_redis_stream", "RELAY_REDIS_STREAM must not be empty")
+        if not re.match(r"^https?://[^/]", config.plc_url):
+            raise ConfigError("bad_plc_url", f"RELAY_PLC_URL: expected http(s)://host…, got {config.plc_url!r}")
         if config.log_level not in ("debug", "info", "warning", "error"):
             raise ConfigError("bad_log_level", f"RELAY_LOG_LEVEL: unknown level {config.log_level!r}")
         return config

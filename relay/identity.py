@@ -7,8 +7,11 @@
   (``Multikey``) and legacy (``EcdsaSecp256k1VerificationKey2019`` / ``…r1…``) forms, the
   ``#atproto_pds`` service endpoint and the first ``at://`` handle.
 * Results are cached behind ``IdentityCache`` (bounded LRU+TTL in process, or Redis for
-  scale-out), purged on ``#identity``. Network resolutions are rate-limited (token bucket) and
-  concurrent resolutions of one DID are coalesced.
+  scale-out) and persisted in the database (``relay.identity_store``: read through on a cache
+  miss, so a restarted relay or a new replica does not resolve known accounts again); purged on
+  ``#identity``, re-resolved once on a signature failure (``fresh``) and when older than
+  ``stale_after`` (RELAY_IDENTITY_MAX_AGE). Network resolutions are rate-limited (token bucket)
+  and concurrent resolutions of one DID are coalesced.
 * ``verify_handle(handle, did)`` checks that the handle resolves back to the DID: via a
   ``resolveHandle`` service when configured; else the DNS TXT record ``_atproto.<handle>``
   (``did=<did>``, the spec's preferred method; a DNS answer naming another DID is final) and,
@@ -24,8 +27,8 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from dataclasses import asdict, replace
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import quote, unquote, urlsplit
 
 import dns.asyncresolver
@@ -34,11 +37,16 @@ import dns.nameserver
 import dns.resolver
 import httpx
 
+from backfill.identities import Identity as Identity  # re-exported: the resolver's result type
 from firehose import ratelimit
 from firehose.lru import BoundedLRU
 from mst.errors import ReasonError
+from relay.keepalive import HttpError, KeepAliveClient
 from relay.metrics import RelayMetrics
 from relay.ssrf import SafeClient, SSRFError
+
+if TYPE_CHECKING:
+    from relay.identity_store import PersistedIdentities
 
 log = logging.getLogger("relay.identity")
 
@@ -50,6 +58,12 @@ REASONS = (
     "resolution_failed",
     "rate_limited",
 )
+
+#: failures that say nothing about the document (the directory did not answer): a stored identity
+#: past its age may still be used (see ``IdentityResolver.resolve``)
+UNREACHABLE = ("resolution_failed", "rate_limited")
+#: default ``stale_after``: a persisted identity older than this is resolved again (RELAY_IDENTITY_MAX_AGE)
+DEFAULT_MAX_AGE = 24 * 3600.0
 
 LEGACY_KEY_TYPES = ("EcdsaSecp256k1VerificationKey2019", "EcdsaSecp256r1VerificationKey2019")
 MAX_DOC_BYTES = 64 * 1024
@@ -92,24 +106,6 @@ class IdentityError(ReasonError):
     """A DID could not be resolved to a usable identity; ``str(exc)`` is the message alone."""
 
     show_reason = False
-
-
-@dataclass(frozen=True, slots=True)
-class Identity:
-    """What the relay needs to know about an account's identity."""
-
-    did: str
-    signing_key: str  # did:key:…
-    pds: str | None = None
-    handle: str | None = None
-
-    @property
-    def pds_hostname(self) -> str | None:
-        """The PDS endpoint as a relay hostname (``host`` or ``host:port``), lower case."""
-        if not self.pds:
-            return None
-        parts = urlsplit(self.pds)
-        return parts.netloc.lower() or None
 
 
 def _matches_fragment(entry_id: object, did: str, fragment: str) -> bool:
@@ -311,20 +307,36 @@ class TokenBucket:
 
 
 class IdentityResolver:
-    """Resolves DIDs with caching, coalescing and rate limiting."""
+    """Resolves DIDs with caching, persistence, coalescing and rate limiting.
+
+    Lookup order: ``cache`` (memory, or Redis with memory in front), then ``persisted`` (the
+    database, when given), then the network. An identity fetched more than ``stale_after``
+    seconds ago (wall clock; 0 = never) is resolved again; if the directory cannot be reached
+    (``UNREACHABLE``) the old identity is still used (counted ``stale_served``), because its
+    key and PDS are checked on every event anyway — a rotated key fails the signature and is
+    resolved fresh, a moved account fails host binding and is resolved fresh — while refusing it
+    would reject every event of the account for as long as the directory is down."""
 
     def __init__(self, *, plc_url: str, safe_client: SafeClient, cache: IdentityCache | None = None,
                  metrics: RelayMetrics | None = None, rate: float = 50.0, burst: int = 100,
                  handle_resolver_url: str = "", timeout: float = 10.0, concurrency: int = 16,
-                 txt_lookup: TxtLookup | None = None) -> None:
-        """``txt_lookup`` enables the DNS TXT handle method (see :func:`dns_txt_lookup`)."""
+                 txt_lookup: TxtLookup | None = None, persisted: PersistedIdentities | None = None,
+                 stale_after: float = DEFAULT_MAX_AGE, clock: Callable[[], float] = time.time) -> None:
+        """``txt_lookup`` enables the DNS TXT handle method (see :func:`dns_txt_lookup`);
+        ``clock`` is the wall clock of ``Identity.fetched_at``."""
         self.plc_url = plc_url.rstrip("/")
         self.txt_lookup = txt_lookup
         self.safe = safe_client
         self.cache = cache if cache is not None else MemoryIdentityCache()
+        self.persisted = persisted
+        self.stale_after = stale_after
+        self.clock = clock
         self.metrics = metrics
         self.bucket = TokenBucket(rate, burst)
         self.handle_resolver_url = handle_resolver_url.rstrip("/")
+        #: the PLC directory (the hot path: see ``relay.keepalive``)
+        self._plc = KeepAliveClient(self.plc_url, max_connections=concurrency, timeout=timeout)
+        #: the handle resolver service (``handle_resolver_url``)
         self._trusted = httpx.AsyncClient(timeout=timeout, headers={"user-agent": "atproto-relay (python)"},
                                           limits=httpx.Limits(max_connections=concurrency,
                                                               max_keepalive_connections=concurrency))
@@ -338,14 +350,20 @@ class IdentityResolver:
         self.handle_ttl = 60.0
 
     async def aclose(self) -> None:
+        await self._plc.aclose()
         await self._trusted.aclose()
 
     def _count(self, metric: str, result: str) -> None:
         if self.metrics is not None:
             self.metrics.child(getattr(self.metrics, metric), result).inc()
 
+    def _young(self, identity: Identity) -> bool:
+        """Fetched less than ``stale_after`` ago (an identity of unknown age counts as young)."""
+        return (self.stale_after <= 0 or identity.fetched_at <= 0
+                or self.clock() - identity.fetched_at < self.stale_after)
+
     async def resolve(self, did: str, *, fresh: bool = False, max_age: float = 0.0) -> Identity:
-        """The identity of ``did``; ``fresh`` bypasses (and refreshes) the cache, unless this
+        """The identity of ``did``; ``fresh`` bypasses (and refreshes) the caches, unless this
         process resolved it from the network less than ``max_age`` seconds ago."""
         if fresh and max_age > 0:
             stamp = self._resolved_at.peek(did)
@@ -354,12 +372,32 @@ class IdentityResolver:
                 if cached is not None:
                     self._count("identity_cache", "recent")
                     return cached
+        stale = None
         if not fresh:
             cached = await self.cache.get(did)
-            if cached is not None:
+            if cached is not None and self._young(cached):
                 self._count("identity_cache", "hit")
                 return cached
-            self._count("identity_cache", "miss")
+            stored = await self.persisted.get(did) if self.persisted is not None else None
+            if stored is not None and self._young(stored):
+                self._count("identity_cache", "stored")
+                await self.cache.put(stored)
+                return stored
+            stale = stored or cached
+            self._count("identity_cache", "stale" if stale is not None else "miss")
+        try:
+            return await self._resolve_coalesced(did)
+        except IdentityError as exc:
+            if stale is None or exc.reason not in UNREACHABLE:
+                raise
+            self._count("identity_cache", "stale_served")
+            log.info("identity past its age used: the directory is unreachable",
+                     extra={"fields": {"did": did, "fetched_at": stale.fetched_at, "reason": exc.reason}})
+            return stale
+
+    async def _resolve_coalesced(self, did: str) -> Identity:
+        """One network resolution of ``did`` at a time (later callers share it); the result is
+        cached and persisted, a DID the directory does not know is purged."""
         pending = self._inflight.get(did)
         if pending is not None:
             return await asyncio.shield(pending)
@@ -370,17 +408,26 @@ class IdentityResolver:
         except BaseException as exc:
             future.set_exception(exc)
             future.exception()  # mark retrieved: waiters (if any) re-raise it themselves
+            if isinstance(exc, IdentityError) and exc.reason == "did_not_found":
+                await self.purge(did)
             raise
         else:
             future.set_result(identity)
             await self.cache.put(identity)
+            if self.persisted is not None:
+                self.persisted.put(identity)
             self._resolved_at.put(did, time.monotonic())
             return identity
         finally:
             self._inflight.pop(did, None)
 
     async def purge(self, did: str) -> None:
+        """Forget ``did``'s identity everywhere (its document changed): the next lookup resolves
+        it from the network. Returns once the persisted row is purged (or queued, see
+        ``PersistedIdentities.purge``)."""
         await self.cache.purge(did)
+        if self.persisted is not None:
+            await self.persisted.purge(did, self.clock())
 
     async def _resolve_network(self, did: str) -> Identity:
         await self.bucket.acquire()
@@ -388,9 +435,10 @@ class IdentityResolver:
             return await self._resolve_network_now(did)
 
     async def _resolve_network_now(self, did: str) -> Identity:
+        started = self.clock()
         try:
             if did.startswith("did:plc:"):
-                doc = await self._fetch_trusted(f"{self.plc_url}/{quote(did, safe=':')}")
+                doc = await self._fetch_plc(f"/{quote(did, safe=':')}")
             elif did.startswith("did:web:"):
                 doc = await self._fetch_safe(did_web_url(did))
             else:
@@ -400,19 +448,20 @@ class IdentityResolver:
             self._count("identity_resolutions", exc.reason)
             raise
         self._count("identity_resolutions", "ok")
-        return identity
+        return replace(identity, fetched_at=started)
 
-    async def _fetch_trusted(self, url: str) -> object:
+    async def _fetch_plc(self, target: str) -> object:
+        url = self.plc_url + target
         try:
-            resp = await self._trusted.get(url)
-        except httpx.HTTPError as exc:
+            status, body = await self._plc.get(target, max_bytes=MAX_DOC_BYTES)
+        except HttpError as exc:
             raise IdentityError("resolution_failed", f"{url}: {exc}") from None
-        if resp.status_code in (404, 410):
-            raise IdentityError("did_not_found", f"{url}: HTTP {resp.status_code}")
-        if resp.status_code != 200 or len(resp.content) > MAX_DOC_BYTES:
-            raise IdentityError("resolution_failed", f"{url}: HTTP {resp.status_code}")
+        if status in (404, 410):
+            raise IdentityError("did_not_found", f"{url}: HTTP {status}")
+        if status != 200:
+            raise IdentityError("resolution_failed", f"{url}: HTTP {status}")
         try:
-            return resp.json()
+            return json.loads(body)
         except ValueError:
             raise IdentityError("bad_did_document", f"{url}: not JSON") from None
 
@@ -443,7 +492,18 @@ class IdentityResolver:
         ok = await self._check_handle(handle, did)
         if ok:
             self._handles_ok.put(key, time.monotonic() + self.handle_ttl)
+        await self._record_handle_check(did, handle, ok)
         return ok
+
+    async def _record_handle_check(self, did: str, handle: str, ok: bool) -> None:
+        """Keep the outcome with the cached (and persisted) identity whose handle it checked."""
+        ident = await self.cache.get(did)
+        if ident is None or ident.handle != handle:
+            return
+        checked = replace(ident, handle_verified=ok, handle_checked_at=self.clock())
+        await self.cache.put(checked)
+        if self.persisted is not None:
+            self.persisted.put(checked)
 
     async def _check_handle(self, handle: str, did: str) -> bool:
         async with self._network:

@@ -55,6 +55,7 @@ from firehose.validate import Verdict, identity_body, outgoing_body, validate_ac
 from mst import cbor
 from relay.accounts import account_event_body, now_iso
 from relay.admission import Admission
+from relay.batched import BatchedLookup
 from relay.identity import IdentityError, IdentityResolver
 from relay.jsonlog import fields
 from relay.resync_queue import ResyncQueue
@@ -152,6 +153,8 @@ class AccountLanes:
         #: (did, kind) -> digest of the last #identity/#account accepted from a relay upstream:
         #: the same event carried by a second relay is dropped (commits dedup by rev instead)
         self._relayed: BoundedLRU[tuple[str, str], bytes] = BoundedLRU(relay_dedup)
+        #: lanes loading at once share one query (a burst of never-seen accounts: issue 18)
+        self._accounts: BatchedLookup[str, AccountState] = BatchedLookup(store.get_accounts)
 
     # -- lanes ---------------------------------------------------------------------------------
     def _lane(self, did: str) -> _Lane:
@@ -256,7 +259,7 @@ class AccountLanes:
 
     async def _load(self, lane: _Lane) -> None:
         if not lane.loaded or (lane.stale and not lane.inflight):
-            lane.durable = await self.store.get_account(lane.did)
+            lane.durable = await self._accounts.get(lane.did)
             lane.loaded = True
             lane.stale = False
 

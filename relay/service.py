@@ -48,6 +48,7 @@ from relay.identity import (
     RedisIdentityCache,
     dns_txt_lookup,
 )
+from relay.identity_store import PersistedIdentities
 from relay.jetstream_server import JetstreamServer, jetstream_server
 from relay.jsonlog import fields
 from relay.lanes import AccountLanes
@@ -115,8 +116,10 @@ class RelayService:
         self.broadcaster: Broadcaster = None  # type: ignore[assignment]
         self.jetstream: JetstreamServer | None = None
         self.identity: IdentityResolver = None  # type: ignore[assignment]
+        self.identities: PersistedIdentities | None = None
         self.hosts: HostManager | None = None
         self.lanes: AccountLanes | None = None
+        self.admission: Admission | None = None
         self.upstreams: Upstreams | None = None
         self.resync: ResyncManager | None = None
         self.pool: ValidationPool | None = None
@@ -155,11 +158,14 @@ class RelayService:
         else:
             self.bus = InProcessBus()
             cache = MemoryIdentityCache()
+        self.identities = PersistedIdentities(self.store)
+        self.identities.start()
         self.identity = IdentityResolver(plc_url=config.plc_url, safe_client=self.safe, cache=cache,
                                          metrics=self.metrics, handle_resolver_url=config.handle_resolver_url,
                                          rate=max(1.0, float(config.identity_rate)),
                                          burst=max(1, int(config.identity_rate * 2.5)),
-                                         txt_lookup=dns_txt_lookup(parse_nameservers(config.dns_servers) or None))
+                                         txt_lookup=dns_txt_lookup(parse_nameservers(config.dns_servers) or None),
+                                         persisted=self.identities, stale_after=config.identity_max_age)
         if config.getrepo_proxy:
             self.repo_proxy = RepoProxy(identity=self.identity, safe=self.safe, metrics=self.metrics,
                                         cache_bytes=max(1, config.getrepo_cache_mb) * 1024 * 1024)
@@ -184,8 +190,8 @@ class RelayService:
         self.pool = ValidationPool(config.validation_workers)
         await self.pool.start()
         resync_queue = ResyncQueue(on_change=self.metrics.resync_queue.set)
-        admission = Admission(store=self.store, identity=self.identity, policy=policy,
-                              default_account_limit=config.default_account_limit)
+        self.admission = admission = Admission(store=self.store, identity=self.identity, policy=policy,
+                                               default_account_limit=config.default_account_limit)
         self.lanes = AccountLanes(store=self.store, sequencer=self.sequencer, pool=self.pool, admission=admission,
                                   identity=self.identity, resync=resync_queue, count=self._count)
         self.upstreams = Upstreams(store=self.store, sequencer=self.sequencer, lanes=self.lanes,
@@ -235,7 +241,8 @@ class RelayService:
         log.info("firehose listening", extra=fields(url=self.firehose_url))
 
     async def _limit_raised(self, hostname: str) -> None:
-        assert self.resync is not None
+        assert self.resync is not None and self.admission is not None
+        self.admission.forget_host(hostname)
         await self.resync.release_throttled(hostname)
 
     async def _publish(self, events: list[SequencedEvent]) -> None:
@@ -324,6 +331,8 @@ class RelayService:
                 await self.bus.close()
         if self.identity is not None:
             await self.identity.aclose()
+        if self.identities is not None:
+            await self.identities.close()
         await self.safe.aclose()
         if self._redis is not None:
             with contextlib.suppress(Exception):

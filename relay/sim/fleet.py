@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -261,21 +262,22 @@ class SimFleet:
         self._queue(host, "#commit", body, acct.did, rev=res.rev, commit=res.commit_cid.encode(), action=action, **truth)
 
     # -- generation --------------------------------------------------------------------------
-    def _pick_active(self) -> SimAccount | None:
+    def _pick_active(self, among: Sequence[SimAccount] | None = None) -> SimAccount | None:
+        pool = among or self.accounts
         for _ in range(20):
-            a = self.rng.choice(self.accounts)
+            a = self.rng.choice(pool)
             if a.status == "active":
                 return a
-        active = [a for a in self.accounts if a.status == "active"]
+        active = [a for a in pool if a.status == "active"]
         return self.rng.choice(active) if active else None
 
-    def _step(self) -> bool:
+    def _step(self, among: Sequence[SimAccount] | None = None) -> bool:
         """Produce one commit (plus whatever fault events go with it); False if nobody is active."""
         assert self._mix is not None
         rng = self.rng
         if self._inactive and rng.random() < 0.2:
             self.set_status(self._inactive[rng.randrange(len(self._inactive))], "active")
-        acct = self._pick_active()
+        acct = self._pick_active(among)
         if acct is None:
             return False
         faults = acct.host.faults
@@ -304,15 +306,16 @@ class SimFleet:
         await asyncio.sleep(0)
         return self.ground_truth[start:]
 
-    def _produce(self, n: int) -> None:
+    def _produce(self, n: int, among: Sequence[SimAccount] | None = None) -> None:
         for _ in range(n):
-            if not self._step():
+            if not self._step(among):
                 break
 
-    def prepare(self, n: int) -> int:
-        """Pre-generate ``n`` commits whose frames are held back until :meth:`release`."""
+    def prepare(self, n: int, among: Sequence[SimAccount] | None = None) -> int:
+        """Pre-generate ``n`` commits whose frames are held back until :meth:`release`; ``among``
+        limits them to those accounts (a working set), else any account."""
         before = len(self._pending)
-        self._produce(n)
+        self._produce(n, among)
         return len(self._pending) - before
 
     @property

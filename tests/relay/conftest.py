@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +12,7 @@ import asyncpg
 import pytest
 
 from backfill.store import Store
+from relay.sim.plc import SimPLC
 from relay.ssrf import Resolver
 from tests.relay.helpers import RunningRelay, running_relay
 
@@ -52,3 +53,12 @@ def relay_factory(tmp_path: Path) -> RelayFactory:
                              **{"database_url": str(tmp_path / "relay.sqlite"), **settings})
 
     return factory
+
+
+@pytest.fixture
+async def plc() -> AsyncIterator[SimPLC]:
+    """The simulator's PLC directory on its own (its ``requests`` count the resolutions)."""
+    directory = SimPLC()
+    await directory.start()
+    yield directory
+    await directory.stop()
