@@ -178,7 +178,7 @@ async def reset_cursor(request: Request, service: RelayService) -> Response:
 
 
 async def set_validation(request: Request, service: RelayService) -> Response:
-    body = await _json(request)
+    body = await json_object(request)
     if "lenient" not in body:
         raise invalid("lenient (true, false, or null for the relay setting) required")
     host = await _hosts(service).set_validation(request.path_params["hostname"], _opt_bool(body, "lenient"))
