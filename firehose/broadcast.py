@@ -20,8 +20,9 @@ Cursor rules (inclusive, as the I-D states: "seq greater than or equal to the cu
 No gap, no duplicate at the replay→live handoff: a session registers for live events
 *before* its first store read and buffers them (bounded); when a store read comes back short
 (caught up) the switch to live happens without an intervening ``await``; from then on any
-event with ``seq <= last sent`` is dropped (the store can show an event before the bus
-delivers it, so a replayed event may still arrive live). Every event published after registration is in the
+event with ``seq <= last sent`` is dropped — when taken from the queue (``_take_queued``) or
+written directly (``_offer_direct``) — since the store can show an event before the bus delivers
+it, so a replayed event may still arrive live, before or after the switch. Every event published after registration is in the
 buffer; every event published before it was durable before it, hence visible to the reads.
 
 A catching-up consumer is never dropped: if its buffer overflows during replay the buffer is
@@ -137,6 +138,11 @@ class ConsumerSession:
         else:
             for ev in batch:
                 self._offer(ev)
+
+    @property
+    def live(self) -> bool:
+        """Replay (if any) is over: this session is sent live events now."""
+        return self._live
 
     def wake(self) -> None:
         """Make a waiting :meth:`frame_batches` look again (the broadcaster is closing)."""
@@ -369,9 +375,7 @@ class ConsumerSession:
                     self._replay_overflow = False
                     read = asyncio.ensure_future(b.store.read_after(last, limit))
                     continue
-                while self._queue and self._queue[0].seq <= last:
-                    self._queued_bytes -= len(self._queue.popleft().frame)
-                self._live = True
+                self._live = True  # what is queued and was replayed is skipped by _take_queued
                 return
         finally:
             if read is not None and not read.done():  # closed mid-replay: drop the read ahead
