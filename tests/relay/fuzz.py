@@ -16,7 +16,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-LEXICON_DIR = Path(__file__).resolve().parents[3] / "shared" / "lexicons" / "com" / "atproto" / "sync"
+from tests.conftest import SHARED
+
+LEXICON_DIR = SHARED / "lexicons" / "com" / "atproto" / "sync"
 
 HOSTILE_STRINGS = [
     "", " ", "\x00", "a\x00b", "did:plc:\x00", "\x01\x7f", "%00", "'; DROP TABLE hosts; --", "\\", "\"",
