@@ -50,3 +50,43 @@ def test_identity_body_keeps_lexicon_fields_and_a_verified_handle_only() -> None
     assert identity_body({**body, "handle": ""}, True) == {"did": DID, "time": T}
     assert identity_body({**body, "handle": None}, True) == {"did": DID, "time": T}
     assert identity_body({**body, "handle": 5}, True) == {"did": DID, "time": T}
+
+
+def test_sync_verdict_edges() -> None:
+    """``#sync``: an inactive account's is ignored (exactly), and the 10,000-byte limit on its
+    blocks is inclusive."""
+    from firehose.messages import SyncMessage
+    from firehose.validate import MAX_SYNC_BLOCKS_BYTES, validate_sync
+    from mst import cbor
+    from mst.car import read_car, write_car
+    from mst.cid import cid_for_cbor
+
+    from .commits import new_repo, posts, sync_body
+
+    repo = new_repo()
+    res = repo.apply_writes(posts(1))
+    body = sync_body(repo, res)
+    taken = AccountState(did=repo.did, local_status="takendown")
+    msg = SyncMessage(1, repo.did, body["rev"], body["blocks"], T)
+    v = validate_sync(msg, taken, repo.key.did_key(), 0.0)
+    assert (v.kind, v.reason, v.new_state, v.detail) == ("ignore", Reason.ACCOUNT_INACTIVE.value, None, "takendown")
+    car = read_car(body["blocks"])
+
+    def padded_to(size: int) -> bytes:
+        n = size - len(body["blocks"]) - 40
+        while True:
+            pad = cbor.encode({"p": b"x" * n})
+            out = write_car(car.roots, [*car.blocks.items(), (cid_for_cbor(pad), pad)])
+            if len(out) == size:
+                return out
+            n += size - len(out)
+
+    import time
+
+    at_limit = validate_sync(SyncMessage(1, repo.did, body["rev"], padded_to(MAX_SYNC_BLOCKS_BYTES), T), None,
+                             repo.key.did_key(), time.time())
+    assert at_limit.kind == "accept", at_limit
+    over = validate_sync(SyncMessage(1, repo.did, body["rev"], padded_to(MAX_SYNC_BLOCKS_BYTES + 1), T), None,
+                         repo.key.did_key(), time.time())
+    assert (over.kind, over.reason, over.detail) == ("reject", Reason.BLOCKS_TOO_LARGE.value,
+                                                     str(MAX_SYNC_BLOCKS_BYTES + 1))
