@@ -90,3 +90,30 @@ def test_sync_verdict_edges() -> None:
                          repo.key.did_key(), time.time())
     assert (over.kind, over.reason, over.detail) == ("reject", Reason.BLOCKS_TOO_LARGE.value,
                                                      str(MAX_SYNC_BLOCKS_BYTES + 1))
+
+
+def test_accepted_sync_state_and_reason() -> None:
+    """An accepted ``#sync`` resets the account to its commit: ``ok`` when it matches the stored
+    data (or nothing is stored), ``sync_reset`` when it does not; the state is exact."""
+    from firehose.messages import SyncMessage
+    from firehose.validate import cid_text, validate_sync
+
+    from .commits import new_repo, posts, sync_body
+
+    repo = new_repo()
+    first = repo.apply_writes(posts(1))
+    res = repo.apply_writes(posts(1, start=5))
+    body = sync_body(repo, res)
+    msg = SyncMessage(1, repo.did, body["rev"], body["blocks"], T)
+    key = repo.key.did_key()
+    expected = AccountState(did=repo.did, rev=res.rev, commit_cid=cid_text(res.commit_cid), data_cid=cid_text(res.data),
+                            sync_state="synced", updated_at=2e9)
+    v = validate_sync(msg, None, key, 2e9)
+    assert (v.kind, v.reason, v.new_state) == ("accept", Reason.OK.value, expected)
+    same = AccountState(did=repo.did, host="h", rev=first.rev, data_cid=cid_text(res.data), sync_state="desynchronized")
+    v = validate_sync(msg, same, key, 2e9)
+    assert (v.kind, v.reason) == ("accept", Reason.OK.value)
+    assert v.new_state is not None and (v.new_state.host, v.new_state.sync_state) == ("h", "synced")
+    other = AccountState(did=repo.did, rev=first.rev, data_cid=cid_text(first.data))
+    v = validate_sync(msg, other, key, 2e9)
+    assert (v.kind, v.reason) == ("accept", Reason.SYNC_RESET.value)

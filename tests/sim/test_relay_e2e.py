@@ -7,6 +7,7 @@ and the relay's verdict counters must show every expected rejection/desync/ignor
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import Counter
 
@@ -22,6 +23,7 @@ def _key(kind: str, did: str, rev: str | None) -> tuple[str, str, str | None]:
 
 async def test_relay_output_matches_ground_truth() -> None:
     from websockets.asyncio.client import connect
+    from websockets.exceptions import ConnectionClosed
 
     fleet = SimFleet(SimConfig(hosts=2, accounts_per_host=4, seed=50))
     await fleet.start()
@@ -36,12 +38,19 @@ async def test_relay_output_matches_ground_truth() -> None:
             got: list[tuple[int, str, str, str | None]] = []
 
             async def consume() -> None:
-                async with connect(r.ws_url + "?cursor=0", max_size=None) as ws:  # all of it, whenever it connects
-                    async for msg in ws:
-                        f = decode_frame(msg)  # type: ignore[arg-type]
-                        if f.t in ("#commit", "#sync", "#identity", "#account"):
-                            b = f.body
-                            got.append((b["seq"], f.t, b.get("repo") or b.get("did"), b.get("rev")))
+                # From the start (whenever it connects), and on from the last seq + 1 if the
+                # connection drops: a starved machine can miss a keepalive, and a consumer that
+                # resumes by cursor must still see everything exactly once.
+                while True:
+                    cursor = got[-1][0] + 1 if got else 0
+                    with contextlib.suppress(ConnectionClosed, OSError):
+                        async with connect(f"{r.ws_url}?cursor={cursor}", max_size=None) as ws:
+                            async for msg in ws:
+                                f = decode_frame(msg)  # type: ignore[arg-type]
+                                if f.t in ("#commit", "#sync", "#identity", "#account"):
+                                    b = f.body
+                                    got.append((b["seq"], f.t, b.get("repo") or b.get("did"), b.get("rev")))
+                    await asyncio.sleep(0.1)
 
             reader = asyncio.create_task(consume())
             await r.crawl([h.hostname for h in fleet.hosts])
