@@ -41,13 +41,14 @@ async def test_late_bus_delivery_of_replayed_events_is_not_sent_again(store: Sto
         async with serve(b, transport) as hp, connect(ws_url(hp, cursor=1), max_size=None) as ws:
             assert [decode_frame(await ws.recv()).body["seq"] for _ in range(30)] == list(range(1, 31))
             await until(lambda: len(b.sessions) == 1 and b.sessions[0].live, "the switch to live")
-            await bus.publish(late[:29])  # the bus catches up after the switch: all already sent...
-            await bus.publish(late[29:])  # ...the last one alone: a batch starting at the last seq sent
             marker = event(31)
             await write([marker])
-            await bus.publish([marker])
-            assert decode_frame(await ws.recv()).body["seq"] == 31  # nothing in between
-            assert b.sessions[0].sent == 31
+            await bus.publish(late[:29])  # the bus catches up after the switch: all already sent...
+            await bus.publish([late[29], marker])  # ...then a batch starting at the last seq sent
+            assert decode_frame(await ws.recv()).body["seq"] == 31  # nothing in between, nothing lost
+            session = b.sessions[0]
+            assert (session.sent, session.last_seq) == (31, 31)
+            assert session.bytes_sent == sum(len(commit_frame(s)) for s in range(1, 32))
     finally:
         await lease.release()
         await b.close()

@@ -53,7 +53,7 @@ class RelayChild:
 @contextlib.asynccontextmanager
 async def relay_child(tmp_path: Path, **settings: str) -> AsyncIterator[RelayChild]:
     """Start ``relay serve`` (SQLite under ``tmp_path``, port 0, ``settings`` as ``RELAY_*``
-    variables) and wait for its ``listening`` line. On exit: SIGTERM to its process group (if it
+    variables) and wait for its ``listening`` line and its ``running`` state. On exit: SIGTERM to its process group (if it
     still runs), then SIGKILL after 20 s."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RELAY_")}
     env.update({"RELAY_BIND": "127.0.0.1:0", "RELAY_DATABASE_URL": str(tmp_path / "relay.sqlite"),
@@ -64,6 +64,7 @@ async def relay_child(tmp_path: Path, **settings: str) -> AsyncIterator[RelayChi
                             stdout=subprocess.DEVNULL, stderr=log.open("wb"), start_new_session=True)
     try:
         url = await _listening(proc, log)
+        await _running(proc, url, log)
         yield RelayChild(proc, url, log)
     finally:
         if proc.poll() is None:
@@ -88,3 +89,19 @@ async def _listening(proc: subprocess.Popen[bytes], log: Path, timeout: float = 
             raise AssertionError("relay exited at start:\n" + log.read_text(errors="replace")[-3000:])
         await asyncio.sleep(0.05)
     raise AssertionError("relay did not start:\n" + log.read_text(errors="replace")[-3000:])
+
+
+async def _running(proc: subprocess.Popen[bytes], url: str, log: Path, timeout: float = 60.0) -> None:
+    """The port opens before the service has started: wait for ``/_health`` to say ``running``."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    async with httpx.AsyncClient(base_url=url, timeout=5) as http:
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                if (await http.get("/_health")).json().get("state") == "running":
+                    return
+            if proc.poll() is not None:
+                raise AssertionError("relay exited at start:\n" + log.read_text(errors="replace")[-3000:])
+            await asyncio.sleep(0.05)
+    raise AssertionError("relay not running:\n" + log.read_text(errors="replace")[-3000:])
