@@ -20,13 +20,24 @@ Cursor rules (inclusive, as the I-D states: "seq greater than or equal to the cu
 No gap, no duplicate at the replay→live handoff: a session registers for live events
 *before* its first store read and buffers them (bounded); when a store read comes back short
 (caught up) the switch to live happens without an intervening ``await``; from then on any
-event with ``seq <= last sent`` is dropped (the store can show an event before the bus
-delivers it, so a replayed event may still arrive live). Every event published after registration is in the
+event with ``seq <= last sent`` is dropped — when taken from the queue (``_take_queued``) or
+written directly (``_offer_direct``) — since the store can show an event before the bus delivers
+it, so a replayed event may still arrive live, before or after the switch. Every event published after registration is in the
 buffer; every event published before it was durable before it, hence visible to the reads.
 
 A catching-up consumer is never dropped: if its buffer overflows during replay the buffer is
-discarded and replay simply continues from the store (which has everything). Only a consumer
-whose *live* queue overflows (count or bytes) gets ``ConsumerTooSlow`` and is closed.
+discarded and replay simply continues from the store (which has everything). A *live* consumer
+is too slow — sent ``ConsumerTooSlow``, then closed — when it lags behind live:
+
+* in time: an event was handed to its connection and the connection has not taken it within
+  ``max_lag`` seconds. A transport that can probe (``pump(probe=…)``: a WebSocket ping sent after
+  the data, whose pong proves the peer read everything before it) is probed after live writes, at
+  most every ``max_lag / 4``; the probe's deadline is ``max_lag`` after the first write it covers.
+  So a consumer that stops reading is told within ``max_lag`` of the first event it does not
+  take, at any event rate (at a low rate the event sits in socket buffers, where no queue limit
+  would ever see it);
+* in bytes or frames: its live queue in this process overflows (``live_queue_max`` frames /
+  ``live_queue_bytes`` bytes), which at a high rate happens first.
 Memory per consumer is bounded by ``live_queue_max`` frames / ``live_queue_bytes`` bytes plus two
 replay batches (the one being sent and the next store read, done ahead while it is sent).
 Replay is sent one store read at a time (:meth:`ConsumerSession.frame_batches`), so a transport
@@ -37,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
@@ -48,6 +60,9 @@ from firehose.frames import encode_error_frame, encode_info_frame
 from firehose.state import SequencedEvent
 
 log = logging.getLogger(__name__)
+
+#: Default bound on a live consumer's lag (``Broadcaster(max_lag=)``, ``RELAY_CONSUMER_MAX_LAG``).
+DEFAULT_MAX_LAG = 15.0
 
 FUTURE_CURSOR = "FutureCursor"
 CONSUMER_TOO_SLOW = "ConsumerTooSlow"
@@ -84,6 +99,8 @@ class BroadcastStats:
     replay_overflows: int = 0
     bus_gaps_filled: int = 0
     bus_errors: int = 0
+    #: consumers cut as too slow because a lag probe was not answered in time (also in ``too_slow``)
+    lagged: int = 0
 
 
 class ConsumerSession:
@@ -108,6 +125,9 @@ class ConsumerSession:
         #: the fan-out calls it directly, skipping the per-frame task switch.
         self.direct_writer: DirectWriter | None = None
         self._direct = False
+        #: When the oldest live write not yet covered by a lag probe was made (None: none pending).
+        self._unprobed_since: float | None = None
+        self._written = asyncio.Event()
 
     # -- called by the broadcaster's fan-out (synchronously, never awaits)
     def offer(self, batch: list[SequencedEvent]) -> None:
@@ -118,6 +138,11 @@ class ConsumerSession:
         else:
             for ev in batch:
                 self._offer(ev)
+
+    @property
+    def live(self) -> bool:
+        """Replay (if any) is over: this session is sent live events now."""
+        return self._live
 
     def wake(self) -> None:
         """Make a waiting :meth:`frame_batches` look again (the broadcaster is closing)."""
@@ -160,9 +185,25 @@ class ConsumerSession:
         self.last_seq = batch[-1].seq
         self.sent += len(batch)
         self.bytes_sent += sum(map(len, frames))
+        self._note_written()
+
+    def _note_written(self) -> None:
+        """Live frames went to the transport: the next lag probe covers them."""
+        if self._unprobed_since is None:
+            self._unprobed_since = self._b.clock()
+            self._written.set()
 
     def _overflowed_live(self) -> None:
-        self.close_frame = encode_error_frame(CONSUMER_TOO_SLOW, "live queue overflowed")
+        self._too_slow("live queue overflowed")
+
+    def _lagged(self) -> None:
+        self._b.stats.lagged += 1
+        self._too_slow(f"more than {self._b.max_lag:g} s behind live")
+
+    def _too_slow(self, why: str) -> None:
+        if self.too_slow.is_set():
+            return
+        self.close_frame = encode_error_frame(CONSUMER_TOO_SLOW, why)
         self._b.stats.too_slow += 1
         self._queue.clear()
         self._queued_bytes = 0
@@ -237,7 +278,33 @@ class ConsumerSession:
             self.last_seq = last
             self.sent += len(out)
             self.bytes_sent += size
+            self._note_written()
         return out
+
+    async def watch_lag(self, probe: ProbeFn) -> None:
+        """Probe the connection after live writes (see the module docstring); mark the session too
+        slow when a probe is not answered within ``max_lag`` of the first write it covers. Ends
+        then, or when ``probe`` raises (the connection is gone); the caller cancels it otherwise."""
+        b = self._b
+        interval = b.max_lag / 4
+        while True:
+            await self._written.wait()
+            self._written.clear()
+            since = self._unprobed_since
+            self._unprobed_since = None
+            if since is None:
+                continue
+            sent_at = b.clock()
+            try:
+                await asyncio.wait_for(probe(), max(since + b.max_lag - sent_at, 0.0))
+            except TimeoutError:
+                self._lagged()
+                return
+            except Exception:  # the connection is gone: the transport ends the session
+                return
+            pause = sent_at + interval - b.clock()
+            if pause > 0:
+                await asyncio.sleep(pause)  # probes are paced; writes meanwhile keep their deadline
 
     async def _replay(self) -> AsyncGenerator[list[SequencedEvent], None]:
         b = self._b
@@ -308,9 +375,7 @@ class ConsumerSession:
                     self._replay_overflow = False
                     read = asyncio.ensure_future(b.store.read_after(last, limit))
                     continue
-                while self._queue and self._queue[0].seq <= last:
-                    self._queued_bytes -= len(self._queue.popleft().frame)
-                self._live = True
+                self._live = True  # what is queued and was replayed is skipped by _take_queued
                 return
         finally:
             if read is not None and not read.done():  # closed mid-replay: drop the read ahead
@@ -340,7 +405,15 @@ class Broadcaster:
         replay_batch: int = 500,
         replay_bytes: int = 4 * 1024 * 1024,
         max_consumers: int = 10_000,
+        max_lag: float = DEFAULT_MAX_LAG,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``max_lag``: seconds a live consumer's connection may take to take an event (see the
+        module docstring); ``live_queue_max``/``live_queue_bytes``: its live queue in this process."""
+        if max_lag <= 0:
+            raise ValueError("max_lag must be positive")
+        self.max_lag = max_lag
+        self.clock = clock
         self.store = store
         self.bus = bus
         self.live_queue_max = live_queue_max
@@ -476,6 +549,8 @@ class Broadcaster:
 SendFn = Callable[[bytes], Awaitable[None]]
 SendManyFn = Callable[[list[bytes]], Awaitable[None]]
 SendEventsFn = Callable[[list[SequencedEvent]], Awaitable[None]]
+#: Sends a WebSocket ping after everything written so far; returns once the peer answered it.
+ProbeFn = Callable[[], Awaitable[None]]
 
 
 async def pump(
@@ -485,16 +560,23 @@ async def pump(
     *,
     send_many: SendManyFn | None = None,
     send_events: SendEventsFn | None = None,
+    probe: ProbeFn | None = None,
+    send_final: SendFn | None = None,
     error_send_timeout: float = 2.0,
 ) -> None:
     """Drive one session over a transport: send every frame; stop at once when the peer goes
     away (``closed`` completes) or on ``ConsumerTooSlow`` (even if a send is stuck on a stalled
-    peer: the error frame is then tried briefly). The caller closes the transport afterwards.
+    peer). The caller closes the transport afterwards, unless ``send_final`` did.
 
     ``send_many(frames)``, when given, sends a list of frames in order (one transport write and
     one wait for backpressure per list); otherwise ``send`` is awaited per frame.
     ``send_events(events)``, when given, is handed the events themselves instead (see
     :meth:`ConsumerSession.event_batches`); ``send`` then only gets the ``ConsumerTooSlow`` frame.
+    ``probe``, when given, lets the session measure its lag (:meth:`ConsumerSession.watch_lag`).
+    ``send_final(frame)`` writes the ``ConsumerTooSlow`` frame behind whatever is unsent, without
+    waiting for the peer, and starts closing the connection (a stalled peer is cut after the
+    transport's close timeout); without it the error frame is tried with ``send`` for
+    ``error_send_timeout`` seconds.
     """
 
     async def run() -> None:
@@ -521,6 +603,8 @@ async def pump(
     slow = asyncio.create_task(session.too_slow.wait())
     gone = asyncio.ensure_future(closed) if closed is not None else None
     waiters = {task, slow} | ({gone} if gone is not None else set())
+    if probe is not None:
+        waiters.add(asyncio.create_task(session.watch_lag(probe)))
     try:
         done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
         too_slow = session.too_slow.is_set()
@@ -535,7 +619,10 @@ async def pump(
             pass
         if too_slow and session.close_frame is not None and (gone is None or not gone.done()):
             try:
-                await asyncio.wait_for(send(session.close_frame), error_send_timeout)
+                if send_final is not None:
+                    await send_final(session.close_frame)
+                else:
+                    await asyncio.wait_for(send(session.close_frame), error_send_timeout)
             except Exception:  # stalled or already gone: closing is all that is left
                 pass
     finally:

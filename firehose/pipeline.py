@@ -34,24 +34,25 @@ def validate_and_encode(
 ) -> Verdict:
     """``validate_frame``, plus, for an accepted ``#commit``/``#sync``, the outgoing body
     (``firehose.validate.outgoing_body``: lexicon fields only, no upstream ``seq``, ``blocks``
-    verbatim) encoded as canonical DAG-CBOR with the offset where ``seq`` belongs
+    verbatim unless unreferenced blocks were dropped: ``Verdict.blocks``) encoded as canonical DAG-CBOR with the offset where ``seq`` belongs
     (``Verdict.body_cbor``/``seq_offset``, for ``PendingEvent``). Runs in a worker process, so
     the parent neither encodes the body nor receives it as a (large, slow to unpickle) dict.
     ``lenient``: sync 1.0 commits (``firehose.validate.validate_commit``)."""
     verdict, decoded = judge_frame(frame, state, signing_key, now, lenient=lenient)
     if verdict.kind != "accept" or decoded is None or decoded.t not in OUTGOING_FIELDS:
         return verdict
+    body = decoded.body if verdict.blocks is None else {**decoded.body, "blocks": verdict.blocks}
     try:
-        body_cbor, offset = encode_unsequenced(outgoing_body(decoded.t, decoded.body))
+        body_cbor, offset = encode_unsequenced(outgoing_body(decoded.t, body))
     except (FramingError, TypeError, ValueError):  # not expected after strict decoding
         return verdict  # the caller falls back to building the body itself
-    return Verdict(verdict.kind, verdict.reason, verdict.new_state, verdict.detail, body_cbor, offset)
+    return Verdict(verdict.kind, verdict.reason, verdict.new_state, verdict.detail, body_cbor, offset, verdict.blocks)
 
 
 # ``AccountState`` travels to the workers and back as ``account_row`` tuples: pickling slotted
 # dataclasses runs Python-level ``__getstate__``/``__setstate__`` per object, a tuple is pickled in C.
 WireJob = tuple[bytes, tuple[Any, ...] | None, str | None, float, bool]
-WireVerdict = tuple[str, str, tuple[Any, ...] | None, str, bytes | None, int | None]
+WireVerdict = tuple[str, str, tuple[Any, ...] | None, str, bytes | None, int | None, bytes | None]
 
 
 def _to_wire(job: Job) -> WireJob:
@@ -60,9 +61,9 @@ def _to_wire(job: Job) -> WireJob:
 
 
 def _verdict_from_wire(w: WireVerdict) -> Verdict:
-    kind, reason, state, detail, body_cbor, offset = w
+    kind, reason, state, detail, body_cbor, offset, blocks = w
     return Verdict(kind, reason, None if state is None else AccountState(*state), detail,  # type: ignore[arg-type]
-                   body_cbor, offset)
+                   body_cbor, offset, blocks)
 
 
 def validate_batch(jobs: list[WireJob]) -> tuple[list[WireVerdict], float]:
@@ -74,7 +75,7 @@ def validate_batch(jobs: list[WireJob]) -> tuple[list[WireVerdict], float]:
         v = validate_and_encode(frame, None if state is None else AccountState(*state), key, now, lenient)
         new_state = v.new_state
         out.append((v.kind, v.reason, None if new_state is None else account_row(new_state), v.detail,
-                    v.body_cbor, v.seq_offset))
+                    v.body_cbor, v.seq_offset, v.blocks))
     return out, time.process_time() - t0
 
 

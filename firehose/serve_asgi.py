@@ -5,7 +5,9 @@
 * HTTP: ``405`` for non-GET, ``426`` for a GET without ``Upgrade`` (JSON XRPC error bodies);
 * WebSocket: ``400 InvalidRequest`` for a bad ``cursor``, ``429`` when the broadcaster is at
   capacity (via the ASGI denial-response extension, falling back to a 1013 close), otherwise
-  accept and stream via :func:`firehose.broadcast.pump`.
+  accept and stream via :func:`firehose.broadcast.pump`. Under ``firehose.uvicorn_batch`` (what
+  ``relay serve`` runs) a live consumer's lag is probed with pings, so a stalled one gets
+  ``ConsumerTooSlow`` within ``Broadcaster.max_lag``; under plain uvicorn only its queue is bounded.
 
 Mount it with ``subscribe_repos_routes(broadcaster)`` (a ``Route`` + ``WebSocketRoute`` pair).
 """
@@ -22,7 +24,7 @@ from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from firehose.broadcast import Broadcaster, pump
-from firehose.uvicorn_batch import SEND_BATCH
+from firehose.uvicorn_batch import PROBE, SEND_BATCH
 
 SUBSCRIBE_REPOS_PATH = "/xrpc/com.atproto.sync.subscribeRepos"
 
@@ -94,11 +96,20 @@ class SubscribeReposWebSocket:
             # the raw ASGI send: Starlette's state bookkeeping per frame is measurable at 50k/s
             await send({"type": "websocket.send", "bytes": frame})
 
-        send_many = None
-        if SEND_BATCH in scope.get("extensions", {}):  # firehose.uvicorn_batch: one write per batch
+        send_many = send_final = probe = None
+        extensions = scope.get("extensions") or {}
+        if SEND_BATCH in extensions:  # firehose.uvicorn_batch: one write per batch
 
             async def send_many(frames: list[bytes]) -> None:
                 await send({"type": SEND_BATCH, "frames": frames})
+
+            async def send_final(frame: bytes) -> None:
+                await send({"type": SEND_BATCH, "frames": [frame], "close": (1008, "ConsumerTooSlow")})
+
+        if PROBE in extensions:  # firehose.uvicorn_batch: lag probes (ConsumerTooSlow at any rate)
+
+            async def probe() -> None:
+                await send({"type": PROBE})
 
         async def until_disconnect() -> None:
             # Client frames are ignored (server-to-client protocol); we only watch for the close.
@@ -106,9 +117,12 @@ class SubscribeReposWebSocket:
                 pass
 
         try:
-            await pump(session, send_frame, until_disconnect(), send_many=send_many)
+            await pump(session, send_frame, until_disconnect(), send_many=send_many, probe=probe,
+                       send_final=send_final)
         except (WebSocketDisconnect, OSError, RuntimeError):
             return
+        if session.too_slow.is_set() and send_final is not None:
+            return  # the error frame and the close went out together; the protocol finishes the close
         if ws.client_state.name == "DISCONNECTED" or ws.application_state.name == "DISCONNECTED":
             return
         try:

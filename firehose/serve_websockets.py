@@ -119,12 +119,16 @@ async def serve_subscribe_repos(
     *,
     path: str = SUBSCRIBE_REPOS_PATH,
     ping_interval: float | None = 20.0,
-    ping_timeout: float | None = 20.0,
+    ping_timeout: float | None = None,
     direct: bool = True,
     track: Callable[[ServerConnection, ConsumerSession], AbstractAsyncContextManager[Any]] | None = None,
     deflate: bool = False,
 ) -> Server:
     """Start the server (``async with`` it or call ``.close()``); ``port=0`` picks a free port.
+
+    A live consumer's lag is probed with pings (``ConsumerTooSlow`` within ``broadcaster.max_lag``);
+    the keepalive ping's timeout (default ``max_lag`` + 20 s) only catches peers that vanished
+    while nothing was sent to them.
 
     With ``direct`` (default) a caught-up consumer is written to synchronously by the fan-out
     (frames written straight into its transport; the consumer is too slow when the connection's
@@ -158,12 +162,23 @@ async def serve_subscribe_repos(
         session = broadcaster.session(_cursor_of(connection.request.path))
         if direct:
             session.direct_writer = _DirectWriter(connection, broadcaster.live_queue_bytes)
+        async def probe() -> None:
+            await (await connection.ping())
+
+        async def send_final(frame: bytes) -> None:
+            protocol = connection.protocol
+            if protocol.state is State.OPEN:  # behind whatever is unsent; the close waits for nothing
+                protocol.send_binary(frame)
+                protocol.send_close(1008, "ConsumerTooSlow")
+                connection.transport.writelines(protocol.data_to_send())
+
         async with track(connection, session) if track is not None else contextlib.nullcontext():
             try:
-                await pump(session, connection.send, connection.wait_closed(), send_many=_sender_of(connection))
+                await pump(session, connection.send, connection.wait_closed(), send_many=_sender_of(connection),
+                           probe=probe, send_final=send_final)
             except ConnectionClosed:
                 return
-            await connection.close()
+            await connection.close()  # after send_final: waits close_timeout for the peer, then aborts
 
     return await serve(
         handler,
@@ -171,7 +186,7 @@ async def serve_subscribe_repos(
         port,
         process_request=process_request,
         ping_interval=ping_interval,
-        ping_timeout=ping_timeout,
+        ping_timeout=broadcaster.max_lag + 20.0 if ping_timeout is None else ping_timeout,
         max_size=MAX_FRAME_BYTES,
         compression="deflate" if deflate else None,
     )

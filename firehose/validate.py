@@ -47,6 +47,7 @@ from firehose.messages import (
     SyncMessage,
     parse_frame,
 )
+from firehose.prune import Recording, prune_slice
 from firehose.reasons import Reason
 from firehose.state import AccountState
 from mst import cbor
@@ -65,7 +66,7 @@ from mst.errors import (
 )
 from mst.invert import invert_ops
 from mst.mst import MST
-from mst.node import empty_node
+from mst.node import BlockMap, empty_node
 from mst.tid import tid_to_micros
 
 MAX_COMMIT_BLOCKS_BYTES = 2_000_000
@@ -101,6 +102,10 @@ class Verdict:
     #: ``seq_offset``. None otherwise (and always from ``validate_frame`` itself).
     body_cbor: bytes | None = None
     seq_offset: int | None = None
+    #: For an accepted ``#commit``/``#sync`` whose CAR slice carried blocks the commit does not
+    #: reference: the slice without them (``firehose.prune``), to redistribute instead of ``blocks``
+    #: (counted ``strip``/``unreferenced_blocks``). None when the slice goes out as received.
+    blocks: bytes | None = None
 
     @property
     def accepted(self) -> bool:
@@ -195,10 +200,11 @@ def _lenient_reason(msg: CommitMessage, expected: CID | None) -> Reason | None:
     return None
 
 
-def _check_inversion(car: Car, data: CID, msg: CommitMessage, expected: CID, state: AccountState | None) -> None:
-    """Step 3: the ops, inverted on the slice's partial tree, give back ``expected``."""
+def _check_inversion(blocks: BlockMap, data: CID, msg: CommitMessage, expected: CID,
+                     state: AccountState | None) -> None:
+    """Step 3: the ops, inverted on the slice's partial tree (``blocks``), give back ``expected``."""
     try:
-        computed = invert_ops(car.blocks, data, msg.ops)
+        computed = invert_ops(blocks, data, msg.ops)
     except MissingBlockError:
         raise _reject(Reason.MISSING_MST_BLOCK) from None
     except InversionError as exc:
@@ -212,13 +218,13 @@ def _check_inversion(car: Car, data: CID, msg: CommitMessage, expected: CID, sta
         raise _reject(Reason.INVERSION_MISMATCH)
 
 
-def _check_ops_in_tree(car: Car, data: CID, msg: CommitMessage) -> None:
+def _check_ops_in_tree(blocks: BlockMap, data: CID, msg: CommitMessage) -> None:
     """What lenient mode still checks of the ops without inversion: each op's outcome is what the
     signed tree holds (a created/updated path maps to the op's CID, a deleted path is absent), read
     from the slice's partial tree (a sync-1.0 slice carries every node on those paths). It cannot
     show that the ops are *complete*: that is what inversion against ``prevData`` proves."""
     try:
-        tree = MST.load(car.blocks, data)
+        tree = MST.load(blocks, data)
         for op in msg.ops:
             if tree.get(op.path) != op.cid:
                 raise _reject(Reason.OPS_NOT_IN_TREE, op.path)
@@ -270,12 +276,13 @@ def validate_commit(
             expected = None
         else:
             raise _reject(Reason.MISSING_PREV_DATA)
+        used = Recording(car.blocks)  # the nodes the checks read: the common slice's whole tree part
         accepted = _lenient_reason(msg, expected) if lenient else None
         if accepted is None:
             assert expected is not None
-            _check_inversion(car, commit.data, msg, expected, state)
+            _check_inversion(used, commit.data, msg, expected, state)
         else:
-            _check_ops_in_tree(car, commit.data, msg)
+            _check_ops_in_tree(used, commit.data, msg)
         _check_signature(commit, signing_key)
         base = _base_state(state, msg.repo)
         if stored_rev is not None:
@@ -289,7 +296,8 @@ def validate_commit(
         new_state = replace(
             base, rev=msg.rev, commit_cid=cid_text(commit_cid), data_cid=cid_text(commit.data), sync_state="synced", updated_at=now
         )
-        return Verdict("accept", (accepted or Reason.OK).value, new_state)
+        pruned = prune_slice(car, commit_cid, commit.data, [op.cid for op in msg.ops], used.seen)
+        return Verdict("accept", (accepted or Reason.OK).value, new_state, blocks=None if pruned is None else pruned[0])
     except _Stop as stop:
         return stop.verdict
 
@@ -318,7 +326,9 @@ def validate_sync(
         new_state = replace(
             base, rev=msg.rev, commit_cid=cid_text(commit_cid), data_cid=cid_text(commit.data), sync_state="synced", updated_at=now
         )
-        return Verdict("accept", (Reason.OK if same else Reason.SYNC_RESET).value, new_state)
+        pruned = prune_slice(car, commit_cid, None, ())  # a #sync carries the commit block only
+        return Verdict("accept", (Reason.OK if same else Reason.SYNC_RESET).value, new_state,
+                       blocks=None if pruned is None else pruned[0])
     except _Stop as stop:
         return stop.verdict
 
@@ -348,11 +358,16 @@ def validate_identity(msg: IdentityMessage, state: AccountState | None, *, from_
     return Verdict("accept", Reason.OK.value)
 
 
+#: ``#identity`` fields passed on (besides a verified ``handle``); anything else is dropped.
+IDENTITY_FIELDS = frozenset({"did", "time"})
+
+
 def identity_body(body: dict[str, Any], handle_verified: bool) -> dict[str, Any]:
-    """The ``#identity`` body the relay redistributes: without the upstream ``seq``, and with
+    """The ``#identity`` body the relay redistributes: its lexicon fields only (no upstream
+    ``seq``, nothing a host added, so an accepted ``#identity`` cannot be padded), and with
     ``handle`` only when it was verified to resolve back to the DID (a relay must not vouch for
     a handle it could not confirm)."""
-    out = {k: v for k, v in body.items() if k not in ("seq", "handle")}
+    out = {k: v for k, v in body.items() if k in IDENTITY_FIELDS}
     handle = body.get("handle")
     if handle_verified and isinstance(handle, str) and handle:
         out["handle"] = handle
@@ -409,8 +424,10 @@ def validate_frame(
 
 #: Fields the relay re-emits per message type: the ``com.atproto.sync.subscribeRepos`` lexicon's
 #: properties, without ``seq`` (the relay assigns its own). Anything else an upstream sent is
-#: dropped. The deprecated ``rebase``/``tooBig``/``blobs`` are passed on as received (consumers
-#: must ignore them; indigo compares them verbatim).
+#: dropped. The deprecated ``rebase``/``tooBig``/``blobs`` are passed on as received when they
+#: have their lexicon type (consumers must ignore them; indigo compares them verbatim), within
+#: bounds: ``blobs`` of at most ``MAX_BLOBS`` CIDs (or null); anything else becomes ``false`` /
+#: ``[]``, so a padded deprecated field cannot enlarge the frame every consumer receives.
 OUTGOING_FIELDS: dict[str, frozenset[str]] = {
     "#commit": frozenset(
         {"rebase", "tooBig", "repo", "commit", "rev", "since", "blocks", "ops", "blobs", "prevData", "time"}
@@ -427,10 +444,27 @@ def _outgoing_op(op: Any) -> Any:
     return op
 
 
+#: The most blob CIDs a redistributed ``#commit`` carries in its deprecated ``blobs`` (a record
+#: names a few blobs; 200 ops of them stay far below this).
+MAX_BLOBS = 1000
+
+
+def _deprecated_ok(out: dict[str, Any]) -> None:
+    """Bound the deprecated ``#commit`` fields in place (see ``OUTGOING_FIELDS``)."""
+    for flag in ("rebase", "tooBig"):
+        if flag in out and type(out[flag]) is not bool:
+            out[flag] = False
+    blobs = out.get("blobs")
+    if blobs is not None and not (type(blobs) is list and len(blobs) <= MAX_BLOBS
+                                  and all(type(b) is CID for b in blobs)):
+        out["blobs"] = []
+
+
 def outgoing_body(t: str, body: dict[str, Any]) -> dict[str, Any]:
     """The body the relay redistributes for an accepted ``#commit``/``#sync`` of type ``t``:
     only its lexicon fields (``OUTGOING_FIELDS``, ops reduced to ``OP_FIELDS``), no ``seq``;
-    values (``blocks`` included) are passed on unchanged. Other types: ``body`` without ``seq``."""
+    values are passed on unchanged (``blocks`` too: a caller that dropped unreferenced blocks passes
+    the pruned slice in ``body``), deprecated fields within bounds. Other types: ``body`` without ``seq``."""
     fields = OUTGOING_FIELDS.get(t)
     if fields is None:
         return {k: v for k, v in body.items() if k != "seq"}
@@ -438,4 +472,6 @@ def outgoing_body(t: str, body: dict[str, Any]) -> dict[str, Any]:
     ops = out.get("ops")
     if type(ops) is list:
         out["ops"] = [_outgoing_op(op) for op in ops]
+    if t == "#commit":
+        _deprecated_ok(out)
     return out

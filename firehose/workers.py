@@ -11,6 +11,9 @@ A child that dies (crash, OOM killer, an operator's ``kill``) fails its outstand
 answered within ``batch_timeout`` seconds of being sent (a frame that makes validation hang) gets
 its worker killed, with the same outcome (``timeouts`` counts these). Children exit by
 themselves when their stdin closes, so they never outlive the parent. Their stderr is the parent's.
+They ignore SIGINT and SIGTERM: a signal to the whole process group (Ctrl-C, systemd, ``kill --
+-PGID``) stops the parent, which closes the pool (:meth:`WorkerPool.close`, after which nothing is
+respawned) and so its workers, each after the batch it is on.
 
 Wire format, both directions: 4-byte big-endian length, then a pickle (protocol 5). Parent →
 child: the batch (a list). Child → parent: the batch's result; an empty message (length 0) once

@@ -24,7 +24,6 @@ wrong one 403 ``InvalidToken``. Bodies are JSON; errors are ``{error, message}``
 from __future__ import annotations
 
 import hmac
-import json
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +32,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from relay.hosts import CrawlRefused
-from relay.xrpc import XrpcError, int_param, invalid
+from relay.xrpc import XrpcError, int_param, invalid, json_object
 
 if TYPE_CHECKING:
     from backfill.types import HostState
@@ -82,25 +81,16 @@ def _authorize(request: Request) -> None:
         raise XrpcError(403, "InvalidToken", "wrong admin token")
 
 
-async def _json(request: Request) -> dict[str, Any]:
-    raw = await request.body()
-    if not raw:
-        return {}
-    try:
-        body = json.loads(raw)
-    except ValueError:
-        raise invalid("body is not JSON") from None
-    if not isinstance(body, dict):
-        raise invalid("body must be a JSON object")
-    return body
+#: The largest integer a body field may hold (what both stores' BIGINT/INTEGER columns can).
+MAX_INT = 2**63 - 1
 
 
 def _opt_int(body: dict[str, Any], key: str) -> int | None:
     value = body.get(key)
     if value is None:
         return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise invalid(f"{key} must be a non-negative integer")
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_INT:
+        raise invalid(f"{key} must be an integer from 0 to {MAX_INT}")
     return value
 
 
@@ -150,7 +140,7 @@ async def list_hosts(request: Request, service: RelayService) -> Response:
 
 
 async def add_host(request: Request, service: RelayService) -> Response:
-    body = await _json(request)
+    body = await json_object(request)
     hostname = body.get("hostname")
     if not isinstance(hostname, str):
         raise invalid("hostname required")
@@ -171,7 +161,7 @@ async def unblock_host(request: Request, service: RelayService) -> Response:
 
 
 async def set_limits(request: Request, service: RelayService) -> Response:
-    body = await _json(request)
+    body = await json_object(request)
     rates = {w: v for w in ("per_second", "per_hour", "per_day")
              if (v := _opt_int(body, f"rate_limit_{w}")) is not None}
     host = await _hosts(service).set_limits(request.path_params["hostname"],
@@ -181,14 +171,14 @@ async def set_limits(request: Request, service: RelayService) -> Response:
 
 
 async def reset_cursor(request: Request, service: RelayService) -> Response:
-    body = await _json(request)
+    body = await json_object(request)
     cursor = _opt_int(body, "cursor") or 0
     host = await _hosts(service).reset_cursor(request.path_params["hostname"], cursor)
     return JSONResponse(_admin_host_view(service, host))
 
 
 async def set_validation(request: Request, service: RelayService) -> Response:
-    body = await _json(request)
+    body = await json_object(request)
     if "lenient" not in body:
         raise invalid("lenient (true, false, or null for the relay setting) required")
     host = await _hosts(service).set_validation(request.path_params["hostname"], _opt_bool(body, "lenient"))
@@ -197,7 +187,7 @@ async def set_validation(request: Request, service: RelayService) -> Response:
 
 async def domain_bans(request: Request, service: RelayService) -> Response:
     if request.method == "POST":
-        body = await _json(request)
+        body = await json_object(request)
         domain = body.get("domain")
         if not isinstance(domain, str):
             raise invalid("domain required")
@@ -243,7 +233,7 @@ async def consumers(request: Request, service: RelayService) -> Response:
 async def crawling(request: Request, service: RelayService) -> Response:
     hosts = _hosts(service)
     if request.method == "POST":
-        enabled = _opt_bool(await _json(request), "enabled")
+        enabled = _opt_bool(await json_object(request), "enabled")
         if enabled is None:
             raise invalid("enabled (true/false) required")
         await hosts.set_crawling(enabled)

@@ -7,12 +7,13 @@ Public endpoints follow the Lexicons in ``lexicons/com/atproto/sync/`` exactly; 
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import TYPE_CHECKING
 from urllib.parse import urlencode
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, RedirectResponse, Response
 from starlette.routing import BaseRoute, Route
@@ -25,7 +26,8 @@ from relay.dashboard import dashboard_routes
 from relay.hosts import CrawlRefused, HostManager, host_base_url
 from relay.metrics import CONTENT_TYPE_LATEST
 from relay.repo_proxy import RepoRefused, RepoUnavailable
-from relay.xrpc import XrpcError, did_param, int_param, invalid, param
+from relay.request_guard import RequestGuard
+from relay.xrpc import XrpcError, did_param, int_param, invalid, json_object, param
 
 if TYPE_CHECKING:
     from relay.service import RelayService
@@ -188,11 +190,8 @@ async def get_repo(request: Request) -> Response:
 async def request_crawl(request: Request) -> Response:
     if request.method != "POST":
         raise XrpcError(405, "InvalidRequest", "requestCrawl is a procedure: use POST")
-    try:
-        body = json.loads(await request.body() or b"{}")
-    except ValueError:
-        raise invalid("request body is not JSON") from None
-    hostname = body.get("hostname") if isinstance(body, dict) else None
+    body = await json_object(request)
+    hostname = body.get("hostname")
     if not isinstance(hostname, str) or not hostname:
         raise invalid("missing required field 'hostname'")
     try:
@@ -265,6 +264,18 @@ async def _xrpc_error(request: Request, exc: Exception) -> Response:
     return exc.response()
 
 
+#: Starlette's own HTTP errors (no route, wrong method) as XRPC error names.
+_HTTP_ERRORS = {404: "NotFound", 405: "MethodNotAllowed"}
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's routing errors as XRPC error bodies (it would answer them in plain text)."""
+    assert isinstance(exc, HTTPException)
+    error = _HTTP_ERRORS.get(exc.status_code, "InvalidRequest" if exc.status_code < 500 else "InternalServerError")
+    return JSONResponse({"error": error, "message": exc.detail}, status_code=exc.status_code,
+                        headers=exc.headers)
+
+
 async def _server_error(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error", exc_info=exc)
     return JSONResponse({"error": "InternalServerError", "message": "internal error"}, status_code=500)
@@ -288,7 +299,9 @@ def build_app(service: RelayService) -> Starlette:
         routes.append(_xrpc_route("requestCrawl", request_crawl, ("POST", "GET")))
         routes += admin_routes()
     routes.append(Route("/xrpc/{method}", not_implemented, methods=["GET", "POST"]))
-    app = Starlette(routes=routes, exception_handlers={XrpcError: _xrpc_error, Exception: _server_error})
+    app = Starlette(routes=routes, exception_handlers={XrpcError: _xrpc_error, HTTPException: _http_error,
+                                                        Exception: _server_error},
+                    middleware=[Middleware(RequestGuard)])
     app.state.service = service
     return app
 

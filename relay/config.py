@@ -132,6 +132,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("getrepo_cache_mb", "RELAY_GETREPO_CACHE_MB", "--getrepo-cache-mb", "64",
             "getRepo proxy: memory for cached verified CARs (MB; a CAR over a quarter of it is not cached, "
             "one over the whole is answered with the 302)", "int"),
+    Setting("consumer_max_lag", "RELAY_CONSUMER_MAX_LAG", "--consumer-max-lag", "15s",
+            "a live subscribeRepos consumer whose connection has not taken an event this long after it was "
+            "sent (checked with WebSocket pings) gets ConsumerTooSlow and is disconnected", "duration"),
+    Setting("consumer_max_queue_bytes", "RELAY_CONSUMER_MAX_QUEUE_BYTES", "--consumer-max-queue-bytes",
+            "67108864", "bytes of live events the relay queues for one consumer (at most 10,000 events) "
+            "before it gets ConsumerTooSlow", "int"),
     Setting("log_level", "RELAY_LOG_LEVEL", "--log-level", "info", "debug, info, warning or error"),
 )
 
@@ -211,6 +217,8 @@ class RelayConfig:
     lenient_sync_validation: bool = False
     getrepo_proxy: bool = False
     getrepo_cache_mb: int = 64
+    consumer_max_lag: float = 15.0
+    consumer_max_queue_bytes: int = 64 * 1024 * 1024
     log_level: str = "info"
 
     @property
@@ -252,6 +260,10 @@ class RelayConfig:
             raise ConfigError("bad_redis_stream", "RELAY_REDIS_STREAM must not be empty")
         if not re.match(r"^https?://[^/]", config.plc_url):
             raise ConfigError("bad_plc_url", f"RELAY_PLC_URL: expected http(s)://host…, got {config.plc_url!r}")
+        if config.consumer_max_lag <= 0:
+            raise ConfigError("bad_duration", "RELAY_CONSUMER_MAX_LAG: must be more than 0")
+        if config.consumer_max_queue_bytes < 1024 * 1024:
+            raise ConfigError("bad_int", "RELAY_CONSUMER_MAX_QUEUE_BYTES: must be at least 1048576")
         if config.log_level not in ("debug", "info", "warning", "error"):
             raise ConfigError("bad_log_level", f"RELAY_LOG_LEVEL: unknown level {config.log_level!r}")
         return config

@@ -194,9 +194,11 @@ class IdentityCache(Protocol):
 class MemoryIdentityCache:
     """Bounded in-process LRU with a time-to-live per entry."""
 
-    def __init__(self, max_entries: int = 100_000, ttl: float = 3600.0) -> None:
+    def __init__(self, max_entries: int = 100_000, ttl: float = 3600.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.max_entries = max_entries
         self.ttl = ttl
+        self.clock = clock
         self._entries: BoundedLRU[str, tuple[float, Identity]] = BoundedLRU(max_entries)
 
     async def get(self, did: str) -> Identity | None:
@@ -204,13 +206,13 @@ class MemoryIdentityCache:
         if item is None:
             return None
         expires, identity = item
-        if expires < time.monotonic():
+        if expires < self.clock():
             self._entries.pop(did)
             return None
         return identity
 
     async def put(self, identity: Identity) -> None:
-        self._entries.put(identity.did, (time.monotonic() + self.ttl, identity))
+        self._entries.put(identity.did, (self.clock() + self.ttl, identity))
 
     async def purge(self, did: str) -> None:
         self._entries.pop(did, None)

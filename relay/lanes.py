@@ -385,12 +385,16 @@ class AccountLanes:
             if work.kind == "#sync":
                 lane.buffer.clear()
                 new_state.sync_state = "synced"
+            if verdict.blocks is not None:  # the slice carried blocks nothing references: dropped
+                self.count("strip", Reason.UNREFERENCED_BLOCKS)
             if verdict.body_cbor is not None:  # encoded by the validation worker: seq is spliced in
                 event = PendingEvent(work.kind, work.did, _NO_BODY, new_state.rev, new_state,
                                      body_cbor=verdict.body_cbor, seq_offset=verdict.seq_offset)
             else:
-                event = PendingEvent(work.kind, work.did, outgoing_body(work.kind, work.uf.frame.body),
-                                     new_state.rev, new_state)
+                body = work.uf.frame.body
+                if verdict.blocks is not None:
+                    body = {**body, "blocks": verdict.blocks}
+                event = PendingEvent(work.kind, work.did, outgoing_body(work.kind, body), new_state.rev, new_state)
             return event
         if verdict.kind != "accept":
             log.debug("verdict", extra=fields(did=work.did, kind=verdict.kind, reason=verdict.reason,

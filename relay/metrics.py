@@ -15,7 +15,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import CounterMetricFamily
 
 #: Fields of ``firehose.broadcast.BroadcastStats`` exported as ``relay_broadcast_events_total{event}``.
-BROADCAST_EVENTS = ("too_slow", "future_cursor", "outdated_cursor", "replay_overflows", "bus_gaps_filled",
+BROADCAST_EVENTS = ("too_slow", "lagged", "future_cursor", "outdated_cursor", "replay_overflows", "bus_gaps_filled",
                     "bus_errors")
 
 __all__ = ["CONTENT_TYPE_LATEST", "RelayMetrics"]

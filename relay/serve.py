@@ -86,6 +86,10 @@ async def run(config: RelayConfig, role: str) -> None:
                                            # consumer: off unless RELAY_WS_DEFLATE (BENCHMARKS.md)
                                            ws_per_message_deflate=config.ws_deflate,
                                            log_config=None, access_log=False, ws_max_size=1 << 20,
+                                           # consumers' lag is probed by the broadcaster (ConsumerTooSlow
+                                           # within RELAY_CONSUMER_MAX_LAG); the keepalive ping only
+                                           # catches a peer that vanished while nothing was sent to it
+                                           ws_ping_interval=20.0, ws_ping_timeout=config.consumer_max_lag + 20.0,
                                            timeout_graceful_shutdown=5))
     server.config.setup_event_loop = lambda: None  # type: ignore[method-assign]
     host, port = sock.getsockname()[:2]

@@ -7,6 +7,9 @@ Handlers raise ``XrpcError(status, error, message)``; ``error`` is either a gene
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
@@ -58,3 +61,38 @@ def did_param(request: Request) -> str:
     if not is_valid_did(did):
         raise invalid("parameter 'did' is not a valid DID")
     return did
+
+
+async def json_object(request: Request) -> dict[str, Any]:
+    """The request body as a JSON object (``{}`` when empty). Malformed JSON, nesting too deep for
+    the parser, a body that is not an object and any string holding a NUL character are ``400
+    InvalidRequest`` (the body's size is bounded before this by ``relay.request_guard``)."""
+    raw = await request.body()
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise invalid("request body is not JSON") from None
+    if not isinstance(body, dict):
+        raise invalid("request body must be a JSON object")
+    if _has_nul(body):
+        raise invalid("NUL characters are not allowed in a request")
+    return body
+
+
+def _has_nul(value: object) -> bool:
+    """Whether any string (key or value) in a parsed JSON document holds a NUL character.
+    Iterative: the parser already bounded the depth, and so must this walk."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if "\x00" in item:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False

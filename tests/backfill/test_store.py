@@ -181,3 +181,27 @@ def test_sqlite_url_forms() -> None:
     assert sqlite_path_from_url("sqlite:///tmp/x.db") == "/tmp/x.db"
     assert sqlite_path_from_url("sqlite:rel/x.db") == "rel/x.db"
     assert sqlite_path_from_url("/abs/x.db") == "/abs/x.db"
+
+
+async def test_batch_host_cursor_never_moves_backwards(store: Store) -> None:
+    """A batch's host cursor only raises the stored one (``MAX``/``GREATEST``): a cursor from an
+    older connection's late batch must not rewind the host, or a restart would re-read (and, for
+    a cursor past a lost event, skip) frames. Only the operator's ``set_host_cursor`` rewinds."""
+    from backfill.store import BatchWrite
+
+    lease = await store.acquire_writer(wait=True, timeout=10)
+    try:
+        hw = await lease.high_water()
+
+        async def batch(cursor: int | None) -> int | None:
+            await lease.commit_batch(BatchWrite(hw, hw, host_updates={"pds.example": (cursor, None, 0)}))
+            return await store.host_cursor("pds.example")
+
+        assert await batch(10) == 10
+        assert await batch(5) == 10
+        assert await batch(None) == 10
+        assert await batch(12) == 12
+    finally:
+        await lease.release()
+    assert await store.set_host_cursor("pds.example", 3)
+    assert await store.host_cursor("pds.example") == 3

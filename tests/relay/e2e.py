@@ -129,3 +129,12 @@ async def settled(relay: RunningRelay, upstream_url: str, timeout: float = 60.0)
                 f"the relay to read up to seq {target} from {hostname}", timeout=timeout)
     await upstreams.settle_read(hostname)
     return await relay.service.store.latest_seq()
+async def settle(fleet: Any, consumer: Consumer, timeout: float = 30.0, among: list[Any] | None = None) -> list[Any]:
+    """End a "nothing else arrives" check on events, not on a sleep: a marker commit from every
+    host of ``fleet`` (``SimFleet.markers``), awaited on ``consumer``. Anything a host sent before
+    its marker that the relay passes on has arrived once the marker has. Returns the markers'
+    truth events (count them in what you expect)."""
+    markers = await fleet.markers(among)
+    revs = {t.rev for t in markers}
+    await consumer.wait_for(lambda evs: revs <= {e.rev for e in evs if e.t == "#commit"}, timeout=timeout)
+    return markers

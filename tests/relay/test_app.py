@@ -14,6 +14,7 @@ from websockets.asyncio.client import connect
 from firehose.state import AccountState
 from relay.ssrf import static_resolver
 from tests.relay.helpers import serve_asgi
+from tests.waiting import until
 
 DID_A = "did:plc:aaaaaaaaaaaaaaaaaaaaaaaa"
 DID_B = "did:plc:bbbbbbbbbbbbbbbbbbbbbbbb"
@@ -166,7 +167,7 @@ async def test_takedown_emits_account_events(relay_factory, database_url: str) -
     async with relay_factory(database_url=database_url, admin_token="tok") as relay:
         auth = {"authorization": "Bearer tok"}
         async with connect(relay.ws_url + "?cursor=0") as ws, httpx.AsyncClient(base_url=relay.url) as http:
-            await asyncio.sleep(0.2)
+            await until(lambda: len(relay.service.consumers) == 1, "the consumer registered")
             consumers = (await http.get("/admin/consumers", headers=auth)).json()["consumers"]
             assert len(consumers) == 1 and consumers[0]["cursor"] == "0"
             r = await http.post(f"/admin/accounts/{DID_A}/takedown", headers=auth)
@@ -301,7 +302,7 @@ async def test_unreachable_host_goes_offline(relay_factory) -> None:  # type: ig
         ingest.backoff_base = 0.02
         await relay.service.store.upsert_host(HostState(hostname=hostname, status="active"))
         await ingest.start_host(await relay.service.store.get_host(hostname))
-        for _ in range(100):
+        for _ in range(600):
             await ingest.watch_hosts(offline_after=3)
             if (await relay.service.store.get_host(hostname)).status == "offline":
                 break
@@ -370,7 +371,7 @@ async def test_repo_status_desynchronized_while_resync_pending(relay_factory) ->
         await service.lanes.mark_for_resync(DID_A, "pds.example.com")
         status = await _get(relay.url, "com.atproto.sync.getRepoStatus", did=DID_A)
         assert status == {"did": DID_A, "active": False, "status": "desynchronized"}
-        for _ in range(100):
+        for _ in range(600):
             text = await _metrics(relay.url)
             if 'relay_resyncs_total{result="identity_resolution_failed"}' in text:
                 break

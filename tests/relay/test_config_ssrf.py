@@ -108,6 +108,8 @@ def test_insecure_mode_allows_local_names() -> None:
     ("127.0.0.1", False), ("10.1.2.3", False), ("172.16.0.1", False), ("192.168.1.1", False),
     ("169.254.169.254", False), ("100.64.0.1", False), ("0.0.0.0", False), ("224.0.0.1", False),
     ("::1", False), ("fe80::1", False), ("fc00::1", False), ("::ffff:127.0.0.1", False),
+    ("2606:4700::1111%eth0", True), ("fe80::1%eth0", False), ("not-an-address", False), ("", False),
+    ("8.8.8.8.8", False),
 ])
 def test_public_address_classification(addr: str, public: bool) -> None:
     assert is_public_address(addr) is public

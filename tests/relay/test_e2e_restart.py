@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 
 from relay.sim import SimConfig, SimFleet
-from tests.relay.e2e import Consumer, check_stream, crawl, key_of
+from tests.relay.e2e import Consumer, check_stream, crawl, key_of, settle
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -68,10 +68,10 @@ async def test_sigkill_restart_no_loss_no_duplicate(database_url: str, tmp_path:
         await fleet.generate(40)  # emitted while the relay is down
         proc = await _start_relay(env, log)
         valid = [t for t in fleet.ground_truth if t.verdict == "accept"]
-        expected = Counter(key_of(t.kind, t.did, t.rev) for t in valid)
         async with Consumer(ws_url, cursor=0) as after:
             await after.wait_for(lambda evs: len(evs) >= len(valid), timeout=60)
-            await asyncio.sleep(0.5)
+            markers = await settle(fleet, after)  # a duplicate would come before these
+        expected = Counter(key_of(t.kind, t.did, t.rev) for t in valid + markers)
         got = Counter(key_of(e.t, e.did, e.rev) for e in after.events)
         assert got == expected
         check_stream(after.events)

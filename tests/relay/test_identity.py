@@ -72,12 +72,15 @@ def test_bad_documents(mutate, reason: str) -> None:  # type: ignore[no-untyped-
 
 
 async def test_memory_cache_bounded_and_expiring() -> None:
-    cache = MemoryIdentityCache(max_entries=2, ttl=0.05)
+    now = [100.0]
+    cache = MemoryIdentityCache(max_entries=2, ttl=50.0, clock=lambda: now[0])
     for i in range(3):
         await cache.put(Identity(f"did:plc:{i}", "did:key:x"))
     assert len(cache) == 2 and await cache.get("did:plc:0") is None
     assert await cache.get("did:plc:2") is not None
-    await asyncio.sleep(0.06)
+    now[0] = 150.0  # exactly the lifetime: still valid
+    assert await cache.get("did:plc:2") is not None
+    now[0] = 150.001
     assert await cache.get("did:plc:2") is None
 
 

@@ -7,12 +7,14 @@ and the relay's verdict counters must show every expected rejection/desync/ignor
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import Counter
 
 from bench._common import metric_sum, relay
 from firehose.frames import decode_frame
 from relay.sim import SimConfig, SimFleet
+from tests.waiting import until
 
 
 def _key(kind: str, did: str, rev: str | None) -> tuple[str, str, str | None]:
@@ -21,6 +23,7 @@ def _key(kind: str, did: str, rev: str | None) -> tuple[str, str, str | None]:
 
 async def test_relay_output_matches_ground_truth() -> None:
     from websockets.asyncio.client import connect
+    from websockets.exceptions import ConnectionClosed
 
     fleet = SimFleet(SimConfig(hosts=2, accounts_per_host=4, seed=50))
     await fleet.start()
@@ -35,24 +38,34 @@ async def test_relay_output_matches_ground_truth() -> None:
             got: list[tuple[int, str, str, str | None]] = []
 
             async def consume() -> None:
-                async with connect(r.ws_url, max_size=None) as ws:
-                    async for msg in ws:
-                        f = decode_frame(msg)  # type: ignore[arg-type]
-                        if f.t in ("#commit", "#sync", "#identity", "#account"):
-                            b = f.body
-                            got.append((b["seq"], f.t, b.get("repo") or b.get("did"), b.get("rev")))
+                # From the start (whenever it connects), and on from the last seq + 1 if the
+                # connection drops: a starved machine can miss a keepalive, and a consumer that
+                # resumes by cursor must still see everything exactly once.
+                while True:
+                    cursor = got[-1][0] + 1 if got else 0
+                    with contextlib.suppress(ConnectionClosed, OSError):
+                        async with connect(f"{r.ws_url}?cursor={cursor}", max_size=None) as ws:
+                            async for msg in ws:
+                                f = decode_frame(msg)  # type: ignore[arg-type]
+                                if f.t in ("#commit", "#sync", "#identity", "#account"):
+                                    b = f.body
+                                    got.append((b["seq"], f.t, b.get("repo") or b.get("did"), b.get("rev")))
+                    await asyncio.sleep(0.1)
 
             reader = asyncio.create_task(consume())
-            await asyncio.sleep(0.5)
             await r.crawl([h.hostname for h in fleet.hosts])
             for _ in range(100):  # small steps: the relay keeps up, as the ground truth assumes
                 await fleet.generate(1)
                 await asyncio.sleep(0.02)
             n_valid = sum(1 for t in fleet.ground_truth if t.verdict == "accept")
+            await until(lambda: len(got) >= n_valid - 20, "most of the valid events", timeout=60)
             deadline = time.monotonic() + 60
-            while len(got) < n_valid - 20 and time.monotonic() < deadline:
-                await asyncio.sleep(0.2)
-            await asyncio.sleep(2.0)  # resyncs finish; anything extra (a duplicate, an invalid event) would show up now
+            while metric_sum(await r.metrics(), "relay_resync_queue") > 0:  # every resync finished
+                assert time.monotonic() < deadline, "resyncs still pending after 60 s"
+                await asyncio.sleep(0.1)
+            # a marker from every host: anything extra (a duplicate, an invalid event) comes before it
+            revs = {t.rev for t in await fleet.markers()}
+            await until(lambda: revs <= {rv for _, k, _, rv in got if k == "#commit"}, "the markers", timeout=60)
             metrics = await r.metrics()
             reader.cancel()
     finally:

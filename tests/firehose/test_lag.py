@@ -1,0 +1,82 @@
+"""Slowness by lag behind live: a live consumer that stops reading is told ``ConsumerTooSlow`` within
+``max_lag`` at any event rate — here a handful of tiny events, far below every queue limit."""
+
+from __future__ import annotations
+
+import pytest
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
+
+from firehose.broadcast import Broadcaster
+from firehose.frames import decode_frame
+from tests.waiting import until
+
+from .conftest import Ingest
+from .servers import serve, ws_url
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.mark.parametrize("transport", ["websockets", "asgi-batch"])
+async def test_consumer_that_stops_reading_is_told_too_slow_at_a_low_rate(ingest: Ingest, transport: str) -> None:
+    b = Broadcaster(ingest.store, ingest.bus, max_lag=1.0)
+    await b.start()
+    try:
+        async with serve(b, transport) as hp:
+            healthy = await connect(ws_url(hp), max_size=None)
+            stalled = await connect(ws_url(hp), max_size=None)
+            await until(lambda: b.consumer_count == 2, "both consumers registered")
+            await ingest.add(1)
+            assert decode_frame(await stalled.recv()).body["seq"] == 1  # live, and reading
+            assert decode_frame(await healthy.recv()).body["seq"] == 1
+            stalled.transport.pause_reading()  # stops reading: as a consumer stuck in its own work
+            await ingest.add(3, batch=1)  # three tiny events: no queue comes near a limit
+            for seq in (2, 3, 4):
+                assert decode_frame(await healthy.recv()).body["seq"] == seq
+            await until(lambda: b.stats.lagged == 1, "the lag probe's verdict")
+            assert b.stats.too_slow == 1
+            stalled.transport.resume_reading()
+            got = []
+            with pytest.raises(ConnectionClosed):
+                while True:
+                    f = decode_frame(await stalled.recv())
+                    got.append(("error", f.error) if f.is_error else f.body["seq"])
+            assert got == [2, 3, 4, ("error", "ConsumerTooSlow")]  # everything sent, then the error
+            # the healthy consumer is untouched and still live
+            await until(lambda: b.consumer_count == 1, "the stalled consumer gone")
+            await ingest.add(1)
+            assert decode_frame(await healthy.recv()).body["seq"] == 5
+            assert b.stats.lagged == 1
+            await healthy.close()
+    finally:
+        await b.close()
+
+
+@pytest.mark.parametrize("transport", ["websockets", "asgi-batch"])
+async def test_replaying_consumer_is_not_probed(ingest: Ingest, transport: str) -> None:
+    """A consumer catching up from the past is never cut for lag, however long it pauses: only
+    live writes are probed. The pause outlasts ``max_lag`` provably: it spans a live consumer's
+    whole stall-to-cut."""
+    await ingest.add(300, payload=b"r" * 32768)  # ~10 MB: more than the socket buffers hold
+    b = Broadcaster(ingest.store, ingest.bus, max_lag=0.5, replay_batch=10)
+    await b.start()
+    try:
+        async with serve(b, transport) as hp:
+            replaying = await connect(ws_url(hp, cursor=1), max_size=None, max_queue=1)
+            replaying.transport.pause_reading()
+            live = await connect(ws_url(hp), max_size=None)
+            await until(lambda: b.consumer_count == 2, "both registered")
+            live.transport.pause_reading()
+            await ingest.add(2, batch=1)
+            await until(lambda: b.stats.lagged == 1, "the live consumer cut for lag")
+            replaying.transport.resume_reading()
+            seqs = [decode_frame(await replaying.recv()).body["seq"] for _ in range(302)]
+            assert seqs == list(range(1, 303))
+            await ingest.add(1)  # the marker: the replayed consumer is live now, and still connected
+            assert decode_frame(await replaying.recv()).body["seq"] == 303
+            assert b.stats.lagged == 1 and b.stats.too_slow == 1
+            await replaying.close()
+            live.transport.resume_reading()  # lets it read the error and the close
+            await live.close()
+    finally:
+        await b.close()
