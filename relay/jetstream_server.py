@@ -76,6 +76,16 @@ class _Connection:
     sent: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class _AsgiApp:
+    """``handler`` as a plain ASGI application."""
+
+    handler: ASGIApp
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.handler(scope, receive, send)
+
+
 class JetstreamServer:
     """The ASGI endpoints of the JSON stream over one ``Broadcaster``."""
 
@@ -91,7 +101,8 @@ class JetstreamServer:
         self._wrap = wrap
 
     def routes(self) -> list[BaseRoute]:
-        app: ASGIApp = self._websocket
+        # an ASGI callable, not a bound method: Starlette would call a method as ``endpoint(session)``
+        app: ASGIApp = _AsgiApp(self._websocket)
         if self._wrap is not None:
             app = self._wrap(app)
         return [
