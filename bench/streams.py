@@ -11,10 +11,12 @@ are generated before its consumers connect, outside the measured time.
 * ``cbor``: ``subscribeRepos``; ``cbor_deflate``: the same with permessage-deflate negotiated;
 * ``json``: ``GET /subscribe`` (Jetstream JSON, one message per op); ``json_zstd``: ``?compress=true``;
 
-a phase with 1 consumer and one with ``--consumers`` consumers, giving
+one phase with a consumer of each mode side by side (the same events), then per mode a phase
+with 1 consumer and one with ``--consumers`` consumers, giving
 
 * ``streams_<mode>_bytes_per_event``: bytes on the wire (WebSocket framing included, after the
-  handshake) per sequenced event, per consumer; ``_bytes_per_message`` likewise per message;
+  handshake) per sequenced event, per consumer, from the side-by-side phase; ``_bytes_per_message``
+  likewise per message;
 * ``streams_<mode>_relay_cpu_us_per_event_per_consumer``: the marginal relay CPU of one more
   consumer, (CPU_N / events_N - CPU_1 / events_1) / (N - 1); ``_relay_cpu_us_per_event_total_n``:
   all of the relay's CPU (ingest included) per event with N consumers. The pairs of phases run
@@ -280,18 +282,20 @@ async def run_modes(modes: list[str], n: int, rate: float, seconds: float, repea
     try:
         async with relay(fleet.plc_url, extra=["--ws-deflate", "true"]) as r:
             await warm_up(fleet, r)
+            # bytes: one consumer of each mode on the very same events (commits grow as the
+            # simulated repositories do, so phases apart would not compare)
+            same = await phase(fleet, r, [mode_specs(m, 1)[0] for m in modes], count, rate)
+            for i, mode in enumerate(modes):
+                out[mode] = {"bytes_per_event": same["wire"][i] / same["events"],
+                             "bytes_per_message": same["wire"][i] / max(1, same["counts"][i]),
+                             "messages_per_event": same["counts"][i] / same["events"]}
             runs: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
             for _ in range(repeat):
                 for mode in modes:
                     one = await phase(fleet, r, mode_specs(mode, 1), count, rate)
                     many = await phase(fleet, r, mode_specs(mode, n), count, rate)
-                    per_consumer_bytes = statistics.mean(many["wire"])
-                    messages = statistics.mean(many["counts"])
                     marginal = (many["cpu"] / many["events"] - one["cpu"] / one["events"]) / (n - 1)
                     runs[mode].append({
-                        "bytes_per_event": per_consumer_bytes / many["events"],
-                        "bytes_per_message": per_consumer_bytes / max(1, messages),
-                        "messages_per_event": messages / many["events"],
                         "relay_cpu_us_per_event_per_consumer": marginal * 1e6,
                         "relay_cpu_us_per_event_total_1": one["cpu"] / one["events"] * 1e6,
                         "relay_cpu_us_per_event_total_n": many["cpu"] / many["events"] * 1e6,
@@ -300,7 +304,7 @@ async def run_modes(modes: list[str], n: int, rate: float, seconds: float, repea
                     })
                     note(f"streams: {mode}: {runs[mode][-1]}")
             for mode, got in runs.items():
-                out[mode] = {k: statistics.median(x[k] for x in got) for k in got[0]}
+                out[mode].update({k: statistics.median(x[k] for x in got) for k in got[0]})
                 out[mode]["drained"] = min(x["drained"] for x in got)
     finally:
         await fleet.stop()
