@@ -53,6 +53,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import load_average, note, relay, result, self_cpu, wait_until  # noqa: E402
+from bench.fanout import Child as FanoutChild  # noqa: E402
 
 MODES = ("cbor", "cbor_deflate", "json", "json_zstd")
 SUBSCRIBE_REPOS = "/xrpc/com.atproto.sync.subscribeRepos"
@@ -130,50 +131,15 @@ async def consumers_child(base: str, specs: list[dict[str, Any]]) -> None:
 
 
 # -- orchestration --------------------------------------------------------------------------
-class Child:
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
-        self.proc = proc
-        self.progress = 0
+class Child(FanoutChild):
+    """A consumer child of this benchmark (``bench/fanout.py``'s line protocol: CONNECTED, PROGRESS, STOP)."""
 
     @classmethod
-    async def spawn(cls, base: str, specs: list[dict[str, Any]]) -> Child:
+    async def consumers(cls, base: str, specs: list[dict[str, Any]]) -> Child:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, __file__, "--child", base, json.dumps(specs),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, limit=1 << 28)
         return cls(proc)
-
-    async def line(self, timeout: float = 120, *, skip_progress: bool = True) -> str:
-        assert self.proc.stdout is not None
-        while True:
-            raw = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
-            if not raw:
-                raise RuntimeError("consumer child exited")
-            text = raw.decode().strip()
-            if text.startswith("PROGRESS "):
-                self.progress = int(text.split()[1])
-                if skip_progress:
-                    continue
-            return text
-
-    async def wait_progress(self, target: int, stall: float = 20.0) -> bool:
-        """Follow PROGRESS until consumer 0 has ``target`` commits or stops advancing for ``stall`` s."""
-        last, last_t = -1, time.monotonic()
-        while self.progress < target:
-            await self.line(stall + 5, skip_progress=False)
-            if self.progress != last:
-                last, last_t = self.progress, time.monotonic()
-            elif time.monotonic() - last_t > stall:
-                return False
-        return True
-
-    def send(self, text: str) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write((text + "\n").encode())
-
-    async def close(self) -> None:
-        if self.proc.returncode is None:
-            self.proc.kill()
-            await self.proc.wait()
 
 
 def spec(kind: str, *, deflate: bool = False, zstd: bool = False, record: bool = False,
@@ -229,14 +195,14 @@ async def phase(fleet, r, specs: list[dict[str, Any]], count: int, rate: float) 
     truths = [p.truth for p in fleet._pending if p.truth is not None and p.truth.verdict == "accept"]
     commits = {(t.did, t.rev) for t in truths if t.kind == "#commit"}
     base = r.url.replace("http://", "ws://")
-    child = await Child.spawn(base, specs)
+    child = await Child.consumers(base, specs)
     try:
         note(f"streams: {await child.line()} ({len(specs)} asked)")
         cpu0 = r.cpu()
         t0 = time.monotonic()
         release_s = await fleet.release(rate)
         released = time.monotonic()
-        drained = await child.wait_progress(len(commits))
+        drained = await child.wait_progress(len(commits), stall=20.0)
         done = time.monotonic()
         cpu = r.cpu() - cpu0
         if not drained:
@@ -264,7 +230,7 @@ async def warm_up(fleet, r) -> None:  # type: ignore[no-untyped-def]
     """Crawl, and wait until the fleet's announcements (identity/account events) are through."""
     await r.crawl([h.hostname for h in fleet.hosts])
     base = r.url.replace("http://", "ws://")
-    warm = await Child.spawn(base, [{**spec("cbor", record=True), "path": SUBSCRIBE_REPOS + "?cursor=0"}])
+    warm = await Child.consumers(base, [{**spec("cbor", record=True), "path": SUBSCRIBE_REPOS + "?cursor=0"}])
     await warm.line()
     await fleet.generate(50)
     want = {(t.did, t.rev) for t in fleet.ground_truth if t.kind == "#commit" and t.verdict == "accept"}
