@@ -2,8 +2,10 @@
 ``/subscribe`` connection is an ordinary broadcaster consumer, and one that cannot keep up live is
 closed with 1008 ``ConsumerTooSlow`` while the others go on receiving everything.
 
-The endpoint runs as the relay serves it (uvicorn with ``firehose.uvicorn_batch``) over a real
-store and bus, with a small live queue so a few large real commits overflow it.
+The endpoint runs as the relay serves it (uvicorn with ``firehose.uvicorn_batch``: batched sends,
+lag probes) over a real store and bus. Two ways to be too slow, as for ``subscribeRepos``: the live
+queue overflows (a small one here, so a few large real commits overflow it), or the connection
+does not take what was sent within ``max_lag`` (probed with pings, at any event rate).
 """
 
 from __future__ import annotations
@@ -45,10 +47,11 @@ REPLAY_BATCH = 20
 class Producer:
     """Writes real ``#commit`` events (one big post each) the way the sequencer does, then publishes."""
 
-    def __init__(self, store: Store, bus: InProcessBus) -> None:
+    def __init__(self, store: Store, bus: InProcessBus, text: str = RECORD_TEXT) -> None:
         self.store = store
         self.bus = bus
         self.repo = new_repo("did:plc:slowjsonconsumer00000001")
+        self.text = text
         self.seq = 0
 
     async def add(self, n: int, batch: int = 10, keep_up: Callable[[], int] | None = None) -> None:
@@ -63,7 +66,7 @@ class Producer:
                 for _ in range(min(batch, n)):
                     self.seq += 1
                     r = self.repo.apply_writes([Write("create", "app.bsky.feed.post", f"3k{self.seq:011d}",
-                                                      {"$type": "app.bsky.feed.post", "text": RECORD_TEXT})])
+                                                      {"$type": "app.bsky.feed.post", "text": self.text})])
                     frame = encode_frame("#commit", commit_body(self.repo, r, self.seq))
                     events.append(SequencedEvent(self.seq, self.repo.did, "#commit", time.time(), frame))
                 await lease.commit_batch(BatchWrite(expected_high_water=self.seq - len(events),
@@ -88,9 +91,10 @@ async def store(tmp_path: Path) -> AsyncIterator[Store]:
 
 
 @contextlib.asynccontextmanager
-async def endpoint(store: Store, bus: InProcessBus, counted: list[str]) -> AsyncIterator[tuple[Broadcaster, str]]:
+async def endpoint(store: Store, bus: InProcessBus, counted: list[str],
+                   max_lag: float = 60.0) -> AsyncIterator[tuple[Broadcaster, str]]:
     broadcaster = Broadcaster(store, bus, live_queue_max=LIVE_QUEUE_MAX, live_queue_bytes=LIVE_QUEUE_BYTES,
-                              replay_batch=REPLAY_BATCH, replay_bytes=REPLAY_BATCH * 40_000)
+                              replay_batch=REPLAY_BATCH, replay_bytes=REPLAY_BATCH * 40_000, max_lag=max_lag)
     await broadcaster.start()
     server = JetstreamServer(broadcaster, JetstreamConverter(ZstdCodec.default()), count=counted.append)
     try:
@@ -202,4 +206,42 @@ async def test_slow_reading_json_consumer_is_closed_too_slow_and_a_replaying_one
         resume.set()
         await asyncio.wait_for(replay_task, 60)
         assert rkeys(replayed) == [f"3k{i:011d}" for i in range(1, EVENTS + MORE + 1)]
+        assert broadcaster.stats.too_slow == 1
+
+
+async def test_json_consumer_that_stops_reading_at_a_low_rate_is_cut_by_lag(store: Store) -> None:
+    """A few small events, far below the live queue's bounds: the consumer that stops reading is
+    still told ConsumerTooSlow, by the lag probe, within ``max_lag`` (README: "at one event a
+    minute as at thousands a second"); the one that reads is never cut."""
+    bus = InProcessBus()
+    producer = Producer(store, bus, text="small")
+    counted: list[str] = []
+    async with endpoint(store, bus, counted, max_lag=1.0) as (broadcaster, url):
+        leave = asyncio.Event()
+        healthy_got: list[dict[str, object]] = []
+        healthy = asyncio.create_task(read_all(url, 12, healthy_got, leave))
+        async with connect(url, sock=small_socket(url), max_size=None, max_queue=1) as stalled:
+            await until(lambda: broadcaster.consumer_count == 2, "both consumers registered")
+            await producer.add(2, keep_up=lambda: len(healthy_got))
+            first = [json.loads(await stalled.recv()) for _ in range(2)]
+            assert rkeys(first) == [f"3k{i:011d}" for i in (1, 2)]
+            # stops reading; one small event at a time, each after the healthy consumer has it
+            for _ in range(10):
+                await producer.add(1, keep_up=lambda: len(healthy_got))
+                if broadcaster.stats.lagged:
+                    break
+            await until(lambda: broadcaster.stats.lagged == 1, "the lag probe unanswered", timeout=30)
+            assert broadcaster.stats.too_slow == 1 and counted.count("too_slow") == 1
+            await until(lambda: broadcaster.consumer_count == 1, "its session ended", timeout=30)
+            got: list[dict[str, object]] = list(first)
+            with pytest.raises(ConnectionClosed) as closed:
+                async with asyncio.timeout(30):
+                    while True:
+                        got.append(json.loads(await stalled.recv()))
+            assert rkeys(got) == [f"3k{i:011d}" for i in range(1, len(got) + 1)]
+        rcvd = closed.value.rcvd
+        assert rcvd is not None and (rcvd.code, rcvd.reason) == (1008, "ConsumerTooSlow")
+        await producer.add(12 - producer.seq, keep_up=lambda: len(healthy_got))
+        leave.set()
+        assert rkeys(await asyncio.wait_for(healthy, 30)) == [f"3k{i:011d}" for i in range(1, 13)]
         assert broadcaster.stats.too_slow == 1
