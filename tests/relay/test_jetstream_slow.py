@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from starlette.applications import Starlette
-from websockets.asyncio.client import connect
+from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
 from backfill.store import BatchWrite, Store, open_store
@@ -118,6 +118,20 @@ def rkeys(messages: list[dict[str, object]]) -> list[str]:
     return [m["commit"]["rkey"] for m in messages]  # type: ignore[index]
 
 
+async def read_until_too_slow(ws: ClientConnection, got: list[dict[str, object]]) -> list[dict[str, object]]:
+    """Read what a cut consumer still has coming: its messages in order with no gap (after ``got``,
+    what it read before), then a 1008 ``ConsumerTooSlow`` close."""
+    got = list(got)
+    with pytest.raises(ConnectionClosed) as closed:
+        async with asyncio.timeout(30):
+            while True:
+                got.append(json.loads(await ws.recv()))
+    assert rkeys(got) == [f"3k{i:011d}" for i in range(1, len(got) + 1)]
+    rcvd = closed.value.rcvd
+    assert rcvd is not None and (rcvd.code, rcvd.reason) == (1008, "ConsumerTooSlow")
+    return got
+
+
 async def read_all(url: str, n: int, out: list[dict[str, object]], stay: asyncio.Event) -> list[dict[str, object]]:
     """Read ``n`` messages into ``out``, then stay connected until ``stay`` is set."""
     async with connect(url, max_size=None) as ws:
@@ -146,15 +160,8 @@ async def test_json_consumer_that_stops_reading_is_closed_too_slow(store: Store)
             await until(lambda: broadcaster.consumer_count == 1, "its session ended", timeout=30)
             assert counted.count("too_slow") == 1
             # what it reads when it resumes: messages in order with no gap, then the close
-            got: list[dict[str, object]] = list(first)
-            with pytest.raises(ConnectionClosed) as closed:
-                async with asyncio.timeout(30):
-                    while True:
-                        got.append(json.loads(await stalled.recv()))
-            assert rkeys(got) == [f"3k{i:011d}" for i in range(1, len(got) + 1)]
+            got = await read_until_too_slow(stalled, first)
             assert len(got) < EVENTS
-        rcvd = closed.value.rcvd
-        assert rcvd is not None and (rcvd.code, rcvd.reason) == (1008, "ConsumerTooSlow")
         # the other consumer got every event, in order
         leave.set()
         assert rkeys(await asyncio.wait_for(healthy, 30)) == [f"3k{i:011d}" for i in range(1, EVENTS + 1)]
@@ -233,14 +240,7 @@ async def test_json_consumer_that_stops_reading_at_a_low_rate_is_cut_by_lag(stor
             await until(lambda: broadcaster.stats.lagged == 1, "the lag probe unanswered", timeout=30)
             assert broadcaster.stats.too_slow == 1 and counted.count("too_slow") == 1
             await until(lambda: broadcaster.consumer_count == 1, "its session ended", timeout=30)
-            got: list[dict[str, object]] = list(first)
-            with pytest.raises(ConnectionClosed) as closed:
-                async with asyncio.timeout(30):
-                    while True:
-                        got.append(json.loads(await stalled.recv()))
-            assert rkeys(got) == [f"3k{i:011d}" for i in range(1, len(got) + 1)]
-        rcvd = closed.value.rcvd
-        assert rcvd is not None and (rcvd.code, rcvd.reason) == (1008, "ConsumerTooSlow")
+            await read_until_too_slow(stalled, first)
         await producer.add(12 - producer.seq, keep_up=lambda: len(healthy_got))
         leave.set()
         assert rkeys(await asyncio.wait_for(healthy, 30)) == [f"3k{i:011d}" for i in range(1, 13)]
