@@ -517,9 +517,14 @@ class PostgresStore(Store):
         await self._pool.execute(_numbered(REPAIR_DONE_SQL), at, seq, outcome, row_id)
 
 
+# The account's status is a correlated lookup per row (a SubPlan on accounts_pkey), not a join: the
+# generic plan of a join (prepared statements) merge-joins against the whole accounts index from its
+# first DID, whatever the cursor (161-440 ms at 100,000 accounts, bench/repos_by_collection.py);
+# this form reads the collection's range from the cursor and stops at the limit.
 _SQL_REPOS_BY_COLLECTION = (
-    "SELECT r.did FROM repo_collections r JOIN accounts a ON a.did = r.did "
-    "WHERE r.collection = $1 AND r.did > $2 AND a.upstream_status = 'active' AND a.local_status = 'active' "
+    "SELECT r.did FROM repo_collections r "
+    "WHERE r.collection = $1 AND r.did > $2 AND (SELECT a.upstream_status = 'active' AND a.local_status = 'active' "
+    "FROM accounts a WHERE a.did = r.did) "
     "ORDER BY r.did LIMIT $3"
 )
 # records = max(floor, records + delta): update the rows that exist, insert the others (the single

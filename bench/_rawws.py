@@ -12,6 +12,7 @@ import asyncio
 import base64
 import os
 import time
+import zlib
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
@@ -22,21 +23,43 @@ def _pong(payload: bytes) -> bytes:
     return bytes([0x8A, 0x80 | len(masked)]) + mask + masked
 
 
+class _Inflater:
+    """permessage-deflate (RFC 7692) on the receiving side, as the server's response set it up."""
+
+    def __init__(self, response_head: bytes) -> None:
+        self._reset = b"server_no_context_takeover" in response_head.lower()
+        self._z = zlib.decompressobj(-15)
+
+    def inflate(self, payload: bytes) -> bytes:
+        if self._reset:
+            self._z = zlib.decompressobj(-15)
+        return self._z.decompress(payload + b"\x00\x00\xff\xff")
+
+
 async def subscribe(url: str, on_message: Callable[[bytes, float], None], *,
                     stop: asyncio.Event, connected: Callable[[], None] | None = None,
-                    read_size: int = 1 << 16, stall: bool = False) -> str:
-    """Receive messages from ``url`` until ``stop`` is set or the server closes; returns why it ended."""
+                    read_size: int = 1 << 16, stall: bool = False, deflate: bool = False,
+                    inflate: bool = True, on_bytes: Callable[[int], None] | None = None) -> str:
+    """Receive messages from ``url`` until ``stop`` is set or the server closes; returns why it ended.
+
+    ``deflate`` offers permessage-deflate; if the server accepts, compressed messages are inflated
+    before ``on_message`` unless ``inflate`` is False (then they are passed on compressed: a
+    consumer that only counts). ``on_bytes(n)`` is told the size of every read from the socket
+    (the bytes on the wire after the handshake)."""
     parts = urlsplit(url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 80
     path = parts.path + (f"?{parts.query}" if parts.query else "")
     reader, writer = await asyncio.open_connection(host, port, limit=1 << 22)
     key = base64.b64encode(os.urandom(16)).decode()
+    offer = "Sec-WebSocket-Extensions: permessage-deflate; client_max_window_bits\r\n" if deflate else ""
     writer.write((f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\n"
-                  f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n").encode())
+                  f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n"
+                  f"{offer}\r\n").encode())
     head = await reader.readuntil(b"\r\n\r\n")
     if b" 101 " not in head.split(b"\r\n", 1)[0]:
         writer.close()
         return "handshake_failed"
+    inflater = _Inflater(head) if deflate and inflate and b"permessage-deflate" in head.lower() else None
     if connected:
         connected()
     if stall:
@@ -46,6 +69,7 @@ async def subscribe(url: str, on_message: Callable[[bytes, float], None], *,
         return "stopped"
     buf = b""
     frag: list[bytes] = []
+    compressed = False
     stop_task = asyncio.ensure_future(stop.wait())
     try:
         while True:
@@ -58,6 +82,8 @@ async def subscribe(url: str, on_message: Callable[[bytes, float], None], *,
             if not chunk:
                 return "eof"
             now = time.time()
+            if on_bytes is not None:
+                on_bytes(len(chunk))
             buf = buf + chunk if buf else chunk
             pos = 0
             n = len(buf)
@@ -87,10 +113,14 @@ async def subscribe(url: str, on_message: Callable[[bytes, float], None], *,
                     writer.write(_pong(payload))
                     continue
                 if opcode in (1, 2, 0):
+                    if opcode:
+                        compressed = bool(b0 & 0x40)  # RSV1 on a message's first frame
                     frag.append(payload)
                     if b0 & 0x80:
                         msg = frag[0] if len(frag) == 1 else b"".join(frag)
                         frag = []
+                        if compressed and inflater is not None:
+                            msg = inflater.inflate(msg)
                         on_message(msg, now)
             buf = buf[pos:]
     finally:

@@ -2,7 +2,9 @@
 
 Each connection is an ordinary broadcaster session (``firehose.broadcast``: the same bounded live
 queue, the same replay → live hand-over with no gap and no duplicate, the same ``ConsumerTooSlow``
-rule as ``subscribeRepos``); its events are converted once for everyone
+rule as ``subscribeRepos``, lag probes included where the server offers them, i.e. under
+``firehose.uvicorn_batch``; the cut is a 1008 close written behind the unsent messages); its events
+are converted once for everyone
 (``firehose.jetstream.JetstreamConverter``) and filtered per connection.
 
 Query parameters (as Jetstream): ``wantedCollections`` and ``wantedDids`` (repeatable),
@@ -29,7 +31,7 @@ from starlette.routing import BaseRoute, Route, WebSocketRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from firehose.broadcast import ERROR_KIND, Broadcaster, pump
+from firehose.broadcast import CONSUMER_TOO_SLOW, ERROR_KIND, Broadcaster, pump
 from firehose.jetstream import (
     JetstreamConverter,
     JetstreamOptions,
@@ -44,7 +46,7 @@ from firehose.jetstream import (
 from firehose.reasons import Reason
 from firehose.serve_asgi import deny_websocket, upgrade_required
 from firehose.state import SequencedEvent
-from firehose.uvicorn_batch import SEND_BATCH
+from firehose.uvicorn_batch import PROBE, SEND_BATCH
 from relay.consumers import ConsumerRegistry, ConsumerTracking
 from relay.metrics import RelayMetrics
 
@@ -76,6 +78,16 @@ class _Connection:
     sent: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class _AsgiApp:
+    """``handler`` as a plain ASGI application."""
+
+    handler: ASGIApp
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.handler(scope, receive, send)
+
+
 class JetstreamServer:
     """The ASGI endpoints of the JSON stream over one ``Broadcaster``."""
 
@@ -91,7 +103,8 @@ class JetstreamServer:
         self._wrap = wrap
 
     def routes(self) -> list[BaseRoute]:
-        app: ASGIApp = self._websocket
+        # an ASGI callable, not a bound method: Starlette would call a method as ``endpoint(session)``
+        app: ASGIApp = _AsgiApp(self._websocket)
         if self._wrap is not None:
             app = self._wrap(app)
         return [
@@ -179,7 +192,21 @@ class JetstreamServer:
             self._count("too_slow")
             await ws.close(code=1008, reason="ConsumerTooSlow")
 
-        await pump(session, too_slow, reader, send_events=send_events)
+        send_final = probe = None
+        if batch_ext:  # the close frame behind whatever is unsent, without waiting for the peer
+
+            async def send_final(_frame: bytes) -> None:
+                self._count("too_slow")
+                await send({"type": SEND_BATCH, "frames": [], "text": True, "close": (1008, CONSUMER_TOO_SLOW)})
+
+        if PROBE in ws.scope.get("extensions", {}):  # lag probes: too slow at any event rate, as subscribeRepos
+
+            async def probe() -> None:
+                await send({"type": PROBE})
+
+        await pump(session, too_slow, reader, send_events=send_events, probe=probe, send_final=send_final)
+        if session.too_slow.is_set() and send_final is not None:
+            return  # the close went out; the protocol finishes the close handshake
         if reader.done():
             await self._close_for(ws, reader)
 
