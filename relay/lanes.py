@@ -406,8 +406,11 @@ class AccountLanes:
                 await self._mark_desynchronized(lane, work.hostname)
         return None
 
-    async def _mark_desynchronized(self, lane: _Lane, hostname: str | None) -> None:
-        base = lane.durable or AccountState(did=lane.did, host=hostname)
+    async def _mark_desynchronized(self, lane: _Lane, hostname: str | None,
+                                   base: AccountState | None = None) -> None:
+        """Store the account marked desynchronized and queue its resync. ``base``: the state to mark
+        (default: the durable one, else a new account on ``hostname``)."""
+        base = base or lane.durable or AccountState(did=lane.did, host=hostname)
         marked = dataclasses.replace(base, sync_state="desynchronized", updated_at=self.clock())
         await self.store.upsert_account(marked)
         lane.durable = marked
@@ -592,12 +595,9 @@ class AccountLanes:
                 return outcome, None
             if outcome != RepairOutcome.APPLIED:
                 return outcome, None
-            if repair.kind == "add":
-                added = AccountState(did=repair.did, host=repair.host, upstream_status=repair.upstream_status,
-                                     sync_state="desynchronized", updated_at=now)
-                await self.store.upsert_account(added)
-                lane.durable = added
-                await self.resync.enqueue(repair.did, repair.host)
+            if repair.kind == "add":  # an account the relay did not know: stored marked, resynced
+                await self._mark_desynchronized(lane, repair.host, AccountState(
+                    did=repair.did, host=repair.host, upstream_status=repair.upstream_status))
                 return outcome, None
             assert durable is not None
             if repair.kind == "desync":

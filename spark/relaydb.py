@@ -195,14 +195,20 @@ class Finding:
     observed_at: float = 0.0
 
 
+def _base_columns(base: StoredAccount | None) -> tuple[str | None, str | None, str | None]:
+    """``base_rev, base_commit_cid, base_status``: the relay's row as the job read it (or NULLs)."""
+    if base is None:
+        return None, None, None
+    return base.rev, base.commit_cid, base.upstream_status
+
+
 def queue_sync_repairs(db: JobDB, run_id: str, repairs: Sequence[SyncRepair]) -> None:
     """Queue one ``#sync`` repair per verified repository. Keyed by did+rev+commit, so a rerun
     (or a second job finding the same state) queues nothing new."""
     now = time.time()
     db.executemany(_QUEUE_SQL, [
         (f"#sync|{r.did}|{r.rev}|{r.commit_cid}", "#sync", r.did, r.host, r.rev, r.commit_cid, r.data_cid,
-         r.blocks, None, None, r.base.rev if r.base else None, r.base.commit_cid if r.base else None,
-         r.base.upstream_status if r.base else None, r.observed_at or now, run_id, now,
+         r.blocks, None, None, *_base_columns(r.base), r.observed_at or now, run_id, now,
          json.dumps(r.collections, sort_keys=True) if r.collections is not None else None)
         for r in repairs
     ])
@@ -214,11 +220,9 @@ def queue_findings(db: JobDB, run_id: str, findings: Sequence[Finding]) -> None:
     rows = []
     for f in findings:
         active = f.status == "active"
-        base = f.base
         rows.append((
             f"{f.kind}|{f.did}|{f.status}|{run_id}", f.kind, f.did, f.host, None, None, None, None, active,
-            None if active else f.status, base.rev if base else None, base.commit_cid if base else None,
-            base.upstream_status if base else None, f.observed_at or now, run_id, now, None,
+            None if active else f.status, *_base_columns(f.base), f.observed_at or now, run_id, now, None,
         ))
     db.executemany(_QUEUE_SQL, rows)
 
