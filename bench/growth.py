@@ -21,7 +21,8 @@ from bench.ingest import run_ingest  # noqa: E402
 from relay.sim import SimConfig  # noqa: E402
 
 
-async def run(sizes: list[int], commits: int, profile: str | None = None) -> None:
+async def run(sizes: list[int], commits: int, profile: str | None = None,
+              relay_args: list[str] | None = None) -> None:
     figures = {}
     for n in sizes:
         hosts = 4
@@ -29,7 +30,7 @@ async def run(sizes: list[int], commits: int, profile: str | None = None) -> Non
         note(f"growth: {n} accounts")
         out = await run_ingest(hosts=hosts, accounts=n // hosts, commits=commits, db="sqlite",
                                prefix=f"growth_{n}", fleet_config=cfg, stall_s=60.0,
-                               profile=f"{profile}.{n}" if profile else None)
+                               profile=f"{profile}.{n}" if profile else None, relay_args=relay_args)
         figures[n] = out
     first = sizes[0]
     for n in sizes[1:]:
@@ -45,10 +46,14 @@ def main() -> int:
     p.add_argument("--commits", type=int, default=None)
     p.add_argument("--profile", default=None,
                    help="run the relay's main process under cProfile; stats in PROFILE.<size>")
+    p.add_argument("--identity-rate", type=int, default=None,
+                   help="the relay's RELAY_IDENTITY_RATE (default: the relay's own, 200/s): raise it to "
+                        "measure the CPU of first sight without the politeness cap pacing the commits")
     a = p.parse_args()
     sizes = [int(x) for x in (a.sizes or ("1000,10000" if a.quick else "1000,10000,100000")).split(",")]
     commits = a.commits or (1500 if a.quick else 10_000)
-    asyncio.run(run(sizes, commits, a.profile))
+    relay_args = ["--identity-rate", str(a.identity_rate)] if a.identity_rate else None
+    asyncio.run(run(sizes, commits, a.profile, relay_args))
     if a.profile:
         import pstats
 

@@ -36,8 +36,10 @@ from relay.sim import SimConfig, SimFleet  # noqa: E402
 
 async def run_ingest(*, hosts: int, accounts: int, commits: int, db: str, prefix: str = "ingest",
                      workers: int | None = None, fleet_config: SimConfig | None = None,
-                     profile: str | None = None, stall_s: float = 20.0) -> dict[str, float]:
-    """One ingest measurement; returns the figures (also printed as RESULT lines)."""
+                     profile: str | None = None, stall_s: float = 20.0,
+                     relay_args: list[str] | None = None) -> dict[str, float]:
+    """One ingest measurement; returns the figures (also printed as RESULT lines). ``relay_args``
+    are extra ``relay serve`` options."""
     cfg = fleet_config or SimConfig(hosts=hosts, accounts_per_host=accounts, seed=1)
     fleet = SimFleet(cfg)
     t = time.perf_counter()
@@ -53,7 +55,7 @@ async def run_ingest(*, hosts: int, accounts: int, commits: int, db: str, prefix
     if db == "postgres":
         schema = f"bench_{prefix}_{int(time.time())}"
         database_url = f"{PG_DSN}?schema={schema}"
-    extra = [] if workers is None else ["--validation-workers", str(workers)]
+    extra = ([] if workers is None else ["--validation-workers", str(workers)]) + (relay_args or [])
     try:
         async with relay(fleet.plc_url, database_url=database_url, extra=extra, profile=profile) as r:
             consumer = CountingConsumer(r.ws_url).start()

@@ -164,8 +164,8 @@ class WorkerPool:
         stdin = worker.proc.stdin
         assert stdin is not None
         try:
-            stdin.write(len(payload).to_bytes(_HEADER, "big"))
-            stdin.write(payload)
+            # one write (one syscall, one wake-up of the worker) per batch, header included
+            stdin.write(len(payload).to_bytes(_HEADER, "big") + payload)
             await stdin.drain()
         except (ConnectionError, RuntimeError):
             pass  # the reader sees the exit and fails ``fut`` with WorkerDied
