@@ -595,10 +595,11 @@ class RelayProcess(_Managed):
         env = {k: v for k, v in os.environ.items() if not k.startswith("RELAY_") or k in PASS_THROUGH}
         return {**env, **self.settings}
 
-    async def start(self, timeout: float = 90.0, state: str = "running") -> float:
+    async def start(self, timeout: float = 90.0, state: str = "running", may_exit: bool = False) -> float:
         """Start the process and wait until ``/_health`` answers 200 with ``state`` (the port opens
         while the service is still ``starting``; an ingest waiting for the writer lease is
-        ``standby``); returns that moment (``time.monotonic()``)."""
+        ``standby``); returns that moment (``time.monotonic()``). ``may_exit``: a process that ends
+        before it answers (a fault hook made it exit) is not an error; returns when it ended."""
         if self.alive:
             raise RuntimeError(f"relay {self.role} already running")
         self.server = Supervised([sys.executable, "-m", "relay.cli", self.role], cwd=ROOT, env=self._env(),
@@ -610,6 +611,8 @@ class RelayProcess(_Managed):
         async with httpx.AsyncClient(timeout=2) as http:
             while True:
                 if not self.server.running:
+                    if may_exit:
+                        return time.monotonic()
                     raise RuntimeError(f"relay {self.role} exited:\n{log_tail(self.log_path)}")
                 with contextlib.suppress(httpx.HTTPError, ValueError):
                     resp = await http.get(self.url + "/_health")
