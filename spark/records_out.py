@@ -98,6 +98,25 @@ def schema(record_format: str) -> Any:
                      + [pa.field("record", record, nullable=False)])
 
 
+def row_groups(table: Any, group_bytes: int) -> list[tuple[int, int]]:
+    """``(first row, rows)`` of each row group: rows are added (each counted as its record plus
+    ``ROW_OVERHEAD``) until the group reaches ``group_bytes``, so a group holds at least that
+    much (but the file's last) and at most that plus one row."""
+    import pyarrow.compute as pc
+
+    sizes = pc.binary_length(table.column("record")).to_pylist()
+    groups: list[tuple[int, int]] = []
+    start = filled = 0
+    for i, size in enumerate(sizes):
+        filled += size + ROW_OVERHEAD
+        if filled >= group_bytes:
+            groups.append((start, i + 1 - start))
+            start, filled = i + 1, 0
+    if start < len(sizes):
+        groups.append((start, len(sizes) - start))
+    return groups
+
+
 def attempt_dir_name(partition: int, attempt: int) -> str:
     return f"{ATTEMPTS}/{partition:05d}-{attempt}-{uuid.uuid4().hex[:8]}"
 
@@ -157,13 +176,14 @@ class RecordWriter:
         del buf.did, buf.rkey, buf.cid, buf.rev, buf.record
         if not buf.ordered:
             table = table.sort_by([("did", "ascending"), ("rkey", "ascending")])
-        group_rows = max(1, int(rows * self.layout.row_group_bytes / max(1, buf.size)))
         folder = self.root / f"collection={collection}"
         folder.mkdir(exist_ok=True)
         name = f"part-{self.partition:05d}-{len(self.files):04d}.parquet"
         temporary = folder / f".{name}.tmp"
-        pq.write_table(table, temporary, row_group_size=group_rows, compression=self.layout.compression,
-                       use_dictionary=["did", "rev"], write_statistics=["did", "rkey", "rev"])
+        with pq.ParquetWriter(temporary, self.schema, compression=self.layout.compression,
+                              use_dictionary=["did", "rev"], write_statistics=["did", "rkey", "rev"]) as out:
+            for start, count in row_groups(table, self.layout.row_group_bytes):
+                out.write_table(table.slice(start, count), row_group_size=count)
         os.rename(temporary, folder / name)
         self.files.append(WrittenFile(f"collection={collection}/{name}", collection, rows))
 
@@ -177,12 +197,11 @@ def commit_task_files(staging: Path, results: list[TaskFiles]) -> dict[str, int]
     """Driver side: move the files of the attempts Spark returned (one per partition) into
     ``<staging>/collection=<c>/`` and remove every attempt directory; returns rows per
     collection. Raises ``ValueError`` if two results claim the same partition."""
-    seen: set[int] = set()
+    partitions = [r.partition for r in results]
+    if len(set(partitions)) != len(partitions):
+        raise ValueError(f"two results for one partition: {sorted(partitions)}")
     per_collection: dict[str, int] = {}
     for result in sorted(results, key=lambda r: r.partition):
-        if result.partition in seen:
-            raise ValueError(f"two results for partition {result.partition}")
-        seen.add(result.partition)
         for f in result.files:
             target = staging / f.path
             target.parent.mkdir(exist_ok=True)
