@@ -87,10 +87,12 @@ def test_export_layout_is_partitioned_sorted_and_exact(
     # one task takes both hosts, so its rows do not arrive in DID order and must be sorted
     cfg = type(cfg)(cfg.db_url, cfg.run_id, cfg.fetch, cfg.write_batch, partitions=1)
     out = tmp_path / "export"
-    # what an earlier, failed run of the same id left in its staging directory
-    junk = out / f".records-{cfg.run_id}.partial" / "_attempts" / "00000-0-dead" / "collection=x.y.z"
-    junk.mkdir(parents=True)
-    (junk / "part-00000-0000.parquet").write_bytes(b"half written")
+    # what an earlier, failed run of the same id left in its staging directory: an attempt's
+    # file, and one already committed there when that run failed
+    staging = out / f".records-{cfg.run_id}.partial"
+    for junk in (staging / "_attempts" / "00000-0-dead" / "collection=x.y.z", staging / "collection=x.y.z"):
+        junk.mkdir(parents=True)
+        (junk / "part-00000-0000.parquet").write_bytes(b"half written")
     layout = ParquetLayout(record_format=record_format, row_group_bytes=6_000, task_buffer_bytes=40_000)
 
     manifest = run_export(spark_session, cfg, AccountFilter(), str(out), layout=layout)
