@@ -167,6 +167,38 @@ def measure_reads(spark: Any, url: str, parts: int) -> tuple[float, float, int]:
     return py_rate, jdbc_rate, total
 
 
+def tree_cpu() -> dict[str, float]:
+    """CPU seconds (user + system, including reaped children) used so far by this process (the
+    driver and the simulator's thread), its JVM and the JVM's Python workers (everything else
+    below this process)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    stats: dict[int, tuple[int, str, float]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            raw = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        comm = raw[raw.index("(") + 1:raw.rindex(")")]
+        fields = raw[raw.rindex(")") + 2:].split()
+        stats[int(entry)] = (int(fields[1]), comm, sum(int(f) for f in fields[11:15]) / tick)
+    me = os.getpid()
+    out = {"driver": stats[me][2], "jvm": 0.0, "workers": 0.0}
+    frontier = [me]
+    while frontier:
+        parent = frontier.pop()
+        for pid, (ppid, comm, cpu) in stats.items():
+            if ppid == parent:
+                out["jvm" if comm == "java" else "workers"] += cpu
+                frontier.append(pid)
+    return out
+
+
+def cpu_note(before: dict[str, float], after: dict[str, float]) -> str:
+    return ", ".join(f"{k} {after[k] - before[k]:.1f}" for k in before) + " CPU-s"
+
+
 def run_totals(url: str, run_id: str) -> tuple[int, int]:
     """(CAR bytes, records) the run's repositories had."""
     with connect_db(url) as db:
@@ -192,6 +224,9 @@ def bench_master(master: str, args: argparse.Namespace, fleet: Fleet, url: str) 
     spark = build_session(master, app_name="relay-spark-bench", progress_bar=False, ui=False,
                           shuffle_partitions=cores)
     result(f"spark_{tag}_session_start_s", time.perf_counter() - t0)
+    sc = spark.sparkContext
+    assert sc.master == master, (sc.master, master)
+    print(f"# session: master {sc.master}, {sc.defaultParallelism} task slots", flush=True)
     shards = max(1, -(-args.partitions // args.hosts))
     fetch = FetchConfig(allow_private=True, scheme="http", plc_url=fleet.fleet.plc_url, host_rate=10_000.0,
                         host_concurrency=2 * shards, retries=1, shards_per_host=shards)
@@ -206,15 +241,16 @@ def bench_master(master: str, args: argparse.Namespace, fleet: Fleet, url: str) 
     try:
         for name in ("resync_cold", "resync"):
             cfg = job_config()
-            t0 = time.perf_counter()
+            c0, t0 = tree_cpu(), time.perf_counter()
             summary = run_resync(spark, cfg, AccountFilter())
-            elapsed = time.perf_counter() - t0
+            elapsed, c1 = time.perf_counter() - t0, tree_cpu()
             assert summary["totals"] == {"ok": repos}, summary
             size, records = run_totals(url, cfg.run_id)
             print(f"# {master} {name}: {repos} repositories, {records} records, {size / 1e6:.1f} MB "
-                  f"in {elapsed:.2f}s", flush=True)
+                  f"in {elapsed:.2f}s; {cpu_note(c0, c1)}", flush=True)
             result(f"spark_{tag}_{name}_repos_per_s", repos / elapsed)
             result(f"spark_{tag}_{name}_mb_per_s", size / 1e6 / elapsed)
+            result(f"spark_{tag}_{name}_repos_per_worker_cpu_s", repos / max(1e-9, c1["workers"] - c0["workers"]))
             figures[f"{name}_repos_per_s"] = repos / elapsed
             figures[f"{name}_mb_per_s"] = size / 1e6 / elapsed
 
@@ -229,14 +265,18 @@ def bench_master(master: str, args: argparse.Namespace, fleet: Fleet, url: str) 
                     from spark.records_out import ParquetLayout
 
                     extra["layout"] = ParquetLayout(record_format=fmt)
-                t0 = time.perf_counter()
+                c0, t0 = tree_cpu(), time.perf_counter()
                 manifest = run_export(spark, cfg, AccountFilter(), out, **extra)
-                elapsed = time.perf_counter() - t0
-                on_disk = sum(p.stat().st_size for p in Path(out, "records").rglob("*.parquet"))
+                elapsed, c1 = time.perf_counter() - t0, tree_cpu()
+                files = sorted(Path(out, "records").rglob("*.parquet"))
+                on_disk = sum(p.stat().st_size for p in files)
             assert manifest["failed"] == {}, manifest["failed"]
             assert manifest["records"] == fleet.records, (manifest["records"], fleet.records)
             print(f"# {master} {name}: {manifest['records']} records from {repos} repositories in "
-                  f"{elapsed:.2f}s; Parquet {on_disk / 1e6:.1f} MB", flush=True)
+                  f"{elapsed:.2f}s; {cpu_note(c0, c1)}; Parquet {on_disk / 1e6:.1f} MB in {len(files)} files "
+                  f"({files[0].name}…)", flush=True)
+            result(f"spark_{tag}_{name}_records_per_worker_cpu_s",
+                   manifest["records"] / max(1e-9, c1["workers"] - c0["workers"]))
             result(f"spark_{tag}_{name}_records_per_s", manifest["records"] / elapsed)
             figures[f"{name}_records_per_s"] = manifest["records"] / elapsed
 

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mst.syntax import is_valid_nsid
-from spark.collections import RepoCollections, rebuild_collections
+from spark.collections import RepoCollections, collection_runs, rebuild_collections
 from spark.config import JobConfig
 from spark.dagjson import block_json
 from spark.db import connect_db
@@ -99,18 +99,13 @@ def _records(
     from mst.cbor import decode
 
     out: list[tuple[str, list[str], list[str], list[Any]]] = []
-    paths = sorted(records)
-    i = 0
-    while i < len(paths):  # one run of paths per collection (paths sort by collection first)
-        collection = paths[i].partition("/")[0]
+    paths = sorted(records)  # in MST order already: linear
+    for collection, start, end in collection_runs(paths):
+        run = paths[start:end]
         prefix = collection + "/"
-        j = i
-        while j < len(paths) and paths[j].startswith(prefix):
-            j += 1
-        run, i = paths[i:j], j
         if wanted is not None and collection not in wanted:
             continue
-        if not is_valid_nsid(collection):
+        if not is_valid_nsid(collection) or not run[0].startswith(prefix):
             raise CheckError("invalid_repo_path", collection[:100])
         cids = [records[p] for p in run]
         raws = [blocks[c] for c in cids]

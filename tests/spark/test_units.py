@@ -307,3 +307,27 @@ def test_exchange_swaps_two_directories(tmp_path: Path) -> None:
     (b / "y").write_text("b")
     assert _exchange(a, b)
     assert (a / "y").read_text() == "b" and (b / "x").read_text() == "a"
+
+
+def test_collection_runs_count_like_counts_from_paths() -> None:
+    """Neighbouring collection names that sort around ``/`` (``post-x``, ``post.x``, ``post0``,
+    ``post2``) and a path without a slash are counted exactly like the per-path count."""
+    import random
+
+    from backfill.collections import counts_from_paths
+    from spark.collections import RepoCollections, collection_runs
+
+    names = ["app.bsky.feed.post", "app.bsky.feed.post-x", "app.bsky.feed.post.x", "app.bsky.feed.post0",
+             "app.bsky.feed.post2", "app.bsky.feed", "a", "é.x"]
+    rng = random.Random(5)
+    for _ in range(50):
+        paths = sorted({f"{rng.choice(names)}/{rng.randrange(30)}" for _ in range(rng.randrange(60))}
+                       | ({"app.bsky.feed.post"} if rng.random() < 0.3 else set()))
+        runs = collection_runs(paths)
+        summed: dict[str, int] = {}
+        for c, start, end in runs:
+            assert end > start and all(p.partition("/")[0] == c for p in paths[start:end])
+            summed[c] = summed.get(c, 0) + end - start
+        assert summed == counts_from_paths(paths)
+        assert [p for _, start, end in runs for p in paths[start:end]] == paths  # contiguous, in order
+        assert RepoCollections.of("did:x", "r", dict.fromkeys(reversed(paths))).counts == counts_from_paths(paths)
