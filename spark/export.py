@@ -1,18 +1,20 @@
 """Full-network export: records of chosen collections from verified repositories → Parquet.
 
-``run_export(spark, cfg, flt, out_dir, collections=None) -> dict`` (the manifest).
+``run_export(spark, cfg, flt, out_dir, collections=None, layout=None) -> dict`` (the manifest).
 
 Before any repository is fetched the relay's current ``seq`` is read; it goes into
 ``<out_dir>/manifest.json`` as ``cursor``: an appview loads the dataset, then consumes
 ``subscribeRepos?cursor=<cursor>`` and sees every change made after the snapshot began (changes
 already in the snapshot arrive again and are recognised by their ``rev``). Rows are
 ``(did, collection, rkey, cid, rev, record)`` with ``record`` the record as atproto JSON
-(``$link``/``$bytes``); the dataset is partitioned by ``collection``. It is written to a staging
+(``$link``/``$bytes``) or, with ``layout.record_format="dag-cbor"``, its DAG-CBOR block; the
+dataset is partitioned by ``collection`` and sorted by (did, rkey) within each file (layout and
+the executors' pyarrow writing: ``spark.records_out``). It is written to a staging
 directory beside it (``<out_dir>/.records-<run_id>.partial``) and only then put in place of
 ``<out_dir>/records`` in one step (``replace_dir``: an atomic exchange of the two directories), so
 a reader sees the previous dataset or the new one, never a mix, and a run that fails leaves the
 previous dataset as it was (and its staging directory, which the next run of the same id
-overwrites). A rerun reproduces the same rows. ``manifest.json`` is replaced atomically too. Only repositories that pass full
+clears first). A rerun reproduces the same rows. ``manifest.json`` is replaced atomically too. Only repositories that pass full
 verification are exported; the others are listed in the manifest with their reason and written
 to ``spark_job_results``. Every exported repository's collection counts are rebuilt from it
 (``spark.collections``: only while the relay still holds it at the exported rev).
