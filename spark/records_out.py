@@ -19,7 +19,9 @@ directory ``<staging>/_attempts/<partition>-<attempt>-<random>/``, each file und
 renamed once complete, and returns the list of its files (:class:`TaskFiles`). Spark hands the
 driver exactly one result per partition — the successful attempt's — and
 :func:`commit_task_files` moves exactly those files into ``<staging>/collection=<c>/`` and removes
-``_attempts`` with whatever failed, retried or speculative attempts left there. ``<staging>``
+``_attempts`` with whatever failed, retried or speculative attempts left there (a speculative
+attempt still finishing after that could only write below ``_attempts/``, a name Spark, pyarrow
+and DuckDB skip when they read a dataset, as they skip ``.``-names like the ``.tmp`` files). ``<staging>``
 itself becomes visible only through ``spark.export.replace_dir``. The output directory must be
 one file system shared by the driver and the executors (local mode; on a cluster, a shared
 mount at the same path).
