@@ -1,7 +1,8 @@
 """Benchmark of the Spark jobs at realistic repository sizes, served over HTTP by the simulator.
 
     .venv/bin/python bench/spark.py [--hosts 4] [--repos 400] [--min-records 1000]
-        [--max-records 10000] [--masters local[1],local[2]] [--partitions 16] [--read-rows 0]
+        [--max-records 10000] [--masters local[1],local[2]] [--partitions 16] [--task-threads 2]
+        [--read-rows 0]
 
 A fleet of ``--hosts`` simulated PDSes holds ``--repos`` repositories whose sizes are drawn
 log-uniformly from ``[min, max]`` records (the simulator's realistic mix of posts, likes,
@@ -229,7 +230,7 @@ def bench_master(master: str, args: argparse.Namespace, fleet: Fleet, url: str) 
     print(f"# session: master {sc.master}, {sc.defaultParallelism} task slots", flush=True)
     shards = max(1, -(-args.partitions // args.hosts))
     fetch = FetchConfig(allow_private=True, scheme="http", plc_url=fleet.fleet.plc_url, host_rate=10_000.0,
-                        host_concurrency=2 * shards, retries=1, shards_per_host=shards)
+                        host_concurrency=args.task_threads * shards, retries=1, shards_per_host=shards)
     repos = len(fleet.fleet.accounts)
     figures: dict[str, float] = {}
     has_layout = "layout" in inspect.signature(run_export).parameters
@@ -303,6 +304,7 @@ def main() -> int:
     parser.add_argument("--max-records", type=int, default=10_000)
     parser.add_argument("--masters", default="local[1],local[2]", help="comma-separated Spark masters")
     parser.add_argument("--partitions", type=int, default=16, help="tasks per job (same for every master)")
+    parser.add_argument("--task-threads", type=int, default=2, help="fetching threads per task")
     parser.add_argument("--read-rows", type=int, default=0, help="also measure reading this many account rows")
     parser.add_argument("--out-parent", default=None, help="where the export's temporary output goes")
     args = parser.parse_args()
