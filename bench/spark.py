@@ -240,7 +240,7 @@ def bench_master(master: str, args: argparse.Namespace, fleet: Fleet, url: str) 
                          partitions=args.partitions, write_batch=50)
 
     try:
-        for name in ("resync_cold", "resync"):
+        for name in ("resync_cold", "resync") if "resync" in args.jobs else ():
             cfg = job_config()
             c0, t0 = tree_cpu(), time.perf_counter()
             summary = run_resync(spark, cfg, AccountFilter())
@@ -255,8 +255,8 @@ def bench_master(master: str, args: argparse.Namespace, fleet: Fleet, url: str) 
             figures[f"{name}_repos_per_s"] = repos / elapsed
             figures[f"{name}_mb_per_s"] = size / 1e6 / elapsed
 
-        runs = [("export_json_cold", "json"), ("export_json", "json")]
-        if has_layout:
+        runs = [("export_json_cold", "json"), ("export_json", "json")] if "export_json" in args.jobs else []
+        if has_layout and "export_dagcbor" in args.jobs:
             runs.append(("export_dagcbor", "dag-cbor"))
         for name, fmt in runs:
             with tempfile.TemporaryDirectory(dir=args.out_parent) as out:
@@ -304,6 +304,8 @@ def main() -> int:
     parser.add_argument("--max-records", type=int, default=10_000)
     parser.add_argument("--masters", default="local[1],local[2]", help="comma-separated Spark masters")
     parser.add_argument("--partitions", type=int, default=16, help="tasks per job (same for every master)")
+    parser.add_argument("--jobs", default="resync,export_json,export_dagcbor",
+                        help="which of resync, export_json, export_dagcbor to run")
     parser.add_argument("--task-threads", type=int, default=2, help="fetching threads per task")
     parser.add_argument("--read-rows", type=int, default=0, help="also measure reading this many account rows")
     parser.add_argument("--out-parent", default=None, help="where the export's temporary output goes")
