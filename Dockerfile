@@ -30,7 +30,7 @@ COPY backfill ./backfill
 COPY relay ./relay
 COPY spark ./spark
 COPY migrations ./migrations
-# the project (not editable) and its dependencies; pyspark only in the spark stage. Behind a
+# the project (not editable) and its dependencies; pyspark (and pyarrow) only in the spark stage. Behind a
 # TLS-intercepting proxy, pass its CA bundle: --secret id=pip-ca,src=/etc/ssl/certs/ca-certificates.crt
 RUN --mount=type=secret,id=pip-ca \
     if [ -s /run/secrets/pip-ca ]; then export PIP_CERT=/run/secrets/pip-ca; fi \
@@ -63,7 +63,7 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/*
 RUN --mount=type=secret,id=pip-ca \
     if [ -s /run/secrets/pip-ca ]; then export PIP_CERT=/run/secrets/pip-ca; fi \
- && /opt/relay/bin/pip install --no-cache-dir "pyspark>=3.5"
+ && /opt/relay/bin/pip install --no-cache-dir "pyspark>=3.5" "pyarrow>=15"
 ENV JAVA_HOME=/usr/lib/jvm/java-17-openjdk-amd64
 USER 10001:10001
 CMD ["spark", "--help"]

@@ -79,6 +79,10 @@ def build_parser(default_master: str | None = "local[*]") -> argparse.ArgumentPa
     common(p)
     p.add_argument("--out", required=True, help="output directory (local path)")
     p.add_argument("--collection", action="append", default=[], help="only this collection (repeatable)")
+    p.add_argument("--record-format", choices=("json", "dag-cbor"), default="json",
+                   help="record column: atproto JSON text, or the DAG-CBOR block's bytes (default: %(default)s)")
+    p.add_argument("--row-group-mb", type=int, default=64,
+                   help="Parquet row groups of about this many MiB of uncompressed data (default: %(default)s)")
     p.add_argument("--sync-state", action="append", default=[])
     p.add_argument("--include-inactive", action="store_true")
 
@@ -209,8 +213,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
                 return run_reconcile(spark, cfg, args.host or None)
             from spark.export import run_export
+            from spark.records_out import ParquetLayout
 
-            return run_export(spark, cfg, flt, args.out, args.collection or None)
+            layout = ParquetLayout(record_format=args.record_format, row_group_bytes=args.row_group_mb << 20)
+            return run_export(spark, cfg, flt, args.out, args.collection or None, layout)
         finally:
             if progress:
                 progress.__exit__(None, None, None)

@@ -1,18 +1,20 @@
 """Full-network export: records of chosen collections from verified repositories → Parquet.
 
-``run_export(spark, cfg, flt, out_dir, collections=None) -> dict`` (the manifest).
+``run_export(spark, cfg, flt, out_dir, collections=None, layout=None) -> dict`` (the manifest).
 
 Before any repository is fetched the relay's current ``seq`` is read; it goes into
 ``<out_dir>/manifest.json`` as ``cursor``: an appview loads the dataset, then consumes
 ``subscribeRepos?cursor=<cursor>`` and sees every change made after the snapshot began (changes
 already in the snapshot arrive again and are recognised by their ``rev``). Rows are
 ``(did, collection, rkey, cid, rev, record)`` with ``record`` the record as atproto JSON
-(``$link``/``$bytes``); the dataset is partitioned by ``collection``. It is written to a staging
+(``$link``/``$bytes``) or, with ``layout.record_format="dag-cbor"``, its DAG-CBOR block; the
+dataset is partitioned by ``collection`` and sorted by (did, rkey) within each file (layout and
+the executors' pyarrow writing: ``spark.records_out``). It is written to a staging
 directory beside it (``<out_dir>/.records-<run_id>.partial``) and only then put in place of
 ``<out_dir>/records`` in one step (``replace_dir``: an atomic exchange of the two directories), so
 a reader sees the previous dataset or the new one, never a mix, and a run that fails leaves the
 previous dataset as it was (and its staging directory, which the next run of the same id
-overwrites). A rerun reproduces the same rows. ``manifest.json`` is replaced atomically too. Only repositories that pass full
+clears first). A rerun reproduces the same rows. ``manifest.json`` is replaced atomically too. Only repositories that pass full
 verification are exported; the others are listed in the manifest with their reason and written
 to ``spark_job_results``. Every exported repository's collection counts are rebuilt from it
 (``spark.collections``: only while the relay still holds it at the exported rev).
@@ -27,16 +29,28 @@ import shutil
 import time
 import uuid
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from spark.collections import RepoCollections, rebuild_collections
+from mst.syntax import is_valid_nsid
+from spark.collections import RepoCollections, collection_runs, rebuild_collections
 from spark.config import JobConfig
-from spark.dagjson import record_json
+from spark.dagjson import block_json
 from spark.db import connect_db
 from spark.fetch import HostFetcher
 from spark.identity import IdentityClient
-from spark.partitioning import batched, by_host_shard, for_each_host, read_accounts_rdd, work_partitions
+from spark.partitioning import (
+    batched,
+    by_host_shard,
+    cid_strs,
+    for_each_host,
+    host_order,
+    quiet_gc,
+    read_accounts_rdd,
+    work_partitions,
+)
+from spark.records_out import ParquetLayout, RecordWriter, TaskFiles, commit_task_files
 from spark.relaydb import AccountFilter, ResultRow, finish_run, relay_seq, start_run, write_results
 from spark.repo_check import CheckError, StoredAccount, fetch_verified
 
@@ -47,52 +61,92 @@ JOB = "export"
 RECORD_FIELDS = ("did", "collection", "rkey", "cid", "rev", "record")
 
 
-def export_schema() -> Any:
-    from pyspark.sql.types import StringType, StructField, StructType
+@dataclass(slots=True)
+class RepoRecords:
+    """One verified repository's exported records, one entry per collection in path order:
+    ``(collection, rkeys, cids, records)`` (rkeys ascending)."""
 
-    return StructType([StructField(name, StringType(), nullable=False) for name in RECORD_FIELDS])
+    did: str
+    rev: str
+    collections: list[tuple[str, list[str], list[str], list[Any]]]
+
+    @property
+    def count(self) -> int:
+        return sum(len(rkeys) for _, rkeys, _, _ in self.collections)
 
 
 def repo_rows(
     fetcher: HostFetcher, identities: IdentityClient, account: StoredAccount,
-    collections: frozenset[str] | None,
-) -> tuple[ResultRow, list[tuple[str, ...]], RepoCollections | None]:
-    """Verified records of one repository as export rows, and its collection counts (never
-    raises for bad input)."""
-    from mst.cbor import decode
-    from mst.cid import cid_str
-
+    collections: frozenset[str] | None, record_format: str = "json",
+) -> tuple[ResultRow, RepoRecords | None, RepoCollections | None]:
+    """Verified records of one repository, and its collection counts (never raises for bad
+    input). Every exported record is decoded strictly (``mst.cbor``) in either format."""
     try:
         fetched = fetch_verified(fetcher, identities, account.did)
     except CheckError as exc:
-        return ResultRow(account.did, account.host, "failed", exc.reason), [], None
-    rows: list[tuple[str, ...]] = []
+        return ResultRow(account.did, account.host, "failed", exc.reason), None, None
     try:
-        for path, cid in sorted(fetched.records.items()):
-            collection, _, rkey = path.partition("/")
-            if collections is not None and collection not in collections:
-                continue
-            record = decode(bytes(fetched.blocks[cid]))
-            rows.append((account.did, collection, rkey, cid_str(cid), fetched.rev, record_json(record)))
-    except Exception as exc:  # noqa: BLE001 - mst.errors.RepoError or a missing block
-        return ResultRow(account.did, account.host, "failed", getattr(exc, "reason", "record_invalid")), [], None
-    result = ResultRow(account.did, account.host, "ok", None, records=len(rows), bytes=fetched.size,
+        out = _records(fetched.records, fetched.blocks, collections, record_format)
+    except Exception as exc:  # noqa: BLE001 - mst.errors.RepoError, a missing block, a bad path
+        return ResultRow(account.did, account.host, "failed", getattr(exc, "reason", "record_invalid")), None, None
+    repo = RepoRecords(account.did, fetched.rev, out)
+    result = ResultRow(account.did, account.host, "ok", None, records=repo.count, bytes=fetched.size,
                        rev=fetched.rev)
-    return result, rows, RepoCollections.of(account.did, fetched.rev, fetched.records)
+    return result, repo, RepoCollections.of(account.did, fetched.rev, fetched.records)
+
+
+def _records(
+    records: dict[str, Any], blocks: Any, wanted: frozenset[str] | None, record_format: str,
+) -> list[tuple[str, list[str], list[str], list[Any]]]:
+    from mst.cbor import decode
+
+    out: list[tuple[str, list[str], list[str], list[Any]]] = []
+    paths = sorted(records)  # in MST order already: linear
+    for collection, start, end in collection_runs(paths):
+        run = paths[start:end]
+        prefix = collection + "/"
+        if wanted is not None and collection not in wanted:
+            continue
+        if not is_valid_nsid(collection) or not run[0].startswith(prefix):
+            raise CheckError("invalid_repo_path", collection[:100])
+        cids = [records[p] for p in run]
+        raws = [blocks[c] for c in cids]
+        values: list[Any]
+        if record_format == "json":
+            values = [block_json(raw) for raw in raws]
+        else:
+            for raw in raws:
+                decode(raw)  # the same strictness as the JSON form; the bytes are exported as they are
+            values = [bytes(raw) for raw in raws]
+        out.append((collection, [p[len(prefix):] for p in run], cid_strs(cids), values))
+    return out
 
 
 def export_partition(
-    cfg: JobConfig, collections: frozenset[str] | None, accounts: Iterable[StoredAccount]
-) -> Iterator[tuple[str, ...]]:
-    """Executor side: yields record rows; per-repository outcomes go to the results table."""
-    checked = for_each_host(cfg, accounts, lambda f, i, a: repo_rows(f, i, a, collections))
-    with connect_db(cfg.db_url) as db:
-        for batch in batched(checked, cfg.write_batch):
-            with db.transaction():
-                write_results(db, cfg.run_id, JOB, [result for result, _, _ in batch])
-                rebuild_collections(db, [counts for _, _, counts in batch if counts is not None])
-            for _, rows, _ in batch:
-                yield from rows
+    cfg: JobConfig, collections: frozenset[str] | None, layout: ParquetLayout, staging: Path,
+    accounts: Iterable[StoredAccount],
+) -> Iterator[TaskFiles]:
+    """Executor side: writes this task's Parquet files (``spark.records_out``) and yields their
+    list; per-repository outcomes and collection counts go to the database as they complete."""
+    from pyspark import TaskContext
+
+    ctx = TaskContext.get()
+    partition, attempt = (ctx.partitionId(), ctx.attemptNumber()) if ctx is not None else (0, 0)
+    writer = RecordWriter(staging, partition, attempt, layout)
+    with quiet_gc():
+        checked = for_each_host(cfg, accounts,
+                                lambda f, i, a: repo_rows(f, i, a, collections, layout.record_format))
+        with connect_db(cfg.db_url) as db:
+            for batch in batched(checked, cfg.write_batch):
+                for _, repo, _ in batch:
+                    if repo is not None:
+                        for collection, rkeys, cids, values in repo.collections:
+                            writer.add(collection, repo.did, repo.rev, rkeys, cids, values)
+                with db.transaction():
+                    write_results(db, cfg.run_id, JOB, [result for result, _, _ in batch])
+                    rebuild_collections(db, [counts for _, _, counts in batch if counts is not None])
+        files = writer.close()
+    yield files
 
 
 _AT_FDCWD = -100
@@ -137,9 +191,10 @@ def _write_atomically(path: Path, text: str) -> None:
 
 def run_export(
     spark: SparkSession, cfg: JobConfig, flt: AccountFilter, out_dir: str,
-    collections: Iterable[str] | None = None,
+    collections: Iterable[str] | None = None, layout: ParquetLayout | None = None,
 ) -> dict[str, Any]:
     """Driver side; returns the manifest it wrote to ``<out_dir>/manifest.json``."""
+    layout = layout or ParquetLayout()
     sc = spark.sparkContext
     parts = cfg.partitions or max(1, sc.defaultParallelism)
     wanted = frozenset(collections) if collections else None
@@ -149,23 +204,21 @@ def run_export(
         start_run(db, cfg.run_id, JOB, {"out": out_dir, "collections": sorted(wanted or [])})
     accounts, selected = read_accounts_rdd(sc, cfg, flt, parts)
     sc.setJobDescription(f"export {cfg.run_id}: {selected} repositories")
-    rows = by_host_shard(accounts, cfg, work_partitions(parts, selected)).mapPartitions(lambda it: export_partition(cfg, wanted, it))
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     dataset = Path(out_dir) / "records"
     staging = Path(out_dir) / f".records-{cfg.run_id}.partial"
-    # one pass: rows stream from the executors straight into the Parquet writer (into staging)
-    frame = spark.createDataFrame(rows, export_schema(), verifySchema=False)
-    frame.write.mode("overwrite").partitionBy("collection").parquet(str(staging))
+    shutil.rmtree(staging, ignore_errors=True)  # what an earlier failed run of this id left
+    staging.mkdir()
+    results = (
+        by_host_shard(accounts, cfg, work_partitions(parts, selected), host_order(cfg, flt))
+        .mapPartitions(lambda it: export_partition(cfg, wanted, layout, staging, it))
+        .collect()  # one small file list per task: the executors wrote the rows themselves
+    )
+    per_collection = commit_task_files(staging, results)
     replace_dir(staging, dataset)
     with connect_db(cfg.db_url) as db:
         failed = {r["did"]: r["reason"] for r in db.fetch(
             "SELECT did, reason FROM spark_job_results WHERE run_id = ? AND outcome = 'failed'", cfg.run_id)}
-        written = int(db.fetchval("SELECT coalesce(sum(records), 0) FROM spark_job_results WHERE run_id = ?",
-                                  cfg.run_id) or 0)
-    per_collection: dict[str, int] = {}
-    if written:  # counted from the dataset itself (partition values only: no column is read)
-        counts = spark.read.parquet(str(dataset)).groupBy("collection").count().collect()
-        per_collection = {r["collection"]: int(r["count"]) for r in counts}
     manifest = {
         "format": "atproto-relay-export/1",
         "job": JOB,
@@ -177,6 +230,9 @@ def run_export(
         "dataset": "records",
         "partitioned_by": ["collection"],
         "columns": list(RECORD_FIELDS),
+        "record_format": layout.record_format,
+        "sorted_by": ["did", "rkey"],
+        "row_group_bytes": layout.row_group_bytes,
         "repositories_selected": selected,
         "repositories_exported": selected - len(failed),
         "records": sum(per_collection.values()),

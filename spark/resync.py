@@ -34,7 +34,15 @@ from spark.config import JobConfig
 from spark.db import connect_db
 from spark.fetch import HostFetcher
 from spark.identity import IdentityClient
-from spark.partitioning import batched, by_host_shard, for_each_host, read_accounts_rdd, work_partitions
+from spark.partitioning import (
+    batched,
+    by_host_shard,
+    for_each_host,
+    host_order,
+    quiet_gc,
+    read_accounts_rdd,
+    work_partitions,
+)
 from spark.relaydb import (
     AccountFilter,
     ResultRow,
@@ -81,17 +89,18 @@ def check_account(
 
 def resync_partition(cfg: JobConfig, accounts: Iterable[StoredAccount]) -> Iterator[tuple[str, str]]:
     """Executor side: check every account and write back in batches; yields (outcome, reason)."""
-    checked = for_each_host(cfg, accounts, check_account)
-    with connect_db(cfg.db_url) as db:
-        for batch in batched(checked, cfg.write_batch):
-            rows = [row for row, _, _ in batch]
-            repairs = [repair for _, repair, _ in batch if repair is not None]
-            with db.transaction():
-                queue_sync_repairs(db, cfg.run_id, repairs)
-                rebuild_collections(db, [counts for _, _, counts in batch if counts is not None])
-                write_results(db, cfg.run_id, JOB, rows)
-            for row in rows:
-                yield row.outcome, row.reason or ""
+    with quiet_gc():
+        checked = for_each_host(cfg, accounts, check_account)
+        with connect_db(cfg.db_url) as db:
+            for batch in batched(checked, cfg.write_batch):
+                rows = [row for row, _, _ in batch]
+                repairs = [repair for _, repair, _ in batch if repair is not None]
+                with db.transaction():
+                    queue_sync_repairs(db, cfg.run_id, repairs)
+                    rebuild_collections(db, [counts for _, _, counts in batch if counts is not None])
+                    write_results(db, cfg.run_id, JOB, rows)
+                for row in rows:
+                    yield row.outcome, row.reason or ""
 
 
 def count_outcomes(pairs: Iterable[tuple[str, str]]) -> dict[str, int]:
@@ -109,7 +118,7 @@ def run_resync(spark: SparkSession, cfg: JobConfig, flt: AccountFilter) -> dict[
     accounts, selected = read_accounts_rdd(sc, cfg, flt, parts)
     sc.setJobDescription(f"resync {cfg.run_id}: {selected} repositories")
     per_task = (
-        by_host_shard(accounts, cfg, work_partitions(parts, selected))
+        by_host_shard(accounts, cfg, work_partitions(parts, selected), host_order(cfg, flt))
         .mapPartitions(lambda it: [count_outcomes(resync_partition(cfg, it))])
         .collect()  # one small dict per task: no second shuffle
     )

@@ -57,6 +57,23 @@ def test_cbrrr_c_module() -> None:
     check("cbrrr", "the CID constructor receives the 36 CID bytes (no 0x00 multibase prefix)",
           "mst.cbor._strict_cid", lambda: seen == [link.cid_bytes] and len(seen[0]) == 36)
     check("cbrrr", "cbrrr.CbrrrDecodeError", "mst.cbor", lambda: issubclass(cbrrr.CbrrrDecodeError, Exception))
+    check("cbrrr", "atjson mode renders a tag-42 link as {'$link': base32 string} without calling the ctor",
+          "spark.partitioning.cid_strs",
+          lambda: c.decode_dag_cbor(data, None, True) == ({"a": 1, "l": {"$link": link.encode()}}, len(data)))
+
+
+# -- the standard library's C JSON encoder, built once (spark.dagjson._c_encode)
+
+def test_json_c_make_encoder() -> None:
+    """Not a pinned dependency (the interpreter's own module): plain asserts."""
+    import json.encoder
+
+    from spark.dagjson import _ENCODE, _ENCODER
+
+    assert json.encoder.c_make_encoder is not None, "no C JSON encoder: spark.dagjson falls back (slower)"
+    assert _ENCODE != _ENCODER.encode  # the C path is the one in use
+    value = {"b": [1, "é\n", None, {"a": 2.5}], "a": True}
+    assert _ENCODE(value) == _ENCODER.encode(value) == '{"a":true,"b":[1,"é\\n",null,{"a":2.5}]}'
 
 
 @pytest.mark.parametrize(("hex_data", "reason"), [

@@ -56,9 +56,13 @@ def test_cli_export_summary_and_plc_from_environment(spark_session: Any, fleet: 
     out_dir = tmp_path / "export"
     code = relay_main(["spark", "export", "--db", relay_db, "--allow-private", "--scheme", "http",
                        "--master", "local[2]", "--partitions", "2", "--retries", "0", "--no-progress",
-                       "--run-id", "cli-export", "--out", str(out_dir)])
+                       "--run-id", "cli-export", "--record-format", "dag-cbor", "--out", str(out_dir)])
     out, _ = capsys.readouterr()
     assert code == 0, out
     assert out.splitlines()[0] == "export run cli-export"
     assert "records: " in out and "in 20 repositories" in out
     assert sorted(p.name for p in out_dir.iterdir()) == ["manifest.json", "records"]  # no staging left
+    manifest = json.loads((out_dir / "manifest.json").read_text())
+    assert manifest["record_format"] == "dag-cbor"  # --record-format reached the job
+    frame = spark_session.read.parquet(str(out_dir / "records"))
+    assert dict(frame.dtypes)["record"] == "binary"

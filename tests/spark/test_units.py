@@ -3,6 +3,7 @@ against a real simulated host, DID resolution from the simulated PLC directory, 
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 from dataclasses import replace
@@ -12,15 +13,20 @@ import httpcore
 import httpx
 import pytest
 
-from mst.cid import cid_for_cbor, cid_str
+from mst.cbor import encode
+from mst.cid import cid_for_cbor, cid_str, parse_cid
+from mst.errors import CBORError
 from spark.config import FetchConfig
-from spark.dagjson import record_json
+from spark.dagjson import _ENCODER, block_json, record_json
 from spark.db import split_schema, to_dollar
 from spark.fetch import FetchError, HostFetcher, TokenBucket, shared_ssl_context
 from spark.identity import IdentityClient, IdentityError
+from spark.partitioning import cid_strs
 from spark.repo_check import FetchedRepo, StoredAccount, judge
 from spark.ssrf import SsrfError, check_url, pinned_transport
 from tests.spark.helpers import FleetThread
+
+RAW_CID = "bafkreie5737gdxlw5i64vzichcalba3z2v5n6icifvx5xytvske7mr3hpm"  # raw codec
 
 
 def test_record_json_uses_link_and_bytes_forms() -> None:
@@ -28,6 +34,26 @@ def test_record_json_uses_link_and_bytes_forms() -> None:
     text = record_json({"b": b"\x00\x01\xff", "a": cid, "n": [1, None, True], "s": "é"})
     link = '{"$link":"' + cid_str(cid) + '"}'
     assert text == '{"a":' + link + ',"b":{"$bytes":"AAH/"},"n":[1,null,true],"s":"é"}'
+
+
+def test_block_json_is_the_strict_decode_rendered_like_the_stdlib_encoder() -> None:
+    """The C encoder built once renders exactly what ``JSONEncoder.encode`` would (escapes,
+    nesting, key order), and a block that is not strict DAG-CBOR is refused."""
+    cid = cid_for_cbor(b"\xa0")
+    record = {"text": 'é "q" \\ \n\u2028', "z": [{"b": b"\x00", "a": cid}, [], {}], "n": -(2**63), "t": True}
+    expected = _ENCODER.encode(record)
+    assert block_json(encode(record)) == expected == record_json(record)
+    assert json.loads(expected)["z"][0] == {"a": {"$link": cid_str(cid)}, "b": {"$bytes": "AA"}}
+    with pytest.raises(CBORError):
+        block_json(encode(record) + b"\x00")  # trailing bytes
+    with pytest.raises(CBORError):
+        block_json(b"\xa2\x61b\x01\x61a\x02")  # map keys out of canonical order
+
+
+def test_cid_strs_equals_cid_str_for_each() -> None:
+    cids = [cid_for_cbor(encode(i)) for i in range(300)] + [parse_cid(RAW_CID)]
+    assert cid_strs(cids) == [cid_str(c) for c in cids]
+    assert cid_strs([]) == []
 
 
 def _fetched(rev: str, commit: str, data: str) -> FetchedRepo:
@@ -281,3 +307,27 @@ def test_exchange_swaps_two_directories(tmp_path: Path) -> None:
     (b / "y").write_text("b")
     assert _exchange(a, b)
     assert (a / "y").read_text() == "b" and (b / "x").read_text() == "a"
+
+
+def test_collection_runs_count_like_counts_from_paths() -> None:
+    """Neighbouring collection names that sort around ``/`` (``post-x``, ``post.x``, ``post0``,
+    ``post2``) and a path without a slash are counted exactly like the per-path count."""
+    import random
+
+    from backfill.collections import counts_from_paths
+    from spark.collections import RepoCollections, collection_runs
+
+    names = ["app.bsky.feed.post", "app.bsky.feed.post-x", "app.bsky.feed.post.x", "app.bsky.feed.post0",
+             "app.bsky.feed.post2", "app.bsky.feed", "a", "é.x"]
+    rng = random.Random(5)
+    for _ in range(50):
+        paths = sorted({f"{rng.choice(names)}/{rng.randrange(30)}" for _ in range(rng.randrange(60))}
+                       | ({"app.bsky.feed.post"} if rng.random() < 0.3 else set()))
+        runs = collection_runs(paths)
+        summed: dict[str, int] = {}
+        for c, start, end in runs:
+            assert end > start and all(p.partition("/")[0] == c for p in paths[start:end])
+            summed[c] = summed.get(c, 0) + end - start
+        assert summed == counts_from_paths(paths)
+        assert [p for _, start, end in runs for p in paths[start:end]] == paths  # contiguous, in order
+        assert RepoCollections.of("did:x", "r", dict.fromkeys(reversed(paths))).counts == counts_from_paths(paths)
