@@ -26,6 +26,10 @@ outcome back through ``settled``:
 * "already sequenced" (the store held a newer state at write time: an out-of-band writer) → the
   lane reloads from the store once nothing is in flight.
 
+An account carried by two relay upstreams has two host runs handing its events over, each in
+its own order: a frame from one run is judged only once no event accepted from another run is
+still in flight, so an event never reaches the sequencer ahead of the one it is chained on.
+
 Operations wait until nothing is in flight (``_quiet``) and build on ``durable``, so a takedown
 or a resync never carries a state that a failed write could still take back. Idle lanes keep only
 their durable state, in one bounded LRU (reloaded from the store on a miss).
@@ -124,6 +128,8 @@ class _Lane:
     inflight: list[tuple[PendingEvent, AccountState | None]] = dataclasses.field(default_factory=list)
     buffer: list[Work] = dataclasses.field(default_factory=list)
     quiet: list[asyncio.Future[None]] = dataclasses.field(default_factory=list)
+    #: the host whose run submits the frame events in ``inflight`` (meaningful while it is not empty)
+    inflight_host: str | None = None
 
     @property
     def head(self) -> AccountState | None:
@@ -299,6 +305,13 @@ class AccountLanes:
     async def _frame(self, lane: _Lane, work: Work) -> None:
         event: PendingEvent | None = None
         try:
+            if lane.inflight and lane.inflight_host != work.hostname:
+                # Each host run hands its accepted events to the sequencer itself, in its own order.
+                # An event chained on another run's unsubmitted one could reach the sequencer first,
+                # and the earlier one would then be dropped as already sequenced: a hole (two relays
+                # carrying one account). Judge it once the other run's events are settled instead.
+                # No cycle of such waits: each waits only for events that arrived before it.
+                await self._quiet(lane)
             if work.fence.valid:  # else: its run is being restarted and re-reads it
                 await self._load(lane)
                 if work.kind in ("#commit", "#sync"):
@@ -315,6 +328,8 @@ class AccountLanes:
             self.count("reject", Reason.INTERNAL_ERROR)
             log.exception("judging a frame failed", extra=fields(host=work.hostname, did=work.did))
         finally:
+            if event is not None:
+                lane.inflight_host = work.hostname
             if not work.judged.done():
                 work.judged.set_result(event)
 

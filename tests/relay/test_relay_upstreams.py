@@ -7,7 +7,9 @@ through the admin API as relays.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -15,8 +17,11 @@ from pathlib import Path
 import httpx
 
 from backfill.types import HostState
-from firehose.state import AccountState
+from firehose.frames import decode_frame
+from firehose.state import AccountState, Fence, PendingEvent, SequencedEvent
+from firehose.subscriber import UpstreamFrame
 from relay.admission import Admission
+from relay.lanes import Work
 from relay.sim import SimConfig, SimFleet
 from relay.sim.ident import did_document
 from tests.relay.e2e import (
@@ -30,6 +35,7 @@ from tests.relay.e2e import (
     settled,
 )
 from tests.relay.helpers import RunningRelay
+from tests.waiting import until
 
 TOKEN = ADMIN_TOKEN
 
@@ -134,3 +140,67 @@ async def test_relay_upstream_carries_what_is_not_followed_directly(relay_factor
     assert {bound[a.did] for a in fleet.accounts if a.host is h1} == {h1.hostname}
     assert {bound[a.did] for a in fleet.accounts if a.host is h0} == {relay_host}
     assert metric_value(text, "relay_verdicts_total", kind="reject", reason="relay_not_authoritative") > 0
+
+
+async def test_an_account_on_two_relays_reaches_the_sequencer_in_chain_order(relay_factory,  # type: ignore[no-untyped-def]
+                                                                             tmp_path: Path) -> None:
+    """Each host run hands the events its frames became to the sequencer itself. With one account
+    carried by two relays, relay X's commit N can be accepted and still on its way to the sequencer
+    when relay Y's copy of commit N+1 (chained on N) is judged; were N+1 accepted then, Y's run could
+    store it first and N would be dropped as already sequenced — a hole in the account's chain (seen
+    in the failover fault test under load). The lane judges N+1 only once X's events are settled.
+
+    The test plays the two runs' drainers itself (frames from the simulator's log, fed to the lanes
+    as the runs would), holding X's submission until Y's N+1 is either judged or waiting."""
+    async with _fleet(SimConfig(hosts=1, accounts_per_host=1, seed=73)) as fleet:
+        (host,) = fleet.hosts
+        async with relay_factory(database_url=str(tmp_path / "down.sqlite"), **_settings(fleet)) as down:
+            lanes, sequencer = down.service.lanes, down.service.sequencer
+            assert lanes is not None and sequencer is not None
+            x, y = "127.0.0.1:1", "127.0.0.1:2"
+            for relay_host in (x, y):  # two relay upstreams, known but never connected
+                await down.service.store.upsert_host(HostState(hostname=relay_host, relay=True))
+            lanes.admission.host_changed()
+            await fleet.generate(6)
+            entries = [e for e in host.log.entries]
+            frames = [UpstreamFrame(host.hostname, e.seq, decode_frame(e.frame), e.frame) for e in entries]
+            did = fleet.accounts[0].did
+            commits = [f for f in frames if f.frame.t == "#commit" and f.frame.body.get("repo") == did]
+            assert len(commits) >= 3
+            first, n, n1 = commits[0], commits[1], commits[2]
+
+            def work(hostname: str, uf: UpstreamFrame) -> Work:
+                judged: asyncio.Future[PendingEvent | None] = asyncio.get_running_loop().create_future()
+                return Work(hostname, uf, uf.frame.t or "", did, time.monotonic(), Fence(), judged, relay=True)
+
+            async def store(event: PendingEvent | None) -> SequencedEvent | None:
+                assert event is not None
+                fut = await sequencer.enqueue(event)
+                fut.add_done_callback(lambda f: lanes.settled(event, f))
+                return await fut
+
+            # the account's first commit, through X (the #identity/#account frames are not needed)
+            w0 = work(x, first)
+            lanes.submit(w0)
+            assert await store(await w0.judged) is not None
+            # X's commit N: accepted, not yet handed to the sequencer
+            wx = work(x, n)
+            lanes.submit(wx)
+            event_n = await wx.judged
+            assert event_n is not None
+            # Y's copies of N and N+1 arrive
+            wy_n, wy_n1 = work(y, n), work(y, n1)
+            lanes.submit(wy_n)
+            lanes.submit(wy_n1)
+            lane = lanes._lanes[did]
+            await until(lambda: wy_n1.judged.done() or bool(lane.quiet), "Y's N+1 judged, or waiting for X's N")
+            stored_n1: SequencedEvent | None = None
+            if wy_n1.judged.done():  # (what happened before the fix) Y's run stores N+1 at once
+                stored_n1 = await store(await wy_n1.judged)
+            stored_n = await store(event_n)  # X's run hands N over
+            if stored_n1 is None:
+                assert await wy_n.judged is None  # Y's copy of N: a duplicate now
+                stored_n1 = await store(await wy_n1.judged)
+            assert stored_n is not None, "commit N was dropped as already sequenced: a hole before N+1"
+            assert stored_n1 is not None and stored_n.seq < stored_n1.seq
+            assert lanes.state(did) is not None and lanes.state(did).rev == n1.frame.body["rev"]  # type: ignore[union-attr]
