@@ -367,9 +367,12 @@ async def test_number_batch_decides_each_item() -> None:
         CursorOnly("h2", 9),
         CursorOnly("h2", 4),
         PendingEvent("#commit", "did:plc:x", {"n": 4}, fence=revoked),
+        PendingEvent("#commit", "did:plc:y", {"n": 6}, fence=revoked),
+        CursorOnly("h3", 0),  # the cursor of a host that sent nothing yet stays 0, never 1
         PendingEvent("#identity", "did:plc:p", {"poison": True}, fence=poisoned_fence),
         PendingEvent("#commit", "did:plc:c", {}, rev="3c", account=stamped, body_cbor=body_cbor, seq_offset=offset),
-        PendingEvent("#identity", "did:plc:a", {"n": 5}),
+        PendingEvent("#identity", "did:plc:a", {"n": 5}, host="h1"),  # a host but no upstream seq
+        PendingEvent("#identity", "did:plc:d", {"n": 7}, host="h5", upstream_seq=1),  # a new host's first
     ]
 
     def encode(kind: str, body: dict) -> bytes:
@@ -380,28 +383,28 @@ async def test_number_batch_decides_each_item() -> None:
     futures = [loop.create_future() for _ in items]
     out = await number_batch(list(zip(items, futures, strict=True)), {"did:plc:a": ("h1", "3a")},
                              base=100, now=50.0000004, encode=encode)
-    assert out.seq == 103
+    assert out.seq == 104
     assert [(r[0], r[1], r[2], r[3]) for r in out.rows] == [
         (101, "did:plc:b", "#commit", 50.0), (102, "did:plc:c", "#commit", 50.000001),
-        (103, "did:plc:a", "#identity", 50.000002)]
+        (103, "did:plc:a", "#identity", 50.000002), (104, "did:plc:d", "#identity", 50.000003)]
     assert out.rows[0][4] == encode_frame("#commit", {"n": 2, "seq": 101})
     assert out.rows[1][4] == splice_seq(body_cbor, 102, frame_header("#commit"), offset)
     assert out.rows[2][4] == encode_frame("#identity", {"n": 5, "seq": 103})
     assert [(e.seq, e.did, e.kind, e.time, e.frame) for e in out.sequenced] == [tuple(r) for r in out.rows]
     assert [(f, None if e is None else e.seq) for f, e in out.results] == [
         (futures[0], None), (futures[1], 101), (futures[2], None), (futures[3], None), (futures[4], None),
-        (futures[7], 102), (futures[8], 103)]
-    assert [f for f, _ in out.errors] == [futures[5], futures[6]]
-    assert isinstance(out.errors[0][1], FencedOffError) and "earlier event lost" in str(out.errors[0][1])
-    assert isinstance(out.errors[1][1], ValueError)
+        (futures[7], None), (futures[9], 102), (futures[10], 103), (futures[11], 104)]
+    assert [f for f, _ in out.errors] == [futures[5], futures[6], futures[8]]
+    assert all(isinstance(e, FencedOffError) and "earlier event lost" in str(e) for _, e in out.errors[:2])
+    assert isinstance(out.errors[2][1], ValueError)
     assert (poisoned_fence.valid, poisoned_fence.reason) == (False, "encode_error")
-    assert (out.ignored, out.encode_errors, out.fenced) == (2, 1, 1)
-    assert out.cursors == {"h1": 7, "h2": 9}
+    assert (out.ignored, out.encode_errors, out.fenced) == (2, 1, 2)
+    assert out.cursors == {"h1": 7, "h2": 9, "h3": 0, "h5": 1}
     assert out.revved == {"did:plc:b", "did:plc:c"}
     assert out.last_rev == {"did:plc:a": "3a", "did:plc:b": "3b", "did:plc:c": "3c"}
     assert out.accounts == {"did:plc:b": account, "did:plc:c": stamped}
     assert (account.updated_at, stamped.updated_at) == (50.0000004, 7.0)  # set only when unset
-    assert out.last_time == 50.000002
+    assert out.last_time == 50.000003
 
 
 async def test_number_batch_stops_below_the_seq_limit_and_with_nothing_numbered() -> None:

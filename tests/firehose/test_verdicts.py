@@ -145,7 +145,7 @@ def test_commit_gate_verdicts_are_exact() -> None:
     assert validate_frame(raw, base, key, 2e9).kind == "accept"  # the same commit, the gate open
 
 
-def _with(state: AccountState, **changes: str) -> AccountState:
+def _with(state: AccountState, **changes: object) -> AccountState:
     return dataclasses.replace(state, **changes)
 
 
@@ -227,3 +227,64 @@ def test_commit_blocks_limit_is_inclusive() -> None:
                           repo.key.did_key(), 2e9)
     assert (over.kind, over.reason, over.detail) == ("reject", Reason.BLOCKS_TOO_LARGE.value,
                                                      str(MAX_COMMIT_BLOCKS_BYTES + 1))
+
+
+def test_car_and_commit_block_verdicts() -> None:
+    """The slice's framing: an unreadable CAR is ``bad_car`` (the reader's reason as detail), a root
+    whose block is absent ``missing_commit_block``, a root block that is no commit ``bad_commit``
+    (the commit decoder's reason as detail)."""
+    from mst.commit import decode_commit
+    from mst.errors import CARError, CommitError
+
+    repo = new_repo()
+    res = repo.apply_writes(posts(1))
+    good = commit_body(repo, res)
+    car = read_car(good["blocks"])
+    key = repo.key.did_key()
+    truncated = good["blocks"][:-3]
+    try:
+        read_car(truncated)
+        raise AssertionError("a truncated CAR was read")
+    except CARError as exc:
+        car_reason = exc.reason
+    v = validate_frame(frame({**good, "blocks": truncated}), None, key, 2e9)
+    assert (v.kind, v.reason, v.detail) == ("reject", Reason.BAD_CAR.value, car_reason)
+    without_commit = write_car(car.roots, [(c, b) for c, b in car.blocks.items() if c != res.commit_cid])
+    v = validate_frame(frame({**good, "blocks": without_commit}), None, key, 2e9)
+    assert (v.kind, v.reason, v.new_state) == ("reject", Reason.MISSING_COMMIT_BLOCK.value, None)
+    not_a_commit = cbor.encode({"did": repo.did, "version": 3})
+    other_root = cid_for_cbor(not_a_commit)
+    try:
+        decode_commit(not_a_commit)
+        raise AssertionError("a map without the commit's fields decoded as a commit")
+    except CommitError as exc:
+        commit_reason = exc.reason
+    blocks = write_car([other_root], [*car.blocks.items(), (other_root, not_a_commit)])
+    v = validate_frame(frame({**good, "commit": other_root, "blocks": blocks}), None, key, 2e9)
+    assert (v.kind, v.reason, v.detail) == ("reject", Reason.BAD_COMMIT.value, commit_reason)
+
+
+def test_commit_states_are_exact() -> None:
+    """The state a ``#commit`` verdict carries: for an account seen first, the commit's own (with
+    the DID); ``synced`` whatever the stored sync state was; and the stored state marked
+    ``desynchronized`` at ``now`` on either chain break."""
+    from firehose.validate import cid_text
+
+    repo = new_repo()
+    first = repo.apply_writes(posts(1))
+    second = repo.apply_writes(posts(1, start=5))
+    key, base = repo.key.did_key(), state_of(repo, first)
+    after = AccountState(did=repo.did, rev=second.rev, commit_cid=cid_text(second.commit_cid),
+                         data_cid=cid_text(second.data), sync_state="synced", updated_at=2e9)
+    v = validate_frame(frame(commit_body(repo, second)), None, key, 2e9)
+    assert (v.kind, v.new_state) == ("accept", after)
+    v = validate_frame(frame(commit_body(repo, second)), _with(base, sync_state="throttled", host="h"), key, 2e9)
+    assert (v.kind, v.new_state) == ("accept", _with(after, host="h"))
+    since_broken = _with(base, rev="2aaaaaaaaaaaa", host="h")  # older than `first`, so `since` differs
+    v = validate_frame(frame(commit_body(repo, second)), since_broken, key, 2e9)
+    assert (v.kind, v.reason) == ("desync", Reason.SINCE_MISMATCH.value)
+    assert v.new_state == _with(since_broken, sync_state="desynchronized", updated_at=2e9)
+    data_broken = _with(base, data_cid=cid_text(second.data), host="h")
+    v = validate_frame(frame(commit_body(repo, second)), data_broken, key, 2e9)
+    assert (v.kind, v.reason) == ("desync", Reason.PREV_DATA_MISMATCH.value)
+    assert v.new_state == _with(data_broken, sync_state="desynchronized", updated_at=2e9)

@@ -83,8 +83,10 @@ async def test_identity_for_host_rechecks_a_disagreeing_answer_once(database_url
         assert plc.requests == 5  # resolved less than an hour ago: the cached answer stands
         # relay upstreams: the relay rule, not the host name, decides
         assert await admission.identity_for_host(did, "relay.example.org") is None
+        requests = plc.requests
         relayed = await admission.identity_for_host(did, "relay.example.org", relay=True)
         assert relayed is not None and relayed.pds_hostname == "new.example.com"
+        assert plc.requests == requests  # the cached document passes the relay rule: not resolved again
         assert await admission.identity_for_host(did, "relay.example.org", fresh=True, relay=True) is not None
         await store.add_domain_ban("new.example.com")
         banned = Admission(store=store, identity=resolver, policy=HostPolicy(RelayConfig()),
@@ -92,6 +94,11 @@ async def test_identity_for_host_rechecks_a_disagreeing_answer_once(database_url
         assert await banned.identity_for_host(did, "relay.example.org", relay=True) is None
         assert await banned.identity_for_host(did, "relay.example.org", fresh=True, relay=True) is None
         assert await banned.identity_for_host(did, "new.example.com") is not None  # the PDS itself still speaks
+        plc.docs[did] = did_document(did, "a.test", key, "https://third.example.com")  # moved off the banned PDS
+        requests = plc.requests
+        moved_on = await banned.identity_for_host(did, "relay.example.org", relay=True)
+        assert moved_on is not None and moved_on.pds_hostname == "third.example.com"  # decided by the fresh one
+        assert plc.requests == requests + 1
     finally:
         await resolver.aclose()
         await safe.aclose()
