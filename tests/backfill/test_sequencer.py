@@ -417,11 +417,13 @@ async def test_number_batch_stops_below_the_seq_limit_and_with_nothing_numbered(
 
     loop = asyncio.get_running_loop()
     fence = Fence()
-    fut = loop.create_future()
-    out = await number_batch([(PendingEvent("#identity", "did:plc:a", {}, fence=fence), fut)], {},
+    fut, then = loop.create_future(), loop.create_future()
+    out = await number_batch([(PendingEvent("#identity", "did:plc:a", {}, fence=fence), fut),
+                              (PendingEvent("#identity", "did:plc:b", {}), then)], {},
                              base=SEQ_LIMIT - 1, now=3.0, encode=encode_frame)
     assert out.seq == SEQ_LIMIT - 1 and out.rows == [] and out.last_time == 3.0
-    assert [f for f, _ in out.errors] == [fut] and isinstance(out.errors[0][1], SeqExhaustedError)
+    assert [f for f, _ in out.errors] == [fut, then]  # every item is answered, each with its error
+    assert all(isinstance(e, SeqExhaustedError) for _, e in out.errors)
     assert (fence.valid, fence.reason) == (False, SeqExhaustedError.reason)
     last = await number_batch([(PendingEvent("#identity", "did:plc:a", {}), loop.create_future())], {},
                               base=SEQ_LIMIT - 2, now=3.0, encode=encode_frame)
