@@ -361,7 +361,8 @@ async def test_number_batch_decides_each_item() -> None:
     stamped = AccountState("did:plc:c", host="h1", rev="3c", updated_at=7.0)
     body_cbor, offset = encode_unsequenced({"repo": "did:plc:c", "rev": "3c"})
     items = [
-        PendingEvent("#commit", "did:plc:a", {"n": 1}, rev="3a", host="h1", upstream_seq=5),  # head "3a": old
+        PendingEvent("#commit", "did:plc:a", {"n": 1}, rev="3a", host="h1", upstream_seq=5,  # head "3a": old
+                     collections={"app.bsky.feed.like": 2}),
         PendingEvent("#commit", "did:plc:b", {"n": 2}, rev="3b", account=account, host="h1", upstream_seq=7),
         PendingEvent("#commit", "did:plc:b", {"n": 3}, rev="3b", host="h1", upstream_seq=6),  # same rev again
         CursorOnly("h2", 9),
@@ -372,7 +373,9 @@ async def test_number_batch_decides_each_item() -> None:
         PendingEvent("#identity", "did:plc:p", {"poison": True}, fence=poisoned_fence),
         PendingEvent("#commit", "did:plc:c", {}, rev="3c", account=stamped, body_cbor=body_cbor, seq_offset=offset),
         PendingEvent("#identity", "did:plc:a", {"n": 5}, host="h1"),  # a host but no upstream seq
-        PendingEvent("#identity", "did:plc:d", {"n": 7}, host="h5", upstream_seq=1),  # a new host's first
+        PendingEvent("#identity", "did:plc:d", {"n": 7}, host="h5", upstream_seq=1,  # a new host's first
+                     collections={"app.bsky.feed.post": 3}),
+        PendingEvent("#identity", "did:plc:q", {"poison": True}),  # a second refused body
     ]
 
     def encode(kind: str, body: dict) -> bytes:
@@ -394,17 +397,18 @@ async def test_number_batch_decides_each_item() -> None:
     assert [(f, None if e is None else e.seq) for f, e in out.results] == [
         (futures[0], None), (futures[1], 101), (futures[2], None), (futures[3], None), (futures[4], None),
         (futures[7], None), (futures[9], 102), (futures[10], 103), (futures[11], 104)]
-    assert [f for f, _ in out.errors] == [futures[5], futures[6], futures[8]]
+    assert [f for f, _ in out.errors] == [futures[5], futures[6], futures[8], futures[12]]
     assert all(isinstance(e, FencedOffError) and "earlier event lost" in str(e) for _, e in out.errors[:2])
-    assert isinstance(out.errors[2][1], ValueError)
+    assert isinstance(out.errors[2][1], ValueError) and isinstance(out.errors[3][1], ValueError)
     assert (poisoned_fence.valid, poisoned_fence.reason) == (False, "encode_error")
-    assert (out.ignored, out.encode_errors, out.fenced) == (2, 1, 2)
+    assert (out.ignored, out.encode_errors, out.fenced) == (2, 2, 2)
     assert out.cursors == {"h1": 7, "h2": 9, "h3": 0, "h5": 1}
     assert out.revved == {"did:plc:b", "did:plc:c"}
     assert out.last_rev == {"did:plc:a": "3a", "did:plc:b": "3b", "did:plc:c": "3c"}
     assert out.accounts == {"did:plc:b": account, "did:plc:c": stamped}
     assert (account.updated_at, stamped.updated_at) == (50.0000004, 7.0)  # set only when unset
     assert out.last_time == 50.000003
+    assert out.collections.resets == {"did:plc:d": {"app.bsky.feed.post": 3}}  # numbered events' only
 
 
 async def test_number_batch_stops_below_the_seq_limit_and_with_nothing_numbered() -> None:
