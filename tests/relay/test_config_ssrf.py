@@ -142,6 +142,7 @@ def test_hostname_forms_accepted(raw: str, insecure: bool, expected: str) -> Non
     ("pds.exa mple.com", True, "bad_hostname", "hostname must not contain a path or credentials"),
     ("[::1", True, "bad_hostname", "unterminated IPv6 literal"),
     ("[::1]x", True, "bad_hostname", "junk after IPv6 literal"),
+    ("[::1]]", True, "bad_hostname", "junk after IPv6 literal"),  # the literal ends at the first "]"
     ("::1", True, "bad_hostname", "IPv6 literals must be bracketed"),
     ("pds.example.com:8080", False, "port_not_allowed", "hostnames with a port need RELAY_ALLOW_INSECURE_HOSTS"),
     ("[::1]:8080", False, "port_not_allowed", "hostnames with a port need RELAY_ALLOW_INSECURE_HOSTS"),
@@ -171,7 +172,7 @@ async def test_check_host_every_address_must_be_public() -> None:
     (insecure: 127.0.0.1); a name without addresses is a DNS failure; one non-public address
     among several refuses the name, and the message names it. Insecure mode checks nothing."""
     table = {"good.example.com": ["8.8.8.8", "2606:4700::1111"], "mixed.example.com": ["8.8.8.8", "10.0.0.1"],
-             "empty.example.com": []}
+             "empty.example.com": [], "x.example.cox": ["8.8.4.4"]}
     lookups: list[str] = []
     inner = static_resolver(table)
 
@@ -200,6 +201,8 @@ async def test_check_host_every_address_must_be_public() -> None:
     assert await insecure.check_host("mixed.example.com") == ["8.8.8.8", "10.0.0.1"]
     assert await insecure.check_host("a.localhost") == ["127.0.0.1"]
     assert await insecure.check_host("[::1]") == ["::1"]
+    # only brackets and final dots are trimmed (a name may begin or end with any letter), then lower-cased
+    assert await guard.check_host("[X.Example.COX.]") == ["8.8.4.4"]
 
 
 @pytest.mark.parametrize("addr,public", [
