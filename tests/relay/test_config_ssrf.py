@@ -108,6 +108,7 @@ LONGEST = ".".join(["a" * 63] * 3 + ["b" * 61])  # 253 characters, the longest D
 
 @pytest.mark.parametrize("raw,insecure,expected", [
     ("example.com", False, "example.com"),  # two labels are enough
+    ("pds.123.com", False, "pds.123.com"),  # only the last label may not be all digits
     ("  PDS.Example.COM.  ", False, "pds.example.com"),
     ("https://pds.example.com", False, "pds.example.com"),
     ("wss://pds.example.com/", False, "pds.example.com"),
