@@ -340,3 +340,123 @@ async def test_enqueuer_blocked_on_a_full_queue_is_released_by_close(store: Stor
     finally:
         gate.set()
         await seq.close()
+
+
+# --- number_batch itself (pure: the decisions above, item by item) ------------------------------
+
+async def test_number_batch_decides_each_item() -> None:
+    """One batch of every kind of item: seqs follow ``base`` without holes, a re-delivery (not newer
+    than the stored head, or than an event earlier in the batch) and a fenced-off item are not
+    numbered, a refused body gives its seq to the next event, host cursors only move forward, and
+    event times are ``now`` + 1 µs per event."""
+    from backfill.errors import FencedOffError
+    from backfill.numbering import CursorOnly, number_batch
+    from firehose.framing import encode_unsequenced, frame_header, splice_seq
+    from firehose.state import Fence
+
+    loop = asyncio.get_running_loop()
+    revoked, poisoned_fence = Fence(), Fence()
+    revoked.revoke("earlier event lost")
+    account = AccountState("did:plc:b", host="h1", rev="3b")
+    stamped = AccountState("did:plc:c", host="h1", rev="3c", updated_at=7.0)
+    body_cbor, offset = encode_unsequenced({"repo": "did:plc:c", "rev": "3c"})
+    items = [
+        PendingEvent("#commit", "did:plc:a", {"n": 1}, rev="3a", host="h1", upstream_seq=5,  # head "3a": old
+                     collections={"app.bsky.feed.like": 2}),
+        PendingEvent("#commit", "did:plc:b", {"n": 2}, rev="3b", account=account, host="h1", upstream_seq=7),
+        PendingEvent("#commit", "did:plc:b", {"n": 3}, rev="3b", host="h1", upstream_seq=6),  # same rev again
+        CursorOnly("h2", 9),
+        CursorOnly("h2", 4),
+        PendingEvent("#commit", "did:plc:x", {"n": 4}, fence=revoked),
+        PendingEvent("#commit", "did:plc:y", {"n": 6}, fence=revoked),
+        CursorOnly("h3", 0),  # the cursor of a host that sent nothing yet stays 0, never 1
+        PendingEvent("#identity", "did:plc:p", {"poison": True}, fence=poisoned_fence),
+        PendingEvent("#commit", "did:plc:c", {}, rev="3c", account=stamped, body_cbor=body_cbor, seq_offset=offset),
+        PendingEvent("#identity", "did:plc:a", {"n": 5}, host="h1"),  # a host but no upstream seq
+        PendingEvent("#identity", "did:plc:d", {"n": 7}, host="h5", upstream_seq=1,  # a new host's first
+                     collections={"app.bsky.feed.post": 3}),
+        PendingEvent("#identity", "did:plc:q", {"poison": True}),  # a second refused body
+    ]
+
+    def encode(kind: str, body: dict) -> bytes:
+        if body.get("poison"):
+            raise ValueError("cannot encode")
+        return encode_frame(kind, body)
+
+    futures = [loop.create_future() for _ in items]
+    out = await number_batch(list(zip(items, futures, strict=True)), {"did:plc:a": ("h1", "3a")},
+                             base=100, now=50.0000004, encode=encode)
+    assert out.seq == 104
+    assert [(r[0], r[1], r[2], r[3]) for r in out.rows] == [
+        (101, "did:plc:b", "#commit", 50.0), (102, "did:plc:c", "#commit", 50.000001),
+        (103, "did:plc:a", "#identity", 50.000002), (104, "did:plc:d", "#identity", 50.000003)]
+    assert out.rows[0][4] == encode_frame("#commit", {"n": 2, "seq": 101})
+    assert out.rows[1][4] == splice_seq(body_cbor, 102, frame_header("#commit"), offset)
+    assert out.rows[2][4] == encode_frame("#identity", {"n": 5, "seq": 103})
+    assert [(e.seq, e.did, e.kind, e.time, e.frame) for e in out.sequenced] == [tuple(r) for r in out.rows]
+    assert [(f, None if e is None else e.seq) for f, e in out.results] == [
+        (futures[0], None), (futures[1], 101), (futures[2], None), (futures[3], None), (futures[4], None),
+        (futures[7], None), (futures[9], 102), (futures[10], 103), (futures[11], 104)]
+    assert [f for f, _ in out.errors] == [futures[5], futures[6], futures[8], futures[12]]
+    assert all(isinstance(e, FencedOffError) and "earlier event lost" in str(e) for _, e in out.errors[:2])
+    assert isinstance(out.errors[2][1], ValueError) and isinstance(out.errors[3][1], ValueError)
+    assert (poisoned_fence.valid, poisoned_fence.reason) == (False, "encode_error")
+    assert (out.ignored, out.encode_errors, out.fenced) == (2, 2, 2)
+    assert out.cursors == {"h1": 7, "h2": 9, "h3": 0, "h5": 1}
+    assert out.revved == {"did:plc:b", "did:plc:c"}
+    assert out.last_rev == {"did:plc:a": "3a", "did:plc:b": "3b", "did:plc:c": "3c"}
+    assert out.accounts == {"did:plc:b": account, "did:plc:c": stamped}
+    assert (account.updated_at, stamped.updated_at) == (50.0000004, 7.0)  # set only when unset
+    assert out.last_time == 50.000003
+    assert out.collections.resets == {"did:plc:d": {"app.bsky.feed.post": 3}}  # numbered events' only
+
+
+async def test_number_batch_stops_below_the_seq_limit_and_with_nothing_numbered() -> None:
+    """The seq space ends below 2**53: the event that would reach it fails with its fence revoked,
+    and ``seq`` stays at ``base``; a batch that numbers nothing keeps ``last_time == now``."""
+    from backfill.errors import SeqExhaustedError
+    from backfill.numbering import number_batch
+    from backfill.store import SEQ_LIMIT
+    from firehose.state import Fence
+
+    loop = asyncio.get_running_loop()
+    fence = Fence()
+    fut, then = loop.create_future(), loop.create_future()
+    out = await number_batch([(PendingEvent("#identity", "did:plc:a", {}, fence=fence), fut),
+                              (PendingEvent("#identity", "did:plc:b", {}), then)], {},
+                             base=SEQ_LIMIT - 1, now=3.0, encode=encode_frame)
+    assert out.seq == SEQ_LIMIT - 1 and out.rows == [] and out.last_time == 3.0
+    assert [f for f, _ in out.errors] == [fut, then]  # every item is answered, each with its error
+    assert all(isinstance(e, SeqExhaustedError) for _, e in out.errors)
+    assert (fence.valid, fence.reason) == (False, SeqExhaustedError.reason)
+    last = await number_batch([(PendingEvent("#identity", "did:plc:a", {}), loop.create_future())], {},
+                              base=SEQ_LIMIT - 2, now=3.0, encode=encode_frame)
+    assert last.seq == SEQ_LIMIT - 1 and len(last.rows) == 1  # the last seq there is
+
+
+async def test_number_batch_yields_while_encoding_a_long_batch() -> None:
+    """Every 128 items the batch lets other tasks run (the commit in flight keeps streaming)."""
+    from backfill.numbering import number_batch
+
+    loop = asyncio.get_running_loop()
+    ran: list[int] = []
+    items = [(PendingEvent("#identity", f"did:plc:{i}", {}), loop.create_future()) for i in range(300)]
+    seen_at: list[int] = []
+
+    def encode(kind: str, body: dict) -> bytes:
+        seen_at.append(len(ran))
+        return encode_frame(kind, body)
+
+    async def other() -> None:
+        while True:
+            ran.append(len(seen_at))
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(other())
+    await asyncio.sleep(0)
+    try:
+        out = await number_batch(items, {}, base=0, now=1.0, encode=encode)
+    finally:
+        task.cancel()
+    assert out.seq == 300
+    assert ran[1:] == [127, 255]  # the other task ran before items 128 and 256 were encoded

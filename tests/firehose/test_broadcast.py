@@ -279,3 +279,34 @@ async def test_window_trimmed_under_a_slow_replay_is_announced(ingest: Ingest) -
         await batches.aclose()
     finally:
         await b.close()
+
+
+async def test_deliver_hands_each_event_on_once(ingest: Ingest) -> None:
+    """``Broadcaster.deliver``: what was fanned out before is not handed on again — not even to a
+    session that registered since (it has sent nothing, so it could not drop it itself); an empty
+    or wholly old batch changes nothing."""
+    from firehose.state import SequencedEvent
+
+    def ev(seq: int) -> SequencedEvent:
+        return SequencedEvent(seq, "did:plc:d", "#commit", 0.0, b"frame %d" % seq)
+
+    b = Broadcaster(ingest.store, ingest.bus)  # not started: the test is the fan-out
+    first, second = b.session(None), b.session(None)
+    early = first.event_batches()
+    got_early = asyncio.ensure_future(anext(early))
+    await until(lambda: b.consumer_count == 1, "the first session registered")
+    b.deliver([ev(1), ev(2)])
+    assert [e.seq for e in await got_early] == [1, 2] and b.latest_seq == 2
+    late = second.event_batches()
+    got_late = asyncio.ensure_future(anext(late))
+    await until(lambda: b.consumer_count == 2, "the second session registered")
+    b.deliver([])
+    b.deliver([ev(1), ev(2)])
+    assert b.latest_seq == 2
+    b.deliver([ev(2), ev(3)])
+    assert [e.seq for e in await got_late] == [3]
+    assert [e.seq for e in await anext(early)] == [3]
+    assert b.latest_seq == 3
+    await early.aclose()
+    await late.aclose()
+    assert b.consumer_count == 0

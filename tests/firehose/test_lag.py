@@ -80,3 +80,42 @@ async def test_replaying_consumer_is_not_probed(ingest: Ingest, transport: str) 
             await live.close()
     finally:
         await b.close()
+
+
+async def test_every_later_write_is_probed_again(ingest: Ingest) -> None:
+    """``watch_lag`` probe by probe: after a probe is answered, the next live write gets a probe of
+    its own; a consumer that stalls only then (its first probe answered) is still cut for lag."""
+    import asyncio
+
+    from firehose.state import SequencedEvent
+
+    b = Broadcaster(ingest.store, ingest.bus, max_lag=0.4, clock=lambda: 100.0)  # not started
+    session = b.session(None)
+    batches = session.event_batches()
+    probes: list[asyncio.Event] = []
+
+    async def probe() -> None:
+        answered = asyncio.Event()
+        probes.append(answered)
+        await answered.wait()
+
+    def ev(seq: int) -> SequencedEvent:
+        return SequencedEvent(seq, "did:plc:d", "#commit", 0.0, b"frame %d" % seq)
+
+    first = asyncio.ensure_future(anext(batches))
+    await until(lambda: b.consumer_count == 1, "the session registered")
+    watcher = asyncio.create_task(session.watch_lag(probe))
+    try:
+        b.deliver([ev(1)])
+        assert [e.seq for e in await first] == [1]
+        await until(lambda: len(probes) == 1, "the first write probed")
+        probes[0].set()  # the consumer read it
+        b.deliver([ev(2)])
+        assert [e.seq for e in await anext(batches)] == [2]
+        await until(lambda: len(probes) == 2, "the later write probed as well")
+        await asyncio.wait_for(session.too_slow.wait(), 30)  # this probe is never answered
+        assert b.stats.lagged == 1 and session.close_frame is not None
+        await asyncio.wait_for(watcher, 30)  # it ends with its verdict
+    finally:
+        watcher.cancel()
+        await batches.aclose()

@@ -74,3 +74,11 @@ async def test_pipeline_verdicts_carry_the_encoded_body(workers: int) -> None:
     assert splice_seq(verdict.body_cbor, 1, frame_header("#commit"), verdict.seq_offset) == encode_frame(
         "#commit", {**expected, "seq": 1})
     assert verdict.new_state is not None and verdict.new_state.rev == res.rev
+
+
+def test_outgoing_body_of_other_types_drops_only_seq() -> None:
+    """The contract for a type without a field list (``#identity``/``#account`` bodies are built
+    elsewhere, but a caller may pass any): everything but the upstream ``seq`` is kept as is."""
+    body = {"seq": 9, "did": "did:plc:x", "time": "2026-01-01T00:00:00Z", "active": True, "other": [1]}
+    assert outgoing_body("#account", body) == {"did": "did:plc:x", "time": "2026-01-01T00:00:00Z", "active": True,
+                                               "other": [1]}

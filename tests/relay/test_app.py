@@ -145,22 +145,34 @@ async def test_request_crawl_insecure_mode_and_bans(relay_factory) -> None:  # t
 
 
 async def test_admin_requires_token(relay_factory) -> None:  # type: ignore[no-untyped-def]
+    """Every admin request is authorized first, answered with an XRPC error naming what is wrong,
+    and counted under its result (``relay_admin_requests_total{result}``)."""
+    disabled = {"error": "AdminDisabled", "message": "the admin API is off (set RELAY_ADMIN_TOKEN)"}
+    missing = {"error": "AuthRequired", "message": "Authorization: Bearer <RELAY_ADMIN_TOKEN> required"}
+    wrong = {"error": "InvalidToken", "message": "wrong admin token"}
     async with relay_factory() as relay, httpx.AsyncClient(base_url=relay.url) as http:
         r = await http.get("/admin/hosts", headers={"authorization": "Bearer anything"})
-        assert r.status_code == 404 and r.json()["error"] == "AdminDisabled"
+        assert (r.status_code, r.json()) == (404, disabled)
+        assert _admin_count(relay, "disabled") == 1
     async with relay_factory(admin_token="s3cret") as relay, httpx.AsyncClient(base_url=relay.url) as http:
         for path in ("/admin/hosts", "/admin/consumers", "/admin/domain-bans"):
             r = await http.get(path)
-            assert r.status_code == 401 and r.json()["error"] == "AuthRequired"
+            assert (r.status_code, r.json()) == (401, missing)
             r = await http.get(path, headers={"authorization": "Bearer s3cre"})
-            assert r.status_code == 403 and r.json()["error"] == "InvalidToken"
+            assert (r.status_code, r.json()) == (403, wrong)
             r = await http.get(path, headers={"authorization": "Basic s3cret"})
-            assert r.status_code == 401
+            assert (r.status_code, r.json()) == (401, missing)
             r = await http.get(path, headers={"authorization": "Bearer s3cret"})
             assert r.status_code == 200
         r = await http.post(f"/admin/accounts/{DID_A}/takedown")
         assert r.status_code == 401
         assert await relay.service.store.get_account(DID_A) is None
+        counts = {result: _admin_count(relay, result) for result in ("ok", "missing", "wrong", "disabled")}
+        assert counts == {"ok": 3, "missing": 7, "wrong": 3, "disabled": 0}
+
+
+def _admin_count(relay, result: str) -> float:  # type: ignore[no-untyped-def]
+    return relay.service.metrics.admin_requests.labels(result=result)._value.get()  # type: ignore[no-any-return]
 
 
 async def test_takedown_emits_account_events(relay_factory, database_url: str) -> None:  # type: ignore[no-untyped-def]

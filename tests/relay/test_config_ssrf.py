@@ -103,6 +103,109 @@ def test_insecure_mode_allows_local_names() -> None:
     assert normalize_hostname("http://localhost:80", allow_insecure=True) == "localhost:80"
 
 
+LONGEST = ".".join(["a" * 63] * 3 + ["b" * 61])  # 253 characters, the longest DNS name
+
+
+@pytest.mark.parametrize("raw,insecure,expected", [
+    ("example.com", False, "example.com"),  # two labels are enough
+    ("pds.123.com", False, "pds.123.com"),  # only the last label may not be all digits
+    ("  PDS.Example.COM.  ", False, "pds.example.com"),
+    ("https://pds.example.com", False, "pds.example.com"),
+    ("wss://pds.example.com/", False, "pds.example.com"),
+    ("wss://" + LONGEST, False, LONGEST),  # 259 characters in all: the length limit is inclusive
+    ("http://pds.example.com", True, "pds.example.com"),
+    ("ws://pds.example.com:1", True, "pds.example.com:1"),
+    ("pds.example.com:65535", True, "pds.example.com:65535"),
+    ("[::1]:8080", True, "[::1]:8080"),
+    ("https://[::1]:8080/", True, "[::1]:8080"),
+    ("[::1]", True, "[::1]"),
+    ("10.0.0.1", True, "10.0.0.1"),
+    ("single", True, "single"),
+    ("x.localhost", True, "x.localhost"),
+])
+def test_hostname_forms_accepted(raw: str, insecure: bool, expected: str) -> None:
+    assert normalize_hostname(raw, allow_insecure=insecure) == expected
+
+
+@pytest.mark.parametrize("raw,insecure,reason,message", [
+    ("", False, "bad_hostname", "empty or overlong hostname"),
+    (" \t ", False, "bad_hostname", "empty or overlong hostname"),
+    ("wss://" + LONGEST[:-1] + "bb", False, "bad_hostname", "empty or overlong hostname"),  # 260
+    ("http://pds.example.com", False, "insecure_scheme", "scheme http not allowed"),
+    ("ws://pds.example.com", False, "insecure_scheme", "scheme ws not allowed"),
+    ("ftp://pds.example.com", True, "bad_hostname", "unsupported scheme 'ftp'"),
+    ("https://pds.example.com/x", False, "bad_hostname", "hostname must not carry a path, query or credentials"),
+    ("https://pds.example.com?a=1", False, "bad_hostname", "hostname must not carry a path, query or credentials"),
+    ("https://pds.example.com#top", False, "bad_hostname", "hostname must not carry a path, query or credentials"),
+    ("https://me@pds.example.com", False, "bad_hostname", "hostname must not carry a path, query or credentials"),
+    ("pds.example.com/x", False, "bad_hostname", "hostname must not contain a path or credentials"),
+    ("me@pds.example.com", True, "bad_hostname", "hostname must not contain a path or credentials"),
+    ("pds.exa mple.com", True, "bad_hostname", "hostname must not contain a path or credentials"),
+    ("[::1", True, "bad_hostname", "unterminated IPv6 literal"),
+    ("[::1]x", True, "bad_hostname", "junk after IPv6 literal"),
+    ("[::1]]", True, "bad_hostname", "junk after IPv6 literal"),  # the literal ends at the first "]"
+    ("::1", True, "bad_hostname", "IPv6 literals must be bracketed"),
+    ("pds.example.com:8080", False, "port_not_allowed", "hostnames with a port need RELAY_ALLOW_INSECURE_HOSTS"),
+    ("[::1]:8080", False, "port_not_allowed", "hostnames with a port need RELAY_ALLOW_INSECURE_HOSTS"),
+    ("pds.example.com:0", True, "bad_hostname", "bad port '0'"),
+    ("pds.example.com:65536", True, "bad_hostname", "bad port '65536'"),
+    ("pds.example.com:x1", True, "bad_hostname", "bad port 'x1'"),
+    ("pds.example.com:", True, "bad_hostname", "bad port ''"),
+    ("10.0.0.1", False, "ip_literal", "IP addresses are not hostnames"),
+    ("[2606:4700::1111]", False, "ip_literal", "IP addresses are not hostnames"),
+    ("localhost.", False, "non_public_address", "localhost is a loopback name"),
+    ("pds.localhost", False, "non_public_address", "pds.localhost is a loopback name"),
+    ("bad_name.example.com", True, "bad_hostname", "invalid hostname syntax 'bad_name.example.com'"),
+    ("-pds.example.com", True, "bad_hostname", "invalid hostname syntax '-pds.example.com'"),
+    ("single", False, "bad_hostname", "'single' is not a fully qualified public name"),
+    ("example.123", False, "bad_hostname", "'example.123' is not a fully qualified public name"),
+])
+def test_hostname_refusals_say_why(raw: str, insecure: bool, reason: str, message: str) -> None:
+    """The reason (a metric label) and the message, which ``requestCrawl`` returns to the caller."""
+    with pytest.raises(SSRFError) as err:
+        normalize_hostname(raw, allow_insecure=insecure)
+    assert (err.value.reason, str(err.value)) == (reason, message)
+
+
+async def test_check_host_every_address_must_be_public() -> None:
+    """``check_host``: the name is trimmed (brackets, a final dot) and lower-cased before it is
+    resolved; IP literals are checked as they are; loopback names are refused without a lookup
+    (insecure: 127.0.0.1); a name without addresses is a DNS failure; one non-public address
+    among several refuses the name, and the message names it. Insecure mode checks nothing."""
+    table = {"good.example.com": ["8.8.8.8", "2606:4700::1111"], "mixed.example.com": ["8.8.8.8", "10.0.0.1"],
+             "empty.example.com": [], "x.example.cox": ["8.8.4.4"]}
+    lookups: list[str] = []
+    inner = static_resolver(table)
+
+    async def resolver(host: str) -> list[str]:
+        lookups.append(host)
+        return await inner(host)
+
+    guard = AddressGuard(resolver=resolver)
+    assert await guard.check_host("[Good.Example.COM.]") == ["8.8.8.8", "2606:4700::1111"]
+    assert await guard.check_host("8.8.8.8") == ["8.8.8.8"]
+    assert await guard.check_host("[2606:4700::1111]") == ["2606:4700::1111"]
+    assert lookups == ["good.example.com"]
+    refused = {
+        "mixed.example.com": ("non_public_address", "mixed.example.com resolves to non-public 10.0.0.1"),
+        "[::1]": ("non_public_address", "::1 resolves to non-public ::1"),
+        "LocalHost.": ("non_public_address", "localhost is a loopback name"),
+        "a.localhost": ("non_public_address", "a.localhost is a loopback name"),
+        "empty.example.com": ("dns_failure", "empty.example.com has no addresses"),
+    }
+    for host, (reason, message) in refused.items():
+        with pytest.raises(SSRFError) as err:
+            await guard.check_host(host)
+        assert (err.value.reason, str(err.value)) == (reason, message), host
+    assert lookups == ["good.example.com", "mixed.example.com", "empty.example.com"]
+    insecure = AddressGuard(allow_insecure=True, resolver=inner)
+    assert await insecure.check_host("mixed.example.com") == ["8.8.8.8", "10.0.0.1"]
+    assert await insecure.check_host("a.localhost") == ["127.0.0.1"]
+    assert await insecure.check_host("[::1]") == ["::1"]
+    # only brackets and final dots are trimmed (a name may begin or end with any letter), then lower-cased
+    assert await guard.check_host("[X.Example.COX.]") == ["8.8.4.4"]
+
+
 @pytest.mark.parametrize("addr,public", [
     ("8.8.8.8", True), ("2606:4700::1111", True),
     ("127.0.0.1", False), ("10.1.2.3", False), ("172.16.0.1", False), ("192.168.1.1", False),

@@ -1,17 +1,27 @@
 """Fuzzing the whole HTTP surface (XRPC methods from the Lexicons, every admin route) on both
-stores: no request may get a 500, and every error is an XRPC error body."""
+stores: no request may get a 500, and every error is an XRPC error body. Then the two pieces
+that make it so for bodies and NULs, request by request: ``RequestGuard`` and ``json_object``."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+from typing import Any
 
 import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import Message, Receive, Scope, Send
 
 from firehose.state import AccountState
 from relay.admin import admin_routes
+from relay.request_guard import MAX_BODY_BYTES, RequestGuard
 from relay.ssrf import static_resolver
+from relay.xrpc import XrpcError, json_object
 from tests.relay.fuzz import FuzzRequest, Generator, load_methods
 
 TOKEN = "fuzz-token"
@@ -80,3 +90,126 @@ async def test_fuzz_xrpc_and_admin_no_500(relay_factory, database_url: str) -> N
                 await asyncio.gather(*(one(start + i, r) for i, r in enumerate(requests[start:start + 8])))
         # the generator reached the handlers, not only the front door
         assert statuses.get(200, 0) > 50 and statuses.get(400, 0) > 50 and statuses.get(413, 0) > 5, statuses
+
+
+# --- RequestGuard and json_object, request by request -------------------------------------------
+
+LIMIT = 100
+NUL = {"error": "InvalidRequest", "message": "NUL characters are not allowed in a request"}
+TOO_LARGE = {"error": "PayloadTooLarge", "message": f"request body over {LIMIT} bytes"}
+
+
+def _echo_app(max_body: int | None = LIMIT) -> tuple[Starlette, list[dict[str, Any]]]:
+    """A Starlette app behind ``RequestGuard`` (as ``relay.app`` builds it) whose one route answers
+    the body ``json_object`` read; ``seen`` lists what reached it."""
+    seen: list[dict[str, Any]] = []
+
+    async def echo(request: Request) -> Response:
+        body = await json_object(request)
+        seen.append(body)
+        return JSONResponse(body)
+
+    async def xrpc_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, XrpcError)
+        return exc.response()
+
+    guard = Middleware(RequestGuard) if max_body is None else Middleware(RequestGuard, max_body=max_body)
+    app = Starlette(routes=[Route("/echo", echo, methods=["GET", "POST"])],
+                    exception_handlers={XrpcError: xrpc_error}, middleware=[guard])
+    return app, seen
+
+
+async def _call(app: Any, *, path: str = "/echo", query: bytes = b"", headers: list[tuple[bytes, bytes]] = (),
+                chunks: list[bytes] = ()) -> tuple[int, Any]:
+    """One HTTP request straight through the ASGI interface: the body as the given messages."""
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": query, "root_path": "",
+             "headers": list(headers), "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
+    pending: list[Message] = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1}
+                              for i, c in enumerate(chunks)] or [{"type": "http.request"}]
+    sent: list[Message] = []
+
+    async def receive() -> Message:
+        return pending.pop(0) if pending else {"type": "http.disconnect"}
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    await app(scope, receive, send)
+    status = sent[0]["status"]
+    body = b"".join(m.get("body", b"") for m in sent[1:])
+    return status, json.loads(body)
+
+
+async def test_request_guard_refuses_nul_anywhere_in_path_or_query() -> None:
+    app, seen = _echo_app()
+    for path, query in (("/echo\x00", b""), ("/echo", b"a=%00"), ("/echo", b"a=\x00b")):
+        assert await _call(app, path=path, query=query) == (400, NUL), (path, query)
+    assert seen == []
+    assert await _call(app, query=b"a=%01&b=%2500") == (200, {})  # neither is a NUL
+    assert seen == [{}]
+
+
+async def test_request_guard_announced_length() -> None:
+    """A malformed ``Content-Length`` is a 400, one over the limit a 413 before anything is read;
+    the limit is inclusive (and ``MAX_BODY_BYTES`` by default)."""
+    app, seen = _echo_app()
+    malformed = {"error": "InvalidRequest", "message": "malformed Content-Length"}
+    for value in (b"abc", b"-5", b"1e3"):
+        assert await _call(app, headers=[(b"content-length", value)], chunks=[b"{}"]) == (400, malformed)
+    assert await _call(app, headers=[(b"content-length", b"101")], chunks=[b"{}"]) == (413, TOO_LARGE)
+    assert seen == []
+    exact = b'{"a": "' + b"x" * (LIMIT - 9) + b'"}'
+    assert len(exact) == LIMIT
+    assert await _call(app, headers=[(b"content-length", b" 100 ")], chunks=[exact]) == (200, {"a": "x" * 91})
+    default, _ = _echo_app(None)
+    big = b'{"a": "' + b"x" * (MAX_BODY_BYTES - 9) + b'"}'
+    length = str(MAX_BODY_BYTES).encode()
+    assert (await _call(default, headers=[(b"content-length", length)], chunks=[big]))[0] == 200
+    status, body = await _call(default, headers=[(b"content-length", str(MAX_BODY_BYTES + 1).encode())], chunks=[big])
+    assert (status, body["error"]) == (413, "PayloadTooLarge")
+
+
+async def test_request_guard_counts_an_unannounced_body_across_messages() -> None:
+    """Without ``Content-Length`` the body is counted as the app reads it, over all its messages:
+    two 60-byte parts are over a 100-byte limit although each is under it."""
+    app, seen = _echo_app()
+    part = b" " * 60
+    assert await _call(app, chunks=[part, part + b"{}"]) == (413, TOO_LARGE)
+    assert seen == []
+    assert await _call(app, chunks=[b" " * 49, b" " * 49 + b"{}"]) == (200, {})  # exactly 100 bytes
+
+
+async def test_request_guard_lets_other_scopes_through_untouched() -> None:
+    """WebSocket (and lifespan) scopes are not HTTP requests: the app gets them as they came."""
+    calls: list[tuple[Scope, Receive, Send]] = []
+
+    async def inner(scope: Scope, receive: Receive, send: Send) -> None:
+        calls.append((scope, receive, send))
+
+    async def receive() -> Message:
+        return {"type": "websocket.connect"}
+
+    async def send(message: Message) -> None:
+        raise AssertionError(f"the guard answered {message}")
+
+    scope = {"type": "websocket", "path": "/x\x00", "query_string": b"a=%00", "headers": []}
+    await RequestGuard(inner, max_body=LIMIT)(scope, receive, send)
+    assert calls == [(scope, receive, send)]
+
+
+@pytest.mark.parametrize("body,expected", [
+    (b"", (200, {})),
+    (b" \n\t", (200, {})),
+    (b'{"hostname": "pds.example.com", "n": [1, {"k": null}]}',
+     (200, {"hostname": "pds.example.com", "n": [1, {"k": None}]})),
+    (b"{", (400, {"error": "InvalidRequest", "message": "request body is not JSON"})),
+    (b"[" * 50_000 + b"]" * 50_000, (400, {"error": "InvalidRequest", "message": "request body is not JSON"})),
+    (b"[1]", (400, {"error": "InvalidRequest", "message": "request body must be a JSON object"})),
+    (b'"text"', (400, {"error": "InvalidRequest", "message": "request body must be a JSON object"})),
+    (b'{"a": ["b\\u0000"]}', (400, NUL)),
+    (b'{"a\\u0000": 1}', (400, NUL)),
+])
+async def test_json_object(body: bytes, expected: tuple[int, Any]) -> None:
+    app, _ = _echo_app(max_body=200_000)
+    assert await _call(app, chunks=[body]) == expected
