@@ -304,7 +304,7 @@ class ConsumerSession:
                 return
             pause = sent_at + interval - b.clock()
             if pause > 0:
-                await asyncio.sleep(pause)  # probes are paced; writes meanwhile keep their deadline
+                await b.sleep(pause)  # probes are paced; writes meanwhile keep their deadline
 
     async def _replay(self) -> AsyncGenerator[list[SequencedEvent], None]:
         b = self._b
@@ -407,13 +407,16 @@ class Broadcaster:
         max_consumers: int = 10_000,
         max_lag: float = DEFAULT_MAX_LAG,
         clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         """``max_lag``: seconds a live consumer's connection may take to take an event (see the
-        module docstring); ``live_queue_max``/``live_queue_bytes``: its live queue in this process."""
+        module docstring); ``live_queue_max``/``live_queue_bytes``: its live queue in this process;
+        ``clock``/``sleep``: the time the lag probes are paced and judged by."""
         if max_lag <= 0:
             raise ValueError("max_lag must be positive")
         self.max_lag = max_lag
         self.clock = clock
+        self.sleep = sleep
         self.store = store
         self.bus = bus
         self.live_queue_max = live_queue_max

@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from firehose.broadcast import Broadcaster
 from firehose.frames import decode_frame
+from firehose.state import SequencedEvent
 from tests.waiting import until
 
 from .conftest import Ingest
@@ -116,6 +119,86 @@ async def test_every_later_write_is_probed_again(ingest: Ingest) -> None:
         await asyncio.wait_for(session.too_slow.wait(), 30)  # this probe is never answered
         assert b.stats.lagged == 1 and session.close_frame is not None
         await asyncio.wait_for(watcher, 30)  # it ends with its verdict
+    finally:
+        watcher.cancel()
+        await batches.aclose()
+
+
+class _PacedClock:
+    """A clock for ``watch_lag`` that moves only when the watcher sleeps between probes, and only
+    once the test lets it: ``sleeps`` holds each pause asked for."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.sleeps: list[float] = []
+        self.go = asyncio.Event()
+
+    def clock(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        await self.go.wait()
+        self.go.clear()
+        self.now += seconds
+
+
+def _event(seq: int) -> SequencedEvent:
+    return SequencedEvent(seq, "did:plc:d", "#commit", 0.0, b"frame %d" % seq)
+
+
+async def test_a_consumer_answering_every_probe_at_once_is_never_cut(ingest: Ingest) -> None:
+    """Probes are paced (at most one per ``max_lag / 4``), but a write made while the watcher waits
+    keeps its own deadline: its probe is sent well within ``max_lag`` of it, so a consumer that
+    answers at once is never cut, wherever its writes fall relative to the pacing."""
+    t = _PacedClock()
+    b = Broadcaster(ingest.store, ingest.bus, max_lag=0.4, clock=t.clock, sleep=t.sleep)  # not started
+    session = b.session(None)
+    batches = session.event_batches()
+    probes: list[float] = []
+
+    async def probe() -> None:  # answered at once
+        probes.append(t.now)
+
+    first = asyncio.ensure_future(anext(batches))
+    await until(lambda: b.consumer_count == 1, "the session registered")
+    watcher = asyncio.create_task(session.watch_lag(probe))
+    try:
+        b.deliver([_event(1)])
+        assert [e.seq for e in await first] == [1]
+        await until(lambda: len(t.sleeps) == 1, "the first probe answered, the watcher pacing")
+        t.now = 0.01  # a write just after that probe
+        b.deliver([_event(2)])
+        assert [e.seq for e in await anext(batches)] == [2]
+        t.go.set()  # the pause ends
+        await until(lambda: len(t.sleeps) == 2 or session.too_slow.is_set(), "the second write's probe")
+        assert not session.too_slow.is_set() and b.stats.lagged == 0
+        assert probes == [0.0, 0.01 + t.sleeps[0]] and probes[1] - 0.01 < 0.4
+    finally:
+        watcher.cancel()
+        await batches.aclose()
+
+
+async def test_a_probe_sent_past_its_deadline_cuts_at_once(ingest: Ingest) -> None:
+    """When the watcher gets to a write only after ``max_lag`` has already passed (the loop was busy),
+    the consumer is cut at once — not given more time to answer, however quickly it would."""
+    t = _PacedClock()
+    b = Broadcaster(ingest.store, ingest.bus, max_lag=0.4, clock=t.clock, sleep=t.sleep)  # not started
+    session = b.session(None)
+    batches = session.event_batches()
+
+    async def probe() -> None:  # answered within a turn of the loop
+        await asyncio.sleep(0)
+
+    first = asyncio.ensure_future(anext(batches))
+    await until(lambda: b.consumer_count == 1, "the session registered")
+    b.deliver([_event(1)])
+    assert [e.seq for e in await first] == [1]  # written at 0.0
+    t.now = 1.0  # the watcher starts only now, 1 s after the write
+    watcher = asyncio.create_task(session.watch_lag(probe))
+    try:
+        await until(lambda: session.too_slow.is_set() or bool(t.sleeps), "the probe's verdict")
+        assert session.too_slow.is_set() and b.stats.lagged == 1
     finally:
         watcher.cancel()
         await batches.aclose()
