@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncGenerator
 
 import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from firehose.broadcast import Broadcaster
+from firehose.broadcast import Broadcaster, ConsumerSession
 from firehose.frames import decode_frame
 from firehose.state import SequencedEvent
 from tests.waiting import until
@@ -85,16 +86,22 @@ async def test_replaying_consumer_is_not_probed(ingest: Ingest, transport: str) 
         await b.close()
 
 
+async def _live_session(b: Broadcaster) -> tuple[ConsumerSession, AsyncGenerator[list[SequencedEvent], None],
+                                                 asyncio.Future[list[SequencedEvent]]]:
+    """A live session of the (not started) broadcaster ``b``, registered: the session, its batches,
+    and the future of its first batch (a live session registers when its batches are first asked)."""
+    session = b.session(None)
+    batches = session.event_batches()
+    first = asyncio.ensure_future(anext(batches))
+    await until(lambda: b.consumer_count == 1, "the session registered")
+    return session, batches, first
+
+
 async def test_every_later_write_is_probed_again(ingest: Ingest) -> None:
     """``watch_lag`` probe by probe: after a probe is answered, the next live write gets a probe of
     its own; a consumer that stalls only then (its first probe answered) is still cut for lag."""
-    import asyncio
-
-    from firehose.state import SequencedEvent
-
     b = Broadcaster(ingest.store, ingest.bus, max_lag=0.4, clock=lambda: 100.0)  # not started
-    session = b.session(None)
-    batches = session.event_batches()
+    session, batches, first = await _live_session(b)
     probes: list[asyncio.Event] = []
 
     async def probe() -> None:
@@ -102,11 +109,7 @@ async def test_every_later_write_is_probed_again(ingest: Ingest) -> None:
         probes.append(answered)
         await answered.wait()
 
-    def ev(seq: int) -> SequencedEvent:
-        return SequencedEvent(seq, "did:plc:d", "#commit", 0.0, b"frame %d" % seq)
-
-    first = asyncio.ensure_future(anext(batches))
-    await until(lambda: b.consumer_count == 1, "the session registered")
+    ev = _event
     watcher = asyncio.create_task(session.watch_lag(probe))
     try:
         b.deliver([ev(1)])
@@ -153,15 +156,12 @@ async def test_a_consumer_answering_every_probe_at_once_is_never_cut(ingest: Ing
     answers at once is never cut, wherever its writes fall relative to the pacing."""
     t = _PacedClock()
     b = Broadcaster(ingest.store, ingest.bus, max_lag=0.4, clock=t.clock, sleep=t.sleep)  # not started
-    session = b.session(None)
-    batches = session.event_batches()
+    session, batches, first = await _live_session(b)
     probes: list[float] = []
 
     async def probe() -> None:  # answered at once
         probes.append(t.now)
 
-    first = asyncio.ensure_future(anext(batches))
-    await until(lambda: b.consumer_count == 1, "the session registered")
     watcher = asyncio.create_task(session.watch_lag(probe))
     try:
         b.deliver([_event(1)])
@@ -184,14 +184,11 @@ async def test_a_probe_sent_past_its_deadline_cuts_at_once(ingest: Ingest) -> No
     the consumer is cut at once — not given more time to answer, however quickly it would."""
     t = _PacedClock()
     b = Broadcaster(ingest.store, ingest.bus, max_lag=0.4, clock=t.clock, sleep=t.sleep)  # not started
-    session = b.session(None)
-    batches = session.event_batches()
+    session, batches, first = await _live_session(b)
 
     async def probe() -> None:  # answered within a turn of the loop
         await asyncio.sleep(0)
 
-    first = asyncio.ensure_future(anext(batches))
-    await until(lambda: b.consumer_count == 1, "the session registered")
     b.deliver([_event(1)])
     assert [e.seq for e in await first] == [1]  # written at 0.0
     t.now = 1.0  # the watcher starts only now, 1 s after the write
