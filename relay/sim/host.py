@@ -172,7 +172,8 @@ class SimHost:
         return dropped
 
     def hold_repos(self) -> None:
-        """Hold every getRepo answer until :meth:`release_repos` (a slow PDS under a resync storm)."""
+        """Hold every getRepo answer (the repository as it is when asked) until :meth:`release_repos`
+        (a slow PDS under a resync storm)."""
         if self._repo_gate is None:
             self._repo_gate = asyncio.Event()
 
@@ -280,8 +281,13 @@ class SimHost:
         if path == GET_REPO_PATH:
             self.repo_requests.append(dict(params))
             gate = self._repo_gate
-            if gate is not None:
+            if gate is not None:  # answered with the repository as it was when asked
+                response = self._answer(path, params)
                 await gate.wait()
+                return response
+        return self._answer(path, params)
+
+    def _answer(self, path: str, params: dict[str, str]) -> Response:
         try:
             return self._route(path, params)
         except Exception as exc:  # never let a handler bug kill the host

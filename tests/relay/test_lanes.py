@@ -295,3 +295,28 @@ async def test_only_the_accounts_own_pds_speaks_for_it(relay_factory: Any) -> No
             assert stored is not None and stored.host == own.hostname and stored.active
     finally:
         await fleet.stop()
+
+
+async def test_commits_held_during_a_resync_are_delivered_after_its_sync(relay_factory: Any) -> None:
+    """Frames of an account being resynchronised are held in its lane, not judged against a state
+    about to be replaced; once the repository fetched at rev r0 is installed (``#sync`` at r0), the
+    held commits newer than r0 are judged against it and delivered, in order, after the ``#sync``."""
+    async with one_account(relay_factory, seed=15) as (fleet, relay, consumer):
+        service, account, host = relay.service, fleet.accounts[0], fleet.hosts[0]
+        host.hold_repos()  # the resync's getRepo is answered with the repository as it is now
+        try:
+            await service.lanes.mark_for_resync(account.did, host.hostname)
+            await until(lambda: len(host.repo_requests) == 1, "the resync to ask for the repository")
+            fetched = account.repo.rev
+            await fleet.generate(3)  # three commits while the resync waits for its answer
+            await until(lambda: _verdicts(service, "buffer", "resync_pending") == 3, "the three commits held")
+        finally:
+            host.release_repos()
+        newest = account.repo.rev
+        await consumer.wait_for(lambda evs: newest in commits_of(consumer, account.did))
+        after = consumer.events[next(i for i, e in enumerate(consumer.events)
+                                     if e.t == "#sync" and e.did == account.did):]
+        assert after[0].rev == fetched  # the #sync carries the repository as fetched
+        later = [e.rev for e in after[1:] if e.t == "#commit" and e.did == account.did]
+        assert len(later) == 3 and later == sorted(later) and later[-1] == newest
+        assert _verdicts(service, "ignore", "covered_by_resync") == 0
