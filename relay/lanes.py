@@ -458,13 +458,14 @@ class AccountLanes:
             return None
         await self.identity.purge(work.did)
         ident = await self.admission.identity_for_host(work.did, work.hostname, fresh=True, relay=work.relay)
-        state = None
-        if ident is not None:
-            state = await self._admitted(lane, work)
-            if state is None:
-                return None
-        verdict = validate_identity(msg, state, from_account_pds=ident is not None)
-        self.count(verdict.kind, _not_speaker(work) if verdict.reason == Reason.WRONG_HOST else verdict.reason)
+        if ident is None:
+            self.count("reject", _not_speaker(work))
+            return None
+        state = await self._admitted(lane, work)
+        if state is None:
+            return None
+        verdict = validate_identity(msg, state, from_account_pds=True)
+        self.count(verdict.kind, verdict.reason)
         if verdict.kind != "accept":
             return None
         verified = False
@@ -490,8 +491,7 @@ class AccountLanes:
         ident = await self.admission.identity_for_host(work.did, work.hostname, fresh=True, max_age=5.0,
                                                        relay=work.relay)
         if ident is None:
-            verdict = validate_account(msg, lane.head, self.clock(), from_account_pds=False)
-            self.count(verdict.kind, _not_speaker(work))
+            self.count("reject", _not_speaker(work))
             return None
         state = await self._admitted(lane, work)
         if state is None:  # held: keep the status, emit nothing

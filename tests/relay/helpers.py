@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -13,9 +14,14 @@ import uvicorn
 from starlette.types import ASGIApp
 
 from backfill.store import Store
+from firehose.frames import decode_frame
+from firehose.state import Fence, PendingEvent, SequencedEvent
+from firehose.subscriber import UpstreamFrame
 from firehose.uvicorn_batch import BatchingWebSocketsProtocol
 from relay.config import RelayConfig
+from relay.lanes import Work
 from relay.service import RelayService
+from relay.sim.host import SimHost
 from relay.ssrf import Resolver
 
 
@@ -83,3 +89,31 @@ async def drop_schema_and_stream(pg_dsn: str, schema: str, redis_url: str, strea
     client = aioredis.from_url(redis_url)
     await client.delete(stream)
     await client.aclose()
+
+
+# -- driving the lanes as a host run does (for orders a live connection cannot pin down) --------
+def logged_frames(host: SimHost) -> list[UpstreamFrame]:
+    """Every frame the simulated ``host`` has published, as its relay run would read them."""
+    return [UpstreamFrame(host.hostname, e.seq, decode_frame(e.frame), e.frame) for e in host.log.entries]
+
+
+def lane_work(hostname: str, uf: UpstreamFrame, did: str, *, relay: bool = False) -> Work:
+    """``uf`` as the run of upstream ``hostname`` (a relay upstream if ``relay``) hands it to the lanes."""
+    judged: asyncio.Future[PendingEvent | None] = asyncio.get_running_loop().create_future()
+    return Work(hostname, uf, uf.frame.t or "", did, time.monotonic(), Fence(), judged, relay=relay)
+
+
+async def judge(relay: RunningRelay, work: Work) -> PendingEvent | None:
+    """Submit ``work`` to ``relay``'s lanes; the event it became (not yet handed to the sequencer)."""
+    assert relay.service.lanes is not None
+    relay.service.lanes.submit(work)
+    return await work.judged
+
+
+async def sequence(relay: RunningRelay, event: PendingEvent | None) -> SequencedEvent | None:
+    """Hand an accepted event to the sequencer as its host run would; its stored form, once stored."""
+    lanes, sequencer = relay.service.lanes, relay.service.sequencer
+    assert event is not None and lanes is not None and sequencer is not None
+    fut = await sequencer.enqueue(event)
+    fut.add_done_callback(lambda f: lanes.settled(event, f))
+    return await fut

@@ -163,3 +163,37 @@ async def test_identity_past_its_age_is_resolved_again(relay_factory: RelayFacto
             await until_async(refreshed, "the aged rows to be replaced")
     finally:
         await fleet.stop()
+
+
+async def test_a_host_the_account_left_cannot_set_its_status_on_a_stored_identity(
+        relay_factory: RelayFactory, database_url: str) -> None:
+    """The relay's stored identity (young, so a commit would be judged on it) still names the host
+    an account has left; that host sends an ``#account`` deactivation. A status change is judged
+    against a *fresh* DID document, which names the new PDS: rejected ``wrong_host``, nothing
+    stored or emitted. (Judged on the stored identity, the old host could deactivate an account
+    it no longer holds.)"""
+    fleet = SimFleet(SimConfig(hosts=2, accounts_per_host=1, seed=25, announce_accounts=False))
+    await fleet.start()
+    acct = fleet.accounts[0]
+    left = next(h for h in fleet.hosts if h is not acct.host)
+    store = await open_store(database_url)
+    try:
+        await store.migrate()
+        await store.write_identities([Identity(acct.did, acct.key.did_key(), left.url, acct.handle, time.time() - 60)])
+    finally:
+        await store.close()
+    try:
+        async with relay_factory(database_url=database_url, **_settings(fleet)) as relay:
+            verdicts = relay.service.metrics.verdicts
+            rejected = verdicts.labels(kind="reject", reason="wrong_host")
+            accepted = verdicts.labels(kind="accept", reason="ok")
+            await crawl(relay.url, left.hostname)
+            fleet._queue(left, "#account", {"did": acct.did, "time": "2026-11-24T00:00:00.000Z", "active": False,
+                                            "status": "deactivated"}, acct.did, verdict="reject", reason="wrong_host")
+            fleet._flush_now()
+            await until(lambda: rejected._value.get() + accepted._value.get() >= 1, "the #account to be judged")
+            assert (rejected._value.get(), accepted._value.get()) == (1, 0)
+            assert fleet.plc.requests == 1  # judged on the directory's answer, not the stored row
+            assert await relay.service.store.get_account(acct.did) is None
+    finally:
+        await fleet.stop()

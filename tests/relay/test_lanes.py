@@ -17,9 +17,11 @@ from typing import Any
 import pytest
 
 from backfill.store import BatchWrite, Store, WriterLease, open_store
+from backfill.types import HostState
 from relay.sim import SimConfig, SimFleet
 from tests.relay.e2e import Consumer, check_stream, crawl
-from tests.waiting import until
+from tests.relay.helpers import judge, lane_work, logged_frames, sequence
+from tests.waiting import until, until_async
 
 
 class FaultyLease(WriterLease):
@@ -320,3 +322,113 @@ async def test_commits_held_during_a_resync_are_delivered_after_its_sync(relay_f
         later = [e.rev for e in after[1:] if e.t == "#commit" and e.did == account.did]
         assert len(later) == 3 and later == sorted(later) and later[-1] == newest
         assert _verdicts(service, "ignore", "covered_by_resync") == 0
+
+
+async def test_a_held_accounts_status_is_stored_and_kept_but_not_emitted(relay_factory: Any) -> None:
+    """An account held by its host's account limit reports a deactivation: the status is stored
+    on the held account (it stays held) and nothing is emitted; a commit of the held account
+    afterwards is ignored ``account_throttled`` and leaves the stored status as it was."""
+    fleet = SimFleet(SimConfig(hosts=1, accounts_per_host=2, seed=16, announce_accounts=False))
+    await fleet.start()
+    try:
+        settings = {"allow_insecure_hosts": True, "plc_url": fleet.plc_url, "validation_workers": 0,
+                    "default_account_limit": 1}
+        async with relay_factory(**settings) as relay, Consumer(relay.ws_url, cursor=0) as consumer:
+            service, host = relay.service, fleet.hosts[0]
+            await crawl(relay.url, host.hostname)
+            await fleet.markers(among=[fleet.accounts[0]])
+            await fleet.markers(among=[fleet.accounts[1]])
+            await until(lambda: _verdicts(service, "ignore", "account_throttled") == 1, "one account held")
+            [held] = await service.store.accounts_by_sync_state("throttled")
+            acct = fleet.by_did[held.did]
+            admitted = next(a for a in fleet.accounts if a is not acct)
+            fleet._queue(host, "#account", {"did": acct.did, "time": "2026-11-24T00:00:00.000Z", "active": False,
+                                            "status": "deactivated"}, acct.did)
+            fleet._flush_now()
+
+            async def deactivated() -> bool:
+                state = await service.store.get_account(acct.did)
+                return state is not None and state.upstream_status == "deactivated"
+
+            await until_async(deactivated, "the held account's status to be stored")
+            assert _verdicts(service, "ignore", "account_throttled") == 2  # the #account, held
+            await fleet.markers(among=[acct])  # a commit of the held account: ignored, held
+            await until(lambda: _verdicts(service, "ignore", "account_throttled") == 3, "the commit ignored")
+            stored = await service.store.get_account(acct.did)
+            assert stored is not None and stored.sync_state == "throttled" and stored.upstream_status == "deactivated"
+            marker = (await fleet.markers(among=[admitted]))[0]
+            await consumer.wait_for(lambda evs: marker.rev in commits_of(consumer, admitted.did))
+            assert not [e for e in consumer.events if e.did == acct.did]
+    finally:
+        await fleet.stop()
+
+
+async def test_identity_and_account_events_judged_against_the_head_in_flight(relay_factory: Any) -> None:
+    """An account's ``#identity``/``#account`` frames fed to its lane as its PDS's run would, each
+    judged before the one before it is stored, on a host with an account limit of 1:
+
+    - the first ``#identity`` admits the account (and carries it to the store); the ``#account``
+      judged while that is in flight is judged against it — not admitted a second time, which
+      the limit would refuse;
+    - both are counted accept ``ok``; the ``#account`` keeps its upstream ``time``; an
+      ``#identity`` whose handle does not resolve back is passed on without it (counted);
+    - a deactivation is stored with the account's host and rev kept; a commit judged while it is
+      in flight, and a later ``#identity``, are ignored ``account_inactive``;
+    - a relay upstream's copy of the ``#identity``, for an account whose PDS is followed directly,
+      is refused ``relay_not_authoritative``."""
+    fleet = SimFleet(SimConfig(hosts=1, accounts_per_host=1, seed=17))
+    await fleet.start()
+    try:
+        settings = {"allow_insecure_hosts": True, "plc_url": fleet.plc_url, "handle_resolver_url": fleet.plc_url,
+                    "validation_workers": 0, "default_account_limit": 1}
+        async with relay_factory(**settings) as relay:
+            service, host, acct = relay.service, fleet.hosts[0], fleet.accounts[0]
+            h, did = host.hostname, acct.did
+            await fleet.generate(2)  # after the #identity and #account that announce the account
+            fleet._queue(host, "#identity", {"did": did, "time": "2026-11-24T00:00:01.000Z", "handle": "evil.test"}, did)
+            fleet.set_status(acct, "deactivated")
+            fleet._flush_now()
+            frames = logged_frames(host)
+            identity, announced, forged, deactivated = (f for f in frames if f.frame.t in ("#identity", "#account"))
+            c1, c2, *_ = (f for f in frames if f.frame.t == "#commit")
+            accepted = _verdicts(service, "accept", "ok")
+
+            first = await judge(relay, lane_work(h, identity, did))
+            assert first is not None and first.body.get("handle") == acct.handle  # verified, so kept
+            assert _verdicts(service, "strip", "handle_not_verified") == 0
+            status = await judge(relay, lane_work(h, announced, did))  # while the #identity is in flight
+            assert status is not None and status.body["time"] == announced.frame.body["time"]
+            assert _verdicts(service, "ignore", "account_throttled") == 0
+            assert await sequence(relay, first) is not None
+            stored = await service.store.get_account(did)
+            assert stored is not None and stored.host == h  # first sight: stored with its host
+            assert await sequence(relay, status) is not None
+            assert _verdicts(service, "accept", "ok") == accepted + 2
+
+            commit = await judge(relay, lane_work(h, c1, did))
+            assert commit is not None and await sequence(relay, commit) is not None
+            stripped = await judge(relay, lane_work(h, forged, did))
+            assert stripped is not None and "handle" not in stripped.body
+            assert _verdicts(service, "strip", "handle_not_verified") == 1
+            assert await sequence(relay, stripped) is not None
+
+            off = await judge(relay, lane_work(h, deactivated, did))
+            assert off is not None and off.body["active"] is False
+            assert await judge(relay, lane_work(h, c2, did)) is None  # judged against the deactivation
+            assert _verdicts(service, "ignore", "account_inactive") == 1
+            assert await sequence(relay, off) is not None
+            stored = await service.store.get_account(did)
+            assert stored is not None and stored.upstream_status == "deactivated"
+            assert stored.host == h and stored.rev == c1.frame.body["rev"]
+            assert await judge(relay, lane_work(h, identity, did)) is None
+            assert _verdicts(service, "ignore", "account_inactive") == 2
+
+            other = "127.0.0.1:1"
+            await service.store.upsert_host(HostState(hostname=h))  # followed directly
+            await service.store.upsert_host(HostState(hostname=other, relay=True))
+            assert service.lanes is not None
+            service.lanes.admission.host_changed()
+            assert await judge(relay, lane_work(other, identity, did, relay=True)) is None
+            assert _verdicts(service, "reject", "relay_not_authoritative") == 1
+    finally:
+        await fleet.stop()

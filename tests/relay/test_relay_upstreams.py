@@ -7,9 +7,7 @@ through the admin API as relays.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -17,8 +15,7 @@ from pathlib import Path
 import httpx
 
 from backfill.types import HostState
-from firehose.frames import decode_frame
-from firehose.state import AccountState, Fence, PendingEvent, SequencedEvent
+from firehose.state import AccountState, PendingEvent, SequencedEvent
 from firehose.subscriber import UpstreamFrame
 from relay.admission import Admission
 from relay.lanes import Work
@@ -34,7 +31,7 @@ from tests.relay.e2e import (
     metric_value,
     settled,
 )
-from tests.relay.helpers import RunningRelay
+from tests.relay.helpers import RunningRelay, judge, lane_work, logged_frames, sequence
 from tests.waiting import until
 
 TOKEN = ADMIN_TOKEN
@@ -57,6 +54,13 @@ async def _fleet(config: SimConfig) -> AsyncIterator[SimFleet]:
         yield fleet
     finally:
         await fleet.stop()
+
+
+async def _relay_upstreams(relay: RunningRelay, *hostnames: str) -> None:
+    """Make ``hostnames`` known to ``relay`` as relay upstreams (never connected)."""
+    for hostname in hostnames:
+        await relay.service.store.upsert_host(HostState(hostname=hostname, relay=True))
+    _admission(relay).host_changed()
 
 
 def _admission(relay: RunningRelay) -> Admission:
@@ -158,26 +162,19 @@ async def test_an_account_on_two_relays_reaches_the_sequencer_in_chain_order(rel
             lanes, sequencer = down.service.lanes, down.service.sequencer
             assert lanes is not None and sequencer is not None
             x, y = "127.0.0.1:1", "127.0.0.1:2"
-            for relay_host in (x, y):  # two relay upstreams, known but never connected
-                await down.service.store.upsert_host(HostState(hostname=relay_host, relay=True))
-            lanes.admission.host_changed()
+            await _relay_upstreams(down, x, y)
             await fleet.generate(6)
-            entries = [e for e in host.log.entries]
-            frames = [UpstreamFrame(host.hostname, e.seq, decode_frame(e.frame), e.frame) for e in entries]
+            frames = logged_frames(host)
             did = fleet.accounts[0].did
             commits = [f for f in frames if f.frame.t == "#commit" and f.frame.body.get("repo") == did]
             assert len(commits) >= 3
             first, n, n1 = commits[0], commits[1], commits[2]
 
             def work(hostname: str, uf: UpstreamFrame) -> Work:
-                judged: asyncio.Future[PendingEvent | None] = asyncio.get_running_loop().create_future()
-                return Work(hostname, uf, uf.frame.t or "", did, time.monotonic(), Fence(), judged, relay=True)
+                return lane_work(hostname, uf, did, relay=True)
 
             async def store(event: PendingEvent | None) -> SequencedEvent | None:
-                assert event is not None
-                fut = await sequencer.enqueue(event)
-                fut.add_done_callback(lambda f: lanes.settled(event, f))
-                return await fut
+                return await sequence(down, event)
 
             # the account's first commit, through X (the #identity/#account frames are not needed)
             w0 = work(x, first)
@@ -204,3 +201,34 @@ async def test_an_account_on_two_relays_reaches_the_sequencer_in_chain_order(rel
             assert stored_n is not None, "commit N was dropped as already sequenced: a hole before N+1"
             assert stored_n1 is not None and stored_n.seq < stored_n1.seq
             assert lanes.state(did) is not None and lanes.state(did).rev == n1.frame.body["rev"]  # type: ignore[union-attr]
+
+
+async def test_an_identity_and_an_account_event_carried_by_two_relays_are_emitted_once(
+        relay_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Two relays carry the same host's stream: the account's ``#identity`` and ``#account`` come
+    once through each. The first copy of each is accepted, the second is dropped (ignore
+    ``duplicate_event``); a later, different ``#account`` through the second relay is accepted."""
+    async with _fleet(SimConfig(hosts=1, accounts_per_host=1, seed=74)) as fleet:
+        (host,) = fleet.hosts
+        acct = fleet.accounts[0]
+        async with relay_factory(database_url=str(tmp_path / "down.sqlite"), **_settings(fleet)) as down:
+            x, y = "127.0.0.1:1", "127.0.0.1:2"
+            await _relay_upstreams(down, x, y)
+            fleet.set_status(acct, "deactivated")
+            await fleet.generate(0)
+            frames = logged_frames(host)
+            identity, announced, deactivated = (f for f in frames if f.frame.t in ("#identity", "#account"))
+            assert (identity.frame.t, announced.frame.t, deactivated.frame.t) == ("#identity", "#account", "#account")
+            duplicates = down.service.metrics.verdicts.labels(kind="ignore", reason="duplicate_event")
+            emitted = []
+            for uf in (identity, announced):
+                for relay_host in (x, y):
+                    event = await judge(down, lane_work(relay_host, uf, acct.did, relay=True))
+                    if event is not None:
+                        emitted.append((relay_host, event.kind))
+                        assert await sequence(down, event) is not None
+            assert emitted == [(x, "#identity"), (x, "#account")]
+            assert duplicates._value.get() == 2
+            event = await judge(down, lane_work(y, deactivated, acct.did, relay=True))
+            assert event is not None and event.kind == "#account" and event.body["active"] is False
+            assert duplicates._value.get() == 2
