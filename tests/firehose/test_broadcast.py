@@ -12,7 +12,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from firehose.broadcast import Broadcaster
-from firehose.frames import decode_frame
+from firehose.frames import Frame, decode_frame
 from tests.waiting import until
 
 from .conftest import Ingest
@@ -46,6 +46,12 @@ async def collect(url: str, *, until_seq: int | None = None, count: int | None =
             return out
 
 
+async def first_frame(url: str) -> Frame:
+    """The first frame a consumer connecting to ``url`` receives."""
+    async with connect(url, max_size=None) as ws:
+        return decode_frame(await ws.recv())
+
+
 @pytest.fixture
 async def broadcaster(ingest: Ingest):
     b = Broadcaster(ingest.store, ingest.bus, replay_batch=25, live_queue_max=500)
@@ -65,11 +71,18 @@ async def test_cursor_rules(ingest: Ingest, broadcaster: Broadcaster, transport:
         assert await collect(ws_url(hp, 0), until_seq=50) == list(range(21, 51))
         # in window: seq >= cursor
         assert await collect(ws_url(hp, 40), until_seq=50) == list(range(40, 51))
+        assert await collect(ws_url(hp, 21), until_seq=50) == list(range(21, 51))  # the oldest: in window
         # older than the window: #info OutdatedCursor, then the whole window
         assert await collect(ws_url(hp, 5), until_seq=50) == [("info", "OutdatedCursor"), *range(21, 51)]
+        info = await first_frame(ws_url(hp, 20))
+        assert (info.t, info.body) == ("#info", {"name": "OutdatedCursor",
+                                                 "message": "cursor is older than the backfill window"})
+        assert broadcaster.stats.outdated_cursor == 2
         # future cursor (beyond latest + 1): error frame then close
         assert await collect(ws_url(hp, 52)) == [("error", "FutureCursor")]
-        assert broadcaster.stats.future_cursor == 1
+        error = await first_frame(ws_url(hp, 1000))
+        assert error.is_error and error.body == {"error": "FutureCursor", "message": "cursor is ahead of the stream"}
+        assert broadcaster.stats.future_cursor == 2
         # no cursor: live only; cursor = latest + 1 ("from the next event on"): waits for it
         live = asyncio.create_task(collect(ws_url(hp), until_seq=55))
         following = asyncio.create_task(collect(ws_url(hp, 51), until_seq=55))
@@ -77,7 +90,7 @@ async def test_cursor_rules(ingest: Ingest, broadcaster: Broadcaster, transport:
         await ingest.add(5)
         assert await live == [51, 52, 53, 54, 55]
         assert await following == [51, 52, 53, 54, 55]
-        assert broadcaster.stats.future_cursor == 1
+        assert (broadcaster.stats.future_cursor, broadcaster.stats.outdated_cursor) == (2, 2)
         # in-window cursor followed by live events
         task = asyncio.create_task(collect(ws_url(hp, 50), until_seq=60))
         await until(lambda: broadcaster.consumer_count == 1)
