@@ -340,28 +340,21 @@ class ConsumerSession:
                 read_limit = limit
                 out: list[SequencedEvent] = []
                 if events and last > 0 and events[0].seq > last + 1:
-                    # Did retention trim the window past this (slow) consumer? Say so, never a
-                    # silent gap: the same #info a too-old cursor gets at connection time.
-                    oldest = await b.store.oldest_seq()
-                    if oldest is not None and oldest > last + 1:
-                        b.stats.outdated_cursor += 1
-                        out.append(_control(INFO_KIND, encode_info_frame(OUTDATED_CURSOR,
-                                                                         "events were trimmed while replaying")))
-                if events:  # keep one batch near ``replay_bytes`` whatever the frame sizes
-                    avg = max(1, sum(len(e.frame) for e in events) // len(events))
-                    limit = max(1, min(b.replay_batch, b.replay_bytes // avg))
-                size = 0
-                count = 0
-                for ev in events:
-                    if ev.seq <= last:
-                        continue
-                    last = ev.seq
-                    out.append(ev)
-                    size += len(ev.frame)
-                    count += 1
-                if count:
+                    # Retention trimmed the window past this (slow) consumer: say so, never a
+                    # silent gap (the same #info a too-old cursor gets at connection time). The
+                    # jump itself is the proof: seqs are dense (``number_batch`` numbers every
+                    # stored event, one more than the last) and ``trim`` deletes a prefix.
+                    b.stats.outdated_cursor += 1
+                    out.append(_control(INFO_KIND, encode_info_frame(OUTDATED_CURSOR,
+                                                                     "events were trimmed while replaying")))
+                if events:  # ascending, all past ``last`` (``read_after``'s contract)
+                    size = sum(len(e.frame) for e in events)
+                    # the next read: one batch near ``replay_bytes`` whatever the frame sizes
+                    limit = max(1, min(b.replay_batch, b.replay_bytes // max(1, size // len(events))))
+                    last = events[-1].seq
+                    out.extend(events)
                     self.last_seq = last
-                    self.sent += count
+                    self.sent += len(events)
                     self.bytes_sent += size
                 full = len(events) >= read_limit
                 if full:

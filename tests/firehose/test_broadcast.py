@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import socket
 import time
 
@@ -292,6 +293,156 @@ async def test_window_trimmed_under_a_slow_replay_is_announced(ingest: Ingest) -
         await batches.aclose()
     finally:
         await b.close()
+
+
+class RecordingStore:
+    """The real store, recording every ``read_after`` as ``(after, limit)``. The read numbered
+    :attr:`hold` (1-based) is made at once and answered only when :attr:`gate` is set — it then
+    returns what the store held when it was asked; the read numbered :attr:`fail` raises."""
+
+    def __init__(self, store, *, hold: int | None = None, fail: int | None = None) -> None:
+        self._store = store
+        self.reads: list[tuple[int, int]] = []
+        self.hold, self.fail = hold, fail
+        self.gate = asyncio.Event()
+        self.held = asyncio.Event()
+
+    def __getattr__(self, name: str):
+        return getattr(self._store, name)
+
+    async def read_after(self, seq: int, limit: int = 1000):
+        self.reads.append((seq, limit))
+        n = len(self.reads)
+        if n == self.fail:
+            raise ConnectionError("the store went away")
+        rows = await self._store.read_after(seq, limit)
+        if n == self.hold:
+            self.held.set()
+            await self.gate.wait()
+        return rows
+
+
+def _seqs_and_infos(batch) -> list:
+    """A session's events as seqs, its own messages as (kind, seq, decoded body)."""
+    return [ev.seq if ev.kind == "#commit" else (ev.kind, ev.seq, decode_frame(ev.frame).body) for ev in batch]
+
+
+async def test_window_trimmed_before_the_first_read_is_announced(ingest: Ingest) -> None:
+    """A cursor older than the window gets the connection-time ``#info``; then the window moves
+    between another session's connection-time check (its cursor 2 is in the window) and its first
+    read: the jump from seq 1 (the cursor's predecessor) to 3 is announced too. Both are session
+    messages (kind ``#info``, seq 0) with their reason, each counted."""
+    now = time.time()
+    await ingest.add(1, when=now - 7200)
+    await ingest.add(1, when=now - 3600)
+    await ingest.add(8)
+    assert await ingest.store.trim(older_than_seconds=5400) == 1  # the window is 2..10
+    store = HeldReplayStore(ingest.store)
+    store.gate.set()
+    b = Broadcaster(store, ingest.bus, replay_batch=50)
+    await b.start()
+    outdated = b.session(1).event_batches()
+    try:
+        assert _seqs_and_infos(await anext(outdated)) == [
+            ("#info", 0, {"name": "OutdatedCursor", "message": "cursor is older than the backfill window"})]
+        assert _seqs_and_infos(await anext(outdated)) == list(range(2, 11))
+    finally:
+        await outdated.aclose()
+    assert b.stats.outdated_cursor == 1
+    store.gate.clear()
+    batches = b.session(2).event_batches()
+    try:
+        first = asyncio.ensure_future(anext(batches))
+        await until(lambda: store.reads_started == 2, "the replay's first read, held before it is made")
+        assert await ingest.store.trim(older_than_seconds=60) == 1  # seq 2: the window is 3..10
+        store.gate.set()
+        assert _seqs_and_infos(await first) == [
+            ("#info", 0, {"name": "OutdatedCursor", "message": "events were trimmed while replaying"}),
+            *range(3, 11)]
+        assert b.stats.outdated_cursor == 2
+    finally:
+        await batches.aclose()
+        await b.close()
+
+
+@pytest.mark.parametrize("cursor", [0, 121])
+async def test_live_events_dropped_while_replaying_are_read_again(ingest: Ingest, cursor: int) -> None:
+    """A replaying session whose live queue overflows forgets it (the store has those events)
+    and, once caught up, reads again from the last seq it sent — also for ``cursor = latest + 1``,
+    which has nothing to replay — before it goes live; every read is one batch."""
+    await ingest.add(120)
+    store = RecordingStore(ingest.store, hold=1)
+    b = Broadcaster(store, ingest.bus, replay_batch=500, live_queue_max=15)
+    await b.start()
+    session = b.session(cursor)
+    batches = session.event_batches()
+    got: list[int] = []
+    try:
+        first = asyncio.ensure_future(anext(batches))
+        await store.held.wait()  # the first read is made (1..120, or nothing): held there
+        await ingest.add(180, batch=30)  # live meanwhile: 180 > its live queue of 15
+        await until(lambda: b.stats.replay_overflows == 1, "the live queue's overflow")
+        store.gate.set()
+        got.extend(_seqs_and_infos(await first))
+        while not got or got[-1] < 300:
+            got.extend(_seqs_and_infos(await anext(batches)))
+        assert got == list(range(max(cursor, 1), 301))  # what the overflow dropped came from the store
+        await ingest.add(1)
+        assert _seqs_and_infos(await anext(batches)) == [301]
+        assert session.live
+        assert store.reads == [(cursor and cursor - 1, 500), (120, 500)]  # the 301st came live
+    finally:
+        await batches.aclose()
+        await b.close()
+
+
+async def test_replay_reads_are_bounded_by_bytes(ingest: Ingest) -> None:
+    """After each read the next one asks for about ``replay_bytes`` worth of the frames just read:
+    ``replay_bytes // average frame`` (whole bytes; at least one), never more than ``replay_batch``."""
+    for i in range(12):
+        await ingest.add(1, payload=b"x" * (300 + i % 2))  # frames of f and f + 1 bytes, in turn
+    frame = len((await ingest.store.read_after(0, 1))[0].frame)
+    store = RecordingStore(ingest.store)
+    b = Broadcaster(store, ingest.bus, replay_batch=5, replay_bytes=frame * 3)  # each average is f + a fraction
+    batches = b.session(1).event_batches()
+    try:
+        assert [len(await anext(batches)) for _ in range(4)] == [5, 3, 3, 1]
+        assert store.reads == [(0, 5), (5, 3), (8, 3), (11, 3)]
+    finally:
+        await batches.aclose()
+    store = RecordingStore(ingest.store)
+    b = Broadcaster(store, ingest.bus, replay_batch=5, replay_bytes=frame - 1)  # not even one frame
+    batches = b.session(1).event_batches()
+    try:
+        assert [len(await anext(batches)) for _ in range(3)] == [5, 1, 1]
+        assert store.reads[:3] == [(0, 5), (5, 1), (6, 1)]
+    finally:
+        await batches.aclose()
+
+
+async def test_a_failed_read_ahead_of_a_closed_session_is_retrieved(ingest: Ingest) -> None:
+    """The read ahead fails while the first batch is out, then the consumer goes: the failure is
+    retrieved when the session closes, not reported by asyncio as never retrieved."""
+    await ingest.add(20)
+    store = RecordingStore(ingest.store, fail=2)
+    b = Broadcaster(store, ingest.bus, replay_batch=10)
+    loop = asyncio.get_running_loop()
+    unretrieved: list[dict] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: unretrieved.append(context))
+    try:
+        batches = b.session(1).event_batches()
+        assert len(await anext(batches)) == 10
+        reads = [t for t in asyncio.all_tasks() if "read_after" in repr(t.get_coro())]
+        assert len(reads) == 1  # the read ahead, made while the first batch is out
+        await asyncio.wait(reads)
+        assert len(store.reads) == 2 and reads[0].done()  # it failed; nobody has looked
+        await batches.aclose()
+        del reads, batches
+        gc.collect()
+        assert unretrieved == []
+    finally:
+        loop.set_exception_handler(previous)
 
 
 async def test_deliver_hands_each_event_on_once(ingest: Ingest) -> None:
