@@ -16,7 +16,6 @@ upstream ``#sync`` arrives). ``getRepoStatus`` reports ``desynchronized`` meanwh
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 
@@ -26,8 +25,6 @@ from firehose.backoff import backoff_delay
 from firehose.state import AccountState
 from mst.errors import ReasonError
 from relay.accounts import now_iso
-from relay.config import RelayConfig
-from relay.hosts import host_base_url
 from relay.identity import IdentityError, IdentityResolver
 from relay.jsonlog import fields
 from relay.lanes import AccountLanes
@@ -51,13 +48,12 @@ class ResyncManager:
     """Worker pool over a ``ResyncQueue``; completed repairs go to the account's lane."""
 
     def __init__(self, *, store: Store, identity: IdentityResolver, safe: SafeClient, metrics: RelayMetrics,
-                 config: RelayConfig, queue: ResyncQueue, lanes: AccountLanes, workers: int = 4,
+                 queue: ResyncQueue, lanes: AccountLanes, workers: int = 4,
                  max_attempts: int = 5, retry_base: float = 2.0, max_repo_bytes: int = MAX_REPO_BYTES) -> None:
         self.store = store
         self.identity = identity
         self.safe = safe
         self.metrics = metrics
-        self.config = config
         self.queue = queue
         self.lanes = lanes
         self.workers = max(1, workers)
@@ -99,7 +95,7 @@ class ResyncManager:
         while True:
             did, host, attempt = await self.queue.get()
             try:
-                await self.resync_one(did, host)
+                await self.resync_one(did)
                 self.metrics.resyncs.labels(result="ok").inc()
                 self.queue.done(did)
             except ResyncFailed as exc:
@@ -121,8 +117,11 @@ class ResyncManager:
     def _retry(self, did: str, host: str | None, attempt: int) -> None:
         asyncio.ensure_future(self.queue.enqueue(did, host, attempt))
 
-    async def resync_one(self, did: str, host: str | None) -> None:
-        """Fetch, verify and install the current repository of ``did``."""
+    async def resync_one(self, did: str) -> None:
+        """Fetch, verify and install the current repository of ``did``: from the PDS its DID
+        document names now (resolved fresh, so a rotated key or a move is seen), verified whole
+        against that document's key, refused when older than the stored rev. The installed state
+        is the account's on that PDS; its statuses stay the lane's (``finish_resync``)."""
         from mst.car import write_car
         from mst.crypto import parse_did_key
         from mst.verify import verify_repo_car
@@ -131,29 +130,24 @@ class ResyncManager:
             ident = await self.identity.resolve(did, fresh=True)
         except IdentityError as exc:
             raise ResyncFailed(f"identity_{exc.reason}", str(exc)) from None
-        pds = ident.pds or (host_base_url(host, insecure=self.config.allow_insecure_hosts) if host else None)
-        if not pds:
-            raise ResyncFailed("no_pds", "no PDS endpoint for the account")
+        if not ident.pds:
+            raise ResyncFailed("no_pds", "the DID document names no PDS")
         try:
-            car = await fetch_repo_car(self.safe, pds, did, max_bytes=self.max_repo_bytes)
+            car = await fetch_repo_car(self.safe, ident.pds, did, max_bytes=self.max_repo_bytes)
         except RepoFetchError as exc:
             raise ResyncFailed(exc.reason, exc.message) from None
         try:
             verified = await asyncio.to_thread(verify_repo_car, car, did, parse_did_key(ident.signing_key))
-        except Exception as exc:  # every verification failure is typed below mst; keep its reason
-            raise ResyncFailed(getattr(exc, "reason", "verify_failed"), str(exc)) from None
+        except ReasonError as exc:  # every verification failure below mst is typed (anything else
+            raise ResyncFailed(exc.reason, str(exc)) from None  # is a fault: internal_error)
         commit = verified.commit
         stored = await self.store.get_account(did)
         if stored is not None and stored.rev and commit.rev < stored.rev:
             raise ResyncFailed("repo_older_than_stored", f"PDS rev {commit.rev} < stored {stored.rev}")
-        commit_block = verified.blocks[verified.commit_cid] if hasattr(verified, "blocks") else None
-        if commit_block is None:
-            raise ResyncFailed("verify_failed", "commit block missing")
-        sync_car = write_car([verified.commit_cid], [(verified.commit_cid, bytes(commit_block))])
-        base = stored or AccountState(did=did, host=ident.pds_hostname or host)
-        new_state = dataclasses.replace(base, host=ident.pds_hostname or host or base.host, rev=commit.rev,
-                                        commit_cid=verified.commit_cid.encode(), data_cid=commit.data.encode(),
-                                        sync_state="synced", updated_at=time.time())
+        commit_cid = verified.commit_cid
+        sync_car = write_car([commit_cid], [(commit_cid, bytes(verified.blocks[commit_cid]))])
+        new_state = AccountState(did=did, host=ident.pds_hostname, rev=commit.rev, commit_cid=commit_cid.encode(),
+                                 data_cid=commit.data.encode(), sync_state="synced", updated_at=time.time())
         body = {"did": did, "rev": commit.rev, "blocks": sync_car, "time": now_iso()}
         await self.lanes.finish_resync(did, new_state, body, counts_from_paths(verified.records))
         log.info("resynced", extra=fields(did=did, rev=commit.rev, records=len(verified.records)))

@@ -199,7 +199,7 @@ class RelayService:
                                    admission=admission, policy=policy,
                                    guard=self.guard, metrics=self.metrics, config=config, count=self._count)
         self.resync = ResyncManager(store=self.store, identity=self.identity, safe=self.safe,
-                                    metrics=self.metrics, config=config, queue=resync_queue, lanes=self.lanes,
+                                    metrics=self.metrics, queue=resync_queue, lanes=self.lanes,
                                     workers=config.resync_workers)
         self.hosts = HostManager(store=self.store, config=config, metrics=self.metrics, guard=self.guard,
                                  safe=self.safe, policy=policy, start_host=self.upstreams.start_host,

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,6 +13,7 @@ import httpx
 from websockets.asyncio.client import ClientConnection, connect
 
 from firehose.frames import decode_frame
+from relay.sim import SimConfig, SimFleet
 from tests.relay.helpers import RunningRelay
 from tests.waiting import until
 
@@ -138,3 +141,25 @@ async def settle(fleet: Any, consumer: Consumer, timeout: float = 30.0, among: l
     revs = {t.rev for t in markers}
     await consumer.wait_for(lambda evs: revs <= {e.rev for e in evs if e.t == "#commit"}, timeout=timeout)
     return markers
+
+
+def commits_of(consumer: Consumer, did: str) -> list[str | None]:
+    return [e.rev for e in consumer.events if e.t == "#commit" and e.did == did]
+
+
+@contextlib.asynccontextmanager
+async def one_account(relay_factory: Any, *, seed: int) -> AsyncIterator[tuple[SimFleet, Any, Consumer]]:
+    """A simulated host with one account, a relay following it and a consumer that has seen the
+    account's first two commits."""
+    fleet = SimFleet(SimConfig(hosts=1, accounts_per_host=1, seed=seed))
+    await fleet.start()
+    try:
+        settings = {"allow_insecure_hosts": True, "plc_url": fleet.plc_url, "validation_workers": 0}
+        async with relay_factory(**settings) as relay, Consumer(relay.ws_url, cursor=0) as consumer:
+            account = fleet.accounts[0]
+            await crawl(relay.url, fleet.hosts[0].hostname)
+            await fleet.generate(2)
+            await consumer.wait_for(lambda evs: account.repo.rev in commits_of(consumer, account.did))
+            yield fleet, relay, consumer
+    finally:
+        await fleet.stop()

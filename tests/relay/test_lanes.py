@@ -9,8 +9,7 @@ in order, exactly once (the host run re-reads them from its durable cursor) — 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ import pytest
 from backfill.store import BatchWrite, Store, WriterLease, open_store
 from backfill.types import HostState
 from relay.sim import SimConfig, SimFleet
-from tests.relay.e2e import Consumer, check_stream, crawl
+from tests.relay.e2e import Consumer, check_stream, commits_of, crawl, one_account
 from tests.relay.helpers import judge, lane_work, logged_frames, sequence
 from tests.waiting import until, until_async
 
@@ -74,10 +73,6 @@ async def faulty_store(path: Path, faults: Faults) -> Store:
 
     store.acquire_writer = acquire_writer  # type: ignore[method-assign]
     return store
-
-
-def commits_of(consumer: Consumer, did: str) -> list[str | None]:
-    return [e.rev for e in consumer.events if e.t == "#commit" and e.did == did]
 
 
 @pytest.mark.parametrize("error,refused,lease_failures", [
@@ -188,24 +183,6 @@ async def test_readiness_tells_the_truth_while_the_store_is_unavailable(relay_fa
             assert after.status_code == 200 and after.json()["sequencer"] == "running"
             check_stream(consumer.events)
             assert not [e for e in consumer.events if e.t == "#sync"]
-    finally:
-        await fleet.stop()
-
-
-@contextlib.asynccontextmanager
-async def one_account(relay_factory: Any, *, seed: int) -> AsyncIterator[tuple[SimFleet, Any, Consumer]]:
-    """A simulated host with one account, a relay following it and a consumer that has seen the
-    account's first two commits."""
-    fleet = SimFleet(SimConfig(hosts=1, accounts_per_host=1, seed=seed))
-    await fleet.start()
-    try:
-        settings = {"allow_insecure_hosts": True, "plc_url": fleet.plc_url, "validation_workers": 0}
-        async with relay_factory(**settings) as relay, Consumer(relay.ws_url, cursor=0) as consumer:
-            account = fleet.accounts[0]
-            await crawl(relay.url, fleet.hosts[0].hostname)
-            await fleet.generate(2)
-            await consumer.wait_for(lambda evs: account.repo.rev in commits_of(consumer, account.did))
-            yield fleet, relay, consumer
     finally:
         await fleet.stop()
 
