@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 from backfill.collections import counts_from_paths
 from backfill.store import Store
@@ -146,8 +145,9 @@ class ResyncManager:
             raise ResyncFailed("repo_older_than_stored", f"PDS rev {commit.rev} < stored {stored.rev}")
         commit_cid = verified.commit_cid
         sync_car = write_car([commit_cid], [(commit_cid, bytes(verified.blocks[commit_cid]))])
+        # synced (the default); ``updated_at`` is set when it is written
         new_state = AccountState(did=did, host=ident.pds_hostname, rev=commit.rev, commit_cid=commit_cid.encode(),
-                                 data_cid=commit.data.encode(), sync_state="synced", updated_at=time.time())
+                                 data_cid=commit.data.encode())
         body = {"did": did, "rev": commit.rev, "blocks": sync_car, "time": now_iso()}
         await self.lanes.finish_resync(did, new_state, body, counts_from_paths(verified.records))
         log.info("resynced", extra=fields(did=did, rev=commit.rev, records=len(verified.records)))

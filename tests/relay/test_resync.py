@@ -5,15 +5,18 @@ log line), and what a completed resync installs and announces."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import pytest
 
+from backfill.collections import counts_from_paths
 from mst.car import read_car
 from mst.cid import cid_for_cbor
 from mst.commit import decode_commit
 from relay.resync import ResyncFailed
 from relay.sim.ident import SigningKey
+from relay.sim.repo import Write
 from tests.relay.e2e import commits_of, one_account
 from tests.waiting import until
 
@@ -64,21 +67,29 @@ async def test_each_refused_resync_says_why_and_changes_nothing(relay_factory: A
         assert not [e for e in consumer.events if e.t == "#sync"]
 
 
-async def test_a_resync_verifies_against_the_key_the_directory_names_now(relay_factory: Any) -> None:
+async def test_a_resync_verifies_against_the_key_the_directory_names_now(relay_factory: Any,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
     """The account rotated its key and its PDS signed a newer commit with it, announced to nobody
     (no ``#identity``, no ``#commit``): the relay's cached identity still holds the old key. The
     resync resolves the DID afresh, verifies with the new key and installs the repository: the
-    stored account is at the new commit, on the PDS the document names, and the ``#sync`` carries
-    exactly the signed commit block."""
+    stored account is at the new commit, on the PDS the document names, with the repository's
+    record counts per collection; the ``#sync`` carries exactly the signed commit block; one log
+    line says so."""
     async with one_account(relay_factory, seed=42) as (fleet, relay, consumer):
         service, account, host = relay.service, fleet.accounts[0], fleet.hosts[0]
         did = account.did
         assert fleet._mix is not None
         account.key = account.repo.key = SigningKey.generate("k256", fleet.rng)
         fleet._publish_doc(account)  # the directory knows the new key; the relay's cache does not
-        account.repo.apply_writes(fleet._mix.next_writes(account.repo.record_paths()))
-        rev = account.repo.rev
-        await service.resync.resync_one(did)
+        new = Write("create", "app.example.resync", "3kresyncaaaaa", {"$type": "app.example.resync", "n": 1})
+        account.repo.apply_writes([*fleet._mix.next_writes(account.repo.record_paths()), new])
+        rev, paths = account.repo.rev, account.repo.record_paths()
+        assert "app.example.resync" not in await service.store.collection_counts(did)
+        with caplog.at_level(logging.INFO, logger="relay.resync"):
+            await service.resync.resync_one(did)
+        [line] = [r for r in caplog.records if r.name == "relay.resync"]
+        assert (line.getMessage(), line.fields) == ("resynced", {"did": did, "rev": rev, "records": len(paths)})
+        assert await service.store.collection_counts(did) == counts_from_paths(paths)  # stored with the #sync
         await consumer.wait_for(lambda evs: any(e.t == "#sync" for e in evs))
         [sync] = [e for e in consumer.events if e.t == "#sync"]
         assert sync.did == did and sync.rev == rev and isinstance(sync.body["time"], str)
