@@ -445,6 +445,31 @@ async def test_a_failed_read_ahead_of_a_closed_session_is_retrieved(ingest: Inge
         loop.set_exception_handler(previous)
 
 
+async def test_live_lists_are_bounded_like_a_replay_batch(ingest: Ingest) -> None:
+    """What a queued session takes per list: at most ``replay_batch`` events, and it stops once
+    ``replay_bytes`` is reached (the frame that reaches it is the last)."""
+    from firehose.state import SequencedEvent
+
+    b = Broadcaster(ingest.store, ingest.bus, replay_batch=4, replay_bytes=300)  # not started
+    batches = b.session(None).event_batches()
+
+    async def lists(first: asyncio.Future[list[SequencedEvent]] | None = None) -> list[int]:
+        sizes: list[int] = [len(await first)] if first is not None else []
+        while sum(sizes) < 10:
+            sizes.append(len(await anext(batches)))
+        return sizes
+
+    try:
+        waiting = asyncio.ensure_future(anext(batches))
+        await until(lambda: b.consumer_count == 1, "the session registered")
+        b.deliver([SequencedEvent(seq, "did:plc:d", "#commit", 0.0, b"x" * 10) for seq in range(1, 11)])
+        assert await lists(waiting) == [4, 4, 2]
+        b.deliver([SequencedEvent(seq, "did:plc:d", "#commit", 0.0, b"x" * 100) for seq in range(11, 21)])
+        assert await lists() == [3, 3, 3, 1]
+    finally:
+        await batches.aclose()
+
+
 async def test_deliver_hands_each_event_on_once(ingest: Ingest) -> None:
     """``Broadcaster.deliver``: what was fanned out before is not handed on again — not even to a
     session that registered since (it has sent nothing, so it could not drop it itself); an empty

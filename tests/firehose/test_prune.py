@@ -7,6 +7,7 @@ import time
 
 from firehose.frames import decode_frame
 from firehose.pipeline import validate_and_encode
+from firehose.prune import Recording, prune_slice, referenced
 from firehose.validate import MAX_BLOBS, identity_body, outgoing_body, validate_frame
 from mst import cbor
 from mst.car import read_car, write_car
@@ -132,3 +133,49 @@ def test_full_repository_still_verifies_from_the_pruned_commits() -> None:
     verified = verify_repo_car(full, repo.did, repo.key.public_key)
     assert set(verified.records) == set(repo.records())
     assert decode_frame(frame(commit_body(repo, prev))).t == "#commit"
+
+
+def _block(obj: object) -> tuple[CID, bytes]:
+    data = cbor.encode(obj)
+    return cid_for_cbor(data), data
+
+
+def test_prune_slice_and_referenced_on_their_own() -> None:
+    """The functions' own contract, beside what validation guarantees before calling them: a
+    record CID the slice does not hold is not counted as present (the fast path would otherwise
+    take the slice as complete and let an unreferenced block through); extra roots are dropped
+    even when every block is needed; every node reachable from the root is kept even when one is
+    linked twice (a signed but malformed node must not stop the walk early)."""
+    commit_cid, commit = _block({"commit": 1})
+    junk_cid, junk = _block({"junk": 1})
+    absent, _ = _block({"record": "not in the slice"})
+    car = read_car(write_car([commit_cid], [(commit_cid, commit), (junk_cid, junk)]))
+    assert absent not in referenced(car, commit_cid, None, [absent, None])
+    pruned = prune_slice(car, commit_cid, None, [absent, None])
+    assert pruned is not None and pruned[1] == 1
+    assert read_car(pruned[0]).blocks == {commit_cid: commit}
+    # every block needed, but a second root: rewritten with the commit as the only root
+    two_roots = read_car(write_car([commit_cid, junk_cid], [(commit_cid, commit)]))
+    pruned = prune_slice(two_roots, commit_cid, None, ())
+    assert pruned is not None and pruned[1] == 0 and read_car(pruned[0]).roots == [commit_cid]
+    # a node whose links are, in its bytes, t: x, t: c, l: c — the walk pops c twice before x
+    x_cid, x = _block({"e": [{"k": b"x", "p": 0, "t": None, "v": absent}], "l": None})
+    c_cid, c = _block({"e": [{"k": b"c", "p": 0, "t": None, "v": absent}], "l": None})
+    entry = {"k": b"a", "p": 0, "t": x_cid, "v": absent}
+    node_cid, node = _block({"e": [entry, {**entry, "k": b"b", "t": c_cid}], "l": c_cid})
+    assert x_cid != c_cid
+    tree = read_car(write_car([commit_cid], [(commit_cid, commit), (node_cid, node), (x_cid, x), (c_cid, c)]))
+    assert referenced(tree, commit_cid, node_cid, []) == {commit_cid, node_cid, x_cid, c_cid}
+
+
+def test_recording_names_the_blocks_read() -> None:
+    """``Recording``: a read-only view of the blocks that names exactly the ones read (``get`` of a
+    present block, ``[]``), not those only tested for, iterated or missing."""
+    (a, block_a), (b, block_b) = _block({"a": 1}), _block({"b": 2})
+    missing, _ = _block({"c": 3})
+    view = Recording({a: block_a, b: block_b})
+    assert a in view and missing not in view and list(view) == [a, b] and len(view) == 2
+    assert view.seen == set()
+    assert view.get(missing) is None and view.get(missing, b"x") == b"x"
+    assert view.get(a) == block_a and view[b] == block_b
+    assert view.seen == {a, b}

@@ -17,9 +17,9 @@ from firehose.state import AccountState
 from firehose.validate import EMPTY_TREE_ROOT, Verdict, validate_frame
 from mst.car import read_car, write_car
 from mst.cid import cid_for_cbor
-from mst.crypto import PrivateKey, parse_multibase_key
+from mst.crypto import PrivateKey, parse_did_key, parse_multibase_key
 from mst.repo import Write
-from mst.tid import TidClock
+from mst.tid import TidClock, tid_to_micros
 
 from .commits import commit_body, flip_sig, frame, new_repo, posts, rewrite_car, state_of, sync_body
 
@@ -189,6 +189,29 @@ def test_rev_in_the_future_is_rejected() -> None:
     near = int((now() + 60) * 1_000_000)  # within the clock-drift window
     repo2 = new_repo("did:plc:futurerev0000000000000002", TidClock(now_micros=lambda: near))
     assert judge(commit_body(repo2, repo2.apply_writes(posts(1))), None, repo2.key.did_key()).kind == "accept"
+
+
+def test_signing_key_as_text_or_parsed(chain) -> None:
+    """The key may come as ``did:key`` text or already parsed (the same verdict); text that is no
+    key is rejected ``bad_signing_key`` with the parser's reason as detail."""
+    repo, before, r, _ = chain
+    body, key = commit_body(repo, r), repo.key.did_key()
+    assert judge(body, before, key).kind == "accept"
+    assert validate_frame(frame(body), before, parse_did_key(key), now()).kind == "accept"
+    v = judge(body, before, "did:key:zNotAKey")
+    assert (v.kind, v.reason, v.detail) == ("reject", Reason.BAD_SIGNING_KEY, "key_unsupported_curve")
+
+
+def test_rev_in_the_future_limit_is_inclusive() -> None:
+    """A rev exactly ``max_clock_skew`` (300 s) ahead of the validator's clock is accepted; one
+    second more is rejected (whole seconds: exact in floating point)."""
+    repo = new_repo("did:plc:futurerev0000000000000003", TidClock(now_micros=lambda: 1_799_999_999_999_999))
+    r = repo.apply_writes(posts(1))
+    assert tid_to_micros(r.rev) == 1_800_000_000_000_000
+    body, key = commit_body(repo, r), repo.key.did_key()
+    assert judge(body, None, key, at=1_800_000_000.0 - 300).kind == "accept"
+    v = judge(body, None, key, at=1_800_000_000.0 - 301)
+    assert (v.kind, v.reason) == ("reject", Reason.REV_IN_FUTURE)
 
 
 def test_rev_not_increasing_is_ignored(chain) -> None:
