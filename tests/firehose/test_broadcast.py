@@ -450,8 +450,11 @@ async def test_live_lists_are_bounded_like_a_replay_batch(ingest: Ingest) -> Non
     ``replay_bytes`` is reached (the frame that reaches it is the last)."""
     from firehose.state import SequencedEvent
 
-    b = Broadcaster(ingest.store, ingest.bus, replay_batch=4, replay_bytes=300)  # not started
+    b = Broadcaster(ingest.store, ingest.bus, replay_batch=4, replay_bytes=300, live_queue_bytes=1000)  # not started
     batches = b.session(None).event_batches()
+
+    async def lists_of(n: int) -> list[int]:
+        return [len(await anext(batches)) for _ in range(n)]
 
     async def lists(first: asyncio.Future[list[SequencedEvent]] | None = None) -> list[int]:
         sizes: list[int] = [len(await first)] if first is not None else []
@@ -466,6 +469,14 @@ async def test_live_lists_are_bounded_like_a_replay_batch(ingest: Ingest) -> Non
         assert await lists(waiting) == [4, 4, 2]
         b.deliver([SequencedEvent(seq, "did:plc:d", "#commit", 0.0, b"x" * 100) for seq in range(11, 21)])
         assert await lists() == [3, 3, 3, 1]
+        # what is taken no longer counts against the live queue's byte limit (1,000 here)
+        b.deliver([SequencedEvent(seq, "did:plc:d", "#commit", 0.0, b"x" * 100) for seq in range(21, 29)])
+        assert await lists_of(1) == [3]  # 5 frames (500 bytes) still queued
+        session = b.sessions[0]
+        b.deliver([SequencedEvent(seq, "did:plc:d", "#commit", 0.0, b"x" * 100) for seq in range(29, 34)])
+        assert not session.too_slow.is_set()  # 1,000 bytes queued: at the limit, not over it
+        b.deliver([SequencedEvent(34, "did:plc:d", "#commit", 0.0, b"x" * 100)])
+        assert session.too_slow.is_set()
     finally:
         await batches.aclose()
 

@@ -144,6 +144,19 @@ async def test_request_crawl_insecure_mode_and_bans(relay_factory) -> None:  # t
             assert r.status_code == 400 and "crawling_disabled" in r.json()["message"]
 
 
+@pytest.mark.parametrize("configured,header,result", [
+    ("", "Bearer s3cret", "disabled"), ("s3cret", None, "missing"), ("s3cret", "", "missing"),
+    ("s3cret", "Basic s3cret", "missing"), ("s3cret", "Bearer", "missing"), ("s3cret", "Bearer ", "missing"),
+    ("s3cret", "Bearer s3cret", "ok"), ("s3cret", "bearer s3cret", "ok"), ("s3cret", "Bearer  s3cret ", "ok"),
+    ("s3cret", "Bearer s3cre", "wrong"), ("s3cret", "Bearer s3cret s3cret", "wrong"),
+])
+def test_check_token(configured: str, header: str | None, result: str) -> None:
+    """The scheme is the text before the first space (any case); the token, the rest, stripped."""
+    from relay.admin import check_token
+
+    assert check_token(configured, header) == result
+
+
 async def test_admin_requires_token(relay_factory) -> None:  # type: ignore[no-untyped-def]
     """Every admin request is authorized first, answered with an XRPC error naming what is wrong,
     and counted under its result (``relay_admin_requests_total{result}``)."""
