@@ -429,7 +429,7 @@ class AccountLanes:
         marked = dataclasses.replace(base, sync_state="desynchronized", updated_at=self.clock())
         await self.store.upsert_account(marked)
         lane.durable = marked
-        await self.resync.enqueue(lane.did, hostname)
+        await self.resync.enqueue(lane.did)
 
     def _relayed_again(self, work: Work) -> bool:
         """True (counted ``duplicate_event``) for an ``#identity``/``#account`` from a relay upstream

@@ -66,7 +66,7 @@ class ResyncManager:
         self._tasks = [asyncio.create_task(self._worker(), name=f"resync-{i}") for i in range(self.workers)]
         for sync_state in ("desynchronized", "resyncing"):
             for state in await self.store.accounts_by_sync_state(sync_state, limit=100_000):
-                await self.queue.enqueue(state.did, state.host)
+                await self.queue.enqueue(state.did)
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -92,7 +92,7 @@ class ResyncManager:
 
     async def _worker(self) -> None:
         while True:
-            did, host, attempt = await self.queue.get()
+            did, attempt = await self.queue.get()
             try:
                 await self.resync_one(did)
                 self.metrics.resyncs.labels(result="ok").inc()
@@ -103,7 +103,7 @@ class ResyncManager:
                                                        error=str(exc)))
                 if attempt + 1 < self.max_attempts:
                     asyncio.get_running_loop().call_later(backoff_delay(attempt, self.retry_base), self._retry,
-                                                          did, host, attempt + 1)
+                                                          did, attempt + 1)
                 else:
                     self.queue.done(did)
             except asyncio.CancelledError:
@@ -113,8 +113,8 @@ class ResyncManager:
                 log.exception("resync crashed", extra=fields(did=did))
                 self.queue.done(did)
 
-    def _retry(self, did: str, host: str | None, attempt: int) -> None:
-        asyncio.ensure_future(self.queue.enqueue(did, host, attempt))
+    def _retry(self, did: str, attempt: int) -> None:
+        asyncio.ensure_future(self.queue.enqueue(did, attempt))
 
     async def resync_one(self, did: str) -> None:
         """Fetch, verify and install the current repository of ``did``: from the PDS its DID

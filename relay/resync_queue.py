@@ -9,11 +9,11 @@ from collections.abc import Callable
 
 
 class ResyncQueue:
-    """``enqueue(did, host)`` is idempotent while the DID is pending; ``get()`` takes the next."""
+    """``enqueue(did)`` is idempotent while the DID is pending; ``get()`` takes the next."""
 
     def __init__(self, on_change: Callable[[int], None] | None = None) -> None:
         """``on_change(pending)`` is called whenever the number of pending DIDs changes (a gauge)."""
-        self._queue: asyncio.Queue[tuple[str, str | None, int]] = asyncio.Queue()
+        self._queue: asyncio.Queue[tuple[str, int]] = asyncio.Queue()
         self._pending: set[str] = set()
         self._on_change = on_change
 
@@ -25,14 +25,14 @@ class ResyncQueue:
         if self._on_change is not None:
             self._on_change(len(self._pending))
 
-    async def enqueue(self, did: str, host: str | None, attempt: int = 0) -> None:
+    async def enqueue(self, did: str, attempt: int = 0) -> None:
         if did in self._pending and attempt == 0:
             return
         self._pending.add(did)
         self._changed()
-        await self._queue.put((did, host, attempt))
+        await self._queue.put((did, attempt))
 
-    async def get(self) -> tuple[str, str | None, int]:
+    async def get(self) -> tuple[str, int]:
         return await self._queue.get()
 
     def done(self, did: str) -> None:
