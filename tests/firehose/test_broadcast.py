@@ -129,33 +129,47 @@ async def test_handoff_under_concurrent_ingest(ingest: Ingest, broadcaster: Broa
             assert got == list(range(start, target + 1)), f"cursor {cursor}: gap or duplicate"
 
 
-class HeldReplayStore:
-    """The real store, with every ``read_after`` held until :attr:`gate` is set: pins a consumer
-    in its replay phase for as long as a test needs (no timing assumptions)."""
+class RecordingStore:
+    """The real store, recording every ``read_after`` as ``(after, limit)``; pins a consumer in
+    its replay for as long as a test needs (no timing assumptions). ``hold_every``: each read
+    waits for :attr:`gate` before it is made. ``hold``: the read numbered so (1-based) is made at
+    once and answered only when :attr:`gate` is set, with what the store held when it was asked
+    (:attr:`held` is set meanwhile). ``fail``: the read numbered so raises."""
 
-    def __init__(self, store) -> None:
+    def __init__(self, store, *, hold_every: bool = False, hold: int | None = None,
+                 fail: int | None = None) -> None:
         self._store = store
+        self.reads: list[tuple[int, int]] = []
+        self.hold_every, self.hold, self.fail = hold_every, hold, fail
         self.gate = asyncio.Event()
-        self.reads_started = 0
+        self.held = asyncio.Event()
 
     def __getattr__(self, name: str):
         return getattr(self._store, name)
 
     async def read_after(self, seq: int, limit: int = 1000):
-        self.reads_started += 1
-        await self.gate.wait()
-        return await self._store.read_after(seq, limit)
+        self.reads.append((seq, limit))
+        n = len(self.reads)
+        if self.hold_every:
+            await self.gate.wait()
+        if n == self.fail:
+            raise ConnectionError("the store went away")
+        rows = await self._store.read_after(seq, limit)
+        if n == self.hold:
+            self.held.set()
+            await self.gate.wait()
+        return rows
 
 
 async def test_slow_catching_up_consumer_is_never_dropped(ingest: Ingest) -> None:
-    store = HeldReplayStore(ingest.store)
+    store = RecordingStore(ingest.store, hold_every=True)
     b = Broadcaster(store, ingest.bus, replay_batch=10, replay_bytes=1500, live_queue_max=15)
     await ingest.add(120)
     await b.start()
     try:
         async with serve(b, "websockets") as hp:
             reader = asyncio.create_task(collect(ws_url(hp, 0), until_seq=300, delay=0.002))
-            await until(lambda: store.reads_started >= 1)  # replaying; its first read is held
+            await until(lambda: len(store.reads) >= 1)  # replaying; its first read is held
             await ingest.add(180, batch=30)  # live events meanwhile: 180 > its live buffer of 15
             await until(lambda: b.stats.replay_overflows >= 1)
             assert b.stats.too_slow == 0  # a replaying consumer's overflow is not "too slow"
@@ -295,33 +309,6 @@ async def test_window_trimmed_under_a_slow_replay_is_announced(ingest: Ingest) -
         await b.close()
 
 
-class RecordingStore:
-    """The real store, recording every ``read_after`` as ``(after, limit)``. The read numbered
-    :attr:`hold` (1-based) is made at once and answered only when :attr:`gate` is set — it then
-    returns what the store held when it was asked; the read numbered :attr:`fail` raises."""
-
-    def __init__(self, store, *, hold: int | None = None, fail: int | None = None) -> None:
-        self._store = store
-        self.reads: list[tuple[int, int]] = []
-        self.hold, self.fail = hold, fail
-        self.gate = asyncio.Event()
-        self.held = asyncio.Event()
-
-    def __getattr__(self, name: str):
-        return getattr(self._store, name)
-
-    async def read_after(self, seq: int, limit: int = 1000):
-        self.reads.append((seq, limit))
-        n = len(self.reads)
-        if n == self.fail:
-            raise ConnectionError("the store went away")
-        rows = await self._store.read_after(seq, limit)
-        if n == self.hold:
-            self.held.set()
-            await self.gate.wait()
-        return rows
-
-
 def _seqs_and_infos(batch) -> list:
     """A session's events as seqs, its own messages as (kind, seq, decoded body)."""
     return [ev.seq if ev.kind == "#commit" else (ev.kind, ev.seq, decode_frame(ev.frame).body) for ev in batch]
@@ -337,7 +324,7 @@ async def test_window_trimmed_before_the_first_read_is_announced(ingest: Ingest)
     await ingest.add(1, when=now - 3600)
     await ingest.add(8)
     assert await ingest.store.trim(older_than_seconds=5400) == 1  # the window is 2..10
-    store = HeldReplayStore(ingest.store)
+    store = RecordingStore(ingest.store, hold_every=True)
     store.gate.set()
     b = Broadcaster(store, ingest.bus, replay_batch=50)
     await b.start()
@@ -353,7 +340,7 @@ async def test_window_trimmed_before_the_first_read_is_announced(ingest: Ingest)
     batches = b.session(2).event_batches()
     try:
         first = asyncio.ensure_future(anext(batches))
-        await until(lambda: store.reads_started == 2, "the replay's first read, held before it is made")
+        await until(lambda: len(store.reads) == 2, "the replay's first read, held before it is made")
         assert await ingest.store.trim(older_than_seconds=60) == 1  # seq 2: the window is 3..10
         store.gate.set()
         assert _seqs_and_infos(await first) == [
