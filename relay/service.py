@@ -313,6 +313,8 @@ class RelayService:
         self._tasks = []
         if self.upstreams is not None:
             await self.upstreams.close()
+        if self.lanes is not None:
+            await self.lanes.close()
         if self.resync is not None:
             await self.resync.close()
         if self.pool is not None:

@@ -185,12 +185,28 @@ async def test_cursor_only_advance_and_publish_errors(store: Store) -> None:
     assert len(await store.read_after(0)) == 1
 
 
-async def test_takedown_is_not_undone_by_sequenced_state(store: Store) -> None:
-    await store.upsert_account(AccountState("did:plc:t", host="pds.example", local_status="takendown"))
+async def test_account_rows_are_written_whole_with_their_event_or_alone(store: Store) -> None:
+    """The account lanes are the only writers of account rows, through the sequencer: a takedown's
+    local status is stored with its ``#account`` (one transaction), the state a later event
+    carries is stored whole, and ``write_account`` stores a state with no event."""
     async with Sequencer(store, Collector()) as seq:
-        await seq.submit(commit_event(1, did="did:plc:t"))
-    account = await store.get_account("did:plc:t")
-    assert account is not None and account.local_status == "takendown" and account.rev == commit_event(1).rev
+        taken = AccountState("did:plc:t", host="pds.example", local_status="takendown")
+        stored = await seq.submit(PendingEvent("#account", "did:plc:t", {"did": "did:plc:t", "active": False,
+                                                                         "status": "takendown"}, account=taken))
+        assert stored is not None
+        account = await store.get_account("did:plc:t")
+        assert account is not None and account.local_status == "takendown"
+        event = commit_event(1, did="did:plc:t")
+        assert event.account is not None
+        event.account.local_status = "takendown"  # the lane judges on the state it owns
+        await seq.submit(event)
+        account = await store.get_account("did:plc:t")
+        assert account is not None and account.local_status == "takendown" and account.rev == commit_event(1).rev
+        await seq.write_account(AccountState("did:plc:u", host="pds.example", sync_state="throttled"))
+        held = await store.get_account("did:plc:u")
+        assert held is not None and held.sync_state == "throttled"
+        assert (await store.get_host("pds.example")).account_count == 2  # type: ignore[union-attr]
+    assert [e.did for e in await store.read_after(0)] == ["did:plc:t", "did:plc:t"]  # no event for the write
 
 
 async def test_closed_sequencer_refuses(store: Store) -> None:
