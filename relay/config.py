@@ -122,6 +122,17 @@ SETTINGS: tuple[Setting, ...] = (
             "DNS TXT _atproto.HANDLE, then https://HANDLE/.well-known/atproto-did"),
     Setting("dns_servers", "RELAY_DNS_SERVERS", "--dns-servers", "",
             "DNS servers (ip or ip:port, comma-separated) for handle TXT lookups; empty = /etc/resolv.conf"),
+    Setting("handle_wait", "RELAY_HANDLE_WAIT", "--handle-wait", "1s",
+            "how long an #identity waits for its handle's check before it is passed on with the handle "
+            "stripped (only its own account waits; the handle follows in a second #identity once it "
+            "verifies)", "duration"),
+    Setting("handle_timeout", "RELAY_HANDLE_TIMEOUT", "--handle-timeout", "10s",
+            "a handle check (DNS, then HTTPS) that takes longer fails; failures are remembered for 60 s",
+            "duration"),
+    Setting("ingest_buffer_mb", "RELAY_INGEST_BUFFER_MB", "--ingest-buffer-mb", "512",
+            "memory for upstream frames read and not yet stored, across all hosts (MB; one host may use "
+            "an eighth of it, and at most 512 frames); a host over its share stops being read until its "
+            "frames are stored", "int"),
     Setting("lenient_sync_validation", "RELAY_LENIENT_SYNC_VALIDATION", "--lenient-sync-validation", "false",
             "accept sync 1.0 commits (no prevData, or update/delete ops without prev) after every check but "
             "operation inversion, counted as lenient_no_prev_data / lenient_no_op_prev; per host: admin "
@@ -214,6 +225,9 @@ class RelayConfig:
     identity_max_age: float = 24 * 3600.0
     handle_resolver_url: str = ""
     dns_servers: str = ""
+    handle_wait: float = 1.0
+    handle_timeout: float = 10.0
+    ingest_buffer_mb: int = 512
     lenient_sync_validation: bool = False
     getrepo_proxy: bool = False
     getrepo_cache_mb: int = 64
