@@ -129,6 +129,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("handle_timeout", "RELAY_HANDLE_TIMEOUT", "--handle-timeout", "10s",
             "a handle check (DNS, then HTTPS) that takes longer fails; failures are remembered for 60 s",
             "duration"),
+    Setting("host_clock_skew", "RELAY_HOST_CLOCK_SKEW", "--host-clock-skew", "5m",
+            "how far a host's clock may be ahead of the relay's: a first-seen account whose commit chains on "
+            "one made (by its TID) more than this after the relay began following the host is resynchronised "
+            "(the relay missed that commit, e.g. the host was wiped while the relay was away)", "duration"),
     Setting("ingest_buffer_mb", "RELAY_INGEST_BUFFER_MB", "--ingest-buffer-mb", "512",
             "memory for upstream frames read and not yet stored, across all hosts (MB; one host may use "
             "an eighth of it, and at most 512 frames); a host over its share stops being read until its "
@@ -227,6 +231,7 @@ class RelayConfig:
     dns_servers: str = ""
     handle_wait: float = 1.0
     handle_timeout: float = 10.0
+    host_clock_skew: float = 300.0
     ingest_buffer_mb: int = 512
     lenient_sync_validation: bool = False
     getrepo_proxy: bool = False

@@ -150,10 +150,12 @@ class AccountLanes:
     def __init__(self, *, store: Store, sequencer: Sequencer, pool: ValidationPool, admission: Admission,
                  identity: IdentityResolver, resync: ResyncQueue, count: Count,
                  idle_cache: int = 200_000, relay_dedup: int = 100_000,
-                 clock: Callable[[], float] = time.time, handle_wait: float = 1.0) -> None:
+                 clock: Callable[[], float] = time.time, handle_wait: float = 1.0,
+                 history_margin: float = UNSEEN_HISTORY_MARGIN) -> None:
         """``handle_wait``: how long an ``#identity`` waits for its handle's check before it is
         passed on with the handle stripped (the handle follows in a later ``#identity`` if the
-        check succeeds: ``_verify_later``)."""
+        check succeeds: ``_verify_later``). ``history_margin``: the clock skew allowed to hosts
+        by ``_missed_history``."""
         self.store = store
         self.sequencer = sequencer
         self.pool = pool
@@ -164,6 +166,7 @@ class AccountLanes:
         self.clock = clock
         self.identity_refreshes = 0
         self.handle_wait = handle_wait
+        self.history_margin = history_margin
         #: did → token of the handle follow-up still due (``_verify_later``)
         self._later_handles: dict[str, object] = {}
         self._background: set[asyncio.Task[None]] = set()
@@ -406,6 +409,12 @@ class AccountLanes:
             self.count("reject", _not_speaker(work))
             return None
         known = lane.head is not None
+        verdict: Verdict | None = None
+        if not known:  # verified before it may take a place on its host: a forgery takes none
+            verdict = await self._judge(work, None, ident.signing_key)
+            if verdict.kind != "accept":
+                self.count(verdict.kind, verdict.reason)
+                return None
         state = await self._admitted(lane, work)
         if state is None:
             return None
@@ -413,8 +422,9 @@ class AccountLanes:
         if state.sync_state in ("desynchronized", "resyncing"):
             self._hold(lane, work)
             return None
-        verdict = await self._judge(work, state if known else None, ident.signing_key)
-        if not known and verdict.kind == "accept" and self._missed_history(work):
+        if verdict is None:
+            verdict = await self._judge(work, state, ident.signing_key)
+        elif self._missed_history(work, self.history_margin):
             # e.g. a host wiped and past its old cursor before the relay reconnected: the commits
             # before this one were never read. Resync the account (one #sync covers them).
             self.count("desync", Reason.UNSEEN_HISTORY)
@@ -427,7 +437,7 @@ class AccountLanes:
         return event
 
     @staticmethod
-    def _missed_history(work: Work) -> bool:
+    def _missed_history(work: Work, margin: float) -> bool:
         """Does this first-seen account's ``#commit`` chain on a commit made while the relay was
         already following the host (``since`` is a TID: its time is when that commit was made)?
         Then the relay should have read that commit and did not. A commit chained on history from
@@ -435,7 +445,7 @@ class AccountLanes:
         since = work.uf.frame.body.get("since")
         if work.kind != "#commit" or not work.followed_since or not isinstance(since, str) or not is_valid_tid(since):
             return False
-        return tid_to_micros(since) / 1e6 > work.followed_since + UNSEEN_HISTORY_MARGIN
+        return tid_to_micros(since) / 1e6 > work.followed_since + margin
 
     def _hold(self, lane: _Lane, work: Work) -> None:
         if len(lane.buffer) < MAX_BUFFER_PER_ACCOUNT:

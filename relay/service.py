@@ -196,7 +196,7 @@ class RelayService:
                                                default_account_limit=config.default_account_limit)
         self.lanes = AccountLanes(store=self.store, sequencer=self.sequencer, pool=self.pool, admission=admission,
                                   identity=self.identity, resync=resync_queue, count=self._count,
-                                  handle_wait=config.handle_wait)
+                                  handle_wait=config.handle_wait, history_margin=config.host_clock_skew)
         buffer = max(1, config.ingest_buffer_mb) * 1024 * 1024
         self.upstreams = Upstreams(store=self.store, sequencer=self.sequencer, lanes=self.lanes,
                                    admission=admission, policy=policy,
