@@ -476,3 +476,23 @@ async def test_number_batch_yields_while_encoding_a_long_batch() -> None:
         task.cancel()
     assert out.seq == 300
     assert ran[1:] == [127, 255]  # the other task ran before items 128 and 256 were encoded
+
+
+async def test_events_stored_above_their_watermark_are_recorded_for_a_re_read(store: Store) -> None:
+    """The host cursor an event carries is its run's watermark, below its own frame: an
+    ``#identity``/``#account`` stored above it is recorded (``upstream_done``) in the same batch, so
+    a re-read after a crash skips it; a commit is not (a re-read one is known by its rev), and
+    neither is an event whose frame the batch's cursor already covers."""
+    async with Sequencer(store, Collector()) as seq:
+        ident = PendingEvent("#identity", "did:plc:i", {"did": "did:plc:i"}, host="pds.example",
+                             upstream_seq=3, frame_seq=5)
+        commit = commit_event(6, did="did:plc:c")
+        commit.upstream_seq, commit.frame_seq = 3, 6
+        account = PendingEvent("#account", "did:plc:a", {"did": "did:plc:a", "active": True}, host="pds.example",
+                               upstream_seq=8, frame_seq=7)
+        for event in (ident, commit):
+            await seq.submit(event)
+        assert await store.upstream_done_above("pds.example", 0) == [5]
+        await seq.submit(account)  # its frame is below the cursor stored with it: nothing to record
+    assert await store.host_cursor("pds.example") == 8
+    assert await store.upstream_done_above("pds.example", 0) == [5]
