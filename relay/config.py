@@ -133,10 +133,10 @@ SETTINGS: tuple[Setting, ...] = (
             "how far a host's clock may be ahead of the relay's: a first-seen account whose commit chains on "
             "one made (by its TID) more than this after the relay began following the host is resynchronised "
             "(the relay missed that commit, e.g. the host was wiped while the relay was away)", "duration"),
-    Setting("ingest_buffer_mb", "RELAY_INGEST_BUFFER_MB", "--ingest-buffer-mb", "512",
-            "memory for upstream frames read and not yet stored, across all hosts (MB; one host may use "
-            "an eighth of it, and at most 512 frames); a host over its share stops being read until its "
-            "frames are stored", "int"),
+    Setting("ingest_buffer_mb", "RELAY_INGEST_BUFFER_MB", "--ingest-buffer-mb", "128",
+            "memory for upstream frames read and not yet stored, across all hosts (MB, counted as twice a "
+            "frame's size plus 2 KiB; one host may use an eighth of it, and at most 512 frames); a host "
+            "over its share stops being read until its frames are stored", "int"),
     Setting("lenient_sync_validation", "RELAY_LENIENT_SYNC_VALIDATION", "--lenient-sync-validation", "false",
             "accept sync 1.0 commits (no prevData, or update/delete ops without prev) after every check but "
             "operation inversion, counted as lenient_no_prev_data / lenient_no_op_prev; per host: admin "
@@ -232,7 +232,7 @@ class RelayConfig:
     handle_wait: float = 1.0
     handle_timeout: float = 10.0
     host_clock_skew: float = 300.0
-    ingest_buffer_mb: int = 512
+    ingest_buffer_mb: int = 128
     lenient_sync_validation: bool = False
     getrepo_proxy: bool = False
     getrepo_cache_mb: int = 64

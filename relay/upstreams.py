@@ -72,6 +72,13 @@ def host_time(stamp: str | None) -> float | None:
         return None
 
 
+def frame_cost(uf: UpstreamFrame) -> int:
+    """The memory an upstream frame holds until it is done, as the in-flight budgets count it: its
+    bytes twice (the raw frame, and its decoded body or the event encoded from it) plus 2 KiB, an
+    allowance for the objects around it (work item, futures, event, account state)."""
+    return 2 * len(uf.raw) + 2048
+
+
 def did_of(kind: str, body: dict[str, object]) -> str | None:
     """The account a frame is about (``repo`` of a ``#commit``, else ``did``), if a valid DID."""
     did = body.get("repo") if kind == "#commit" else body.get("did")
@@ -152,8 +159,8 @@ class Upstreams:
 
     def __init__(self, *, store: Store, sequencer: Sequencer, lanes: AccountLanes, admission: Admission,
                  policy: HostPolicy, guard: AddressGuard, metrics: RelayMetrics, config: RelayConfig, count: Count,
-                 max_in_flight_per_host: int = 512, max_in_flight_bytes_per_host: int = 64 * 1024 * 1024,
-                 max_in_flight_bytes: int = 512 * 1024 * 1024, backoff_base: float = 1.0) -> None:
+                 max_in_flight_per_host: int = 512, max_in_flight_bytes_per_host: int = 16 * 1024 * 1024,
+                 max_in_flight_bytes: int = 128 * 1024 * 1024, backoff_base: float = 1.0) -> None:
         """``admission`` is told whenever a host starts or stops (its cached host settings).
         Frames read and not yet finished are bounded per host (``max_in_flight_per_host`` frames,
         ``max_in_flight_bytes_per_host`` bytes) and across all hosts (``max_in_flight_bytes``): a
@@ -367,7 +374,7 @@ class Upstreams:
                 run.window.append(_Slot(uf.seq, uf.frame.body.get("time"), 0, done=True))
                 self._advanced(run)
                 return
-            size = len(uf.raw)
+            size = frame_cost(uf)
             while run.outstanding and self._full(run, size):
                 # Backpressure: this host waits for its own frames to finish (never for another's).
                 run.room.clear()

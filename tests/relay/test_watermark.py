@@ -212,3 +212,42 @@ async def test_first_seen_account_chained_on_history_missed_while_followed_is_re
         check_stream(consumer.events)
     finally:
         await fleet.stop()
+
+
+async def test_frames_held_while_the_store_is_down_are_bounded_in_bytes(relay_factory, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """While nothing can be stored, a host's frames read and not done never exceed its share of
+    ``RELAY_INGEST_BUFFER_MB`` (one frame over at most): the relay stops reading that host instead
+    of buffering its backlog, and once the store is back every event arrives exactly once."""
+    from tests.relay.test_lanes import Faults, faulty_store
+
+    fleet = SimFleet(SimConfig(hosts=1, accounts_per_host=8, seed=85, announce_accounts=False))
+    await fleet.start()
+    host = fleet.hosts[0]
+    faults = Faults(OSError("unused"))
+    store = await faulty_store(tmp_path / "relay.sqlite", faults)
+    try:
+        async with relay_factory(store=store, allow_insecure_hosts=True, plc_url=fleet.plc_url,
+                                 validation_workers=0, ingest_buffer_mb=1) as relay, \
+                Consumer(relay.ws_url, cursor=0) as consumer:
+            upstreams = relay.service.upstreams
+            assert upstreams is not None
+            share = upstreams.max_in_flight_bytes_per_host
+            assert share == 1024 * 1024 // 8
+            await crawl(relay.url, host.hostname)
+            faults.down = True
+            await fleet.generate(300)
+            biggest = max(2 * len(e.frame) + 2048 for e in host.log.entries)
+            run = upstreams._runs[host.hostname]
+            await until(lambda: run.outstanding_bytes + biggest > share and faults.refused >= 2,
+                        "the host's share to fill while the store is down")
+            assert run.outstanding_bytes <= share + biggest
+            assert (upstreams.last_read(host.hostname) or 0) < host.published_seq  # the rest is not read
+            faults.down = False
+            wanted = [key_of(t.kind, t.did, t.rev) for t in fleet.ground_truth if t.verdict == "accept"]
+            await consumer.wait_for(lambda evs: len(evs) >= len(wanted), timeout=60)
+            await upstreams.settle_read(host.hostname)
+            assert upstreams.watermark(host.hostname) == host.published_seq
+        assert Counter(key_of(e.t, e.did, e.rev) for e in consumer.events) == Counter(wanted)
+        check_stream(consumer.events)
+    finally:
+        await fleet.stop()
