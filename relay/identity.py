@@ -362,6 +362,11 @@ class IdentityResolver:
         self._handle_checks: dict[tuple[str, str], asyncio.Task[bool]] = {}
 
     async def aclose(self) -> None:
+        checks = list(self._handle_checks.values())
+        for task in checks:
+            task.cancel()
+        if checks:
+            await asyncio.wait(checks, timeout=1.0)
         await self._plc.aclose()
         await self._trusted.aclose()
 

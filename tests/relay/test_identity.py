@@ -167,6 +167,45 @@ async def test_resolver_plc_cache_purge_and_handles() -> None:
             await safe.aclose()
 
 
+async def test_handle_checks_time_out_are_remembered_and_never_hold_did_resolution() -> None:
+    """Handle checks have their own bound: while every handle slot waits on a handle domain that
+    does not answer, DIDs still resolve. A check over ``handle_timeout`` fails (``timeout``); a
+    failed check is remembered (``failed_cached``: not asked again) and concurrent checks of one
+    pair share one request (``handle_check``)."""
+    key = PrivateKey.generate_k256()
+    never = asyncio.Event()
+    asked: list[str] = []
+
+    async def plc(request: Request) -> JSONResponse:
+        return JSONResponse(_doc(DID, {"type": "Multikey", "publicKeyMultibase": key.did_key()[8:]}))
+
+    async def resolve_handle(request: Request) -> JSONResponse:
+        asked.append(request.query_params.get("handle", ""))
+        await never.wait()
+        return JSONResponse({"did": DID})
+
+    app = Starlette(routes=[Route("/xrpc/com.atproto.identity.resolveHandle", resolve_handle),
+                            Route("/{did}", plc)])
+    metrics = RelayMetrics()
+    async with serve_asgi(app) as url:
+        safe = SafeClient(AddressGuard())
+        resolver = IdentityResolver(plc_url=url, safe_client=safe, metrics=metrics, handle_resolver_url=url,
+                                    concurrency=2, handle_concurrency=2, handle_timeout=0.5)
+        try:
+            checks = [resolver.handle_check(f"h{i}.example.com", DID) for i in range(2)]
+            assert resolver.handle_check("h0.example.com", DID) is checks[0]  # shared while it runs
+            await asyncio.wait_for(resolver.resolve(DID, fresh=True), 5)  # not held by the handle checks
+            assert [await c for c in checks] == [False, False]
+            assert metrics.handle_checks.labels(result="timeout")._value.get() == 2
+            assert not await resolver.verify_handle("h0.example.com", DID)
+            assert sorted(asked) == ["h0.example.com", "h1.example.com"]  # remembered: not asked again
+            assert metrics.handle_checks.labels(result="failed_cached")._value.get() == 1
+        finally:
+            never.set()
+            await resolver.aclose()
+            await safe.aclose()
+
+
 async def test_did_web_goes_through_the_ssrf_guard() -> None:
     safe = SafeClient(AddressGuard())
     resolver = IdentityResolver(plc_url="http://127.0.0.1:9", safe_client=safe)
