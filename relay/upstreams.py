@@ -322,8 +322,16 @@ class Upstreams:
     async def watch_hosts(self, *, idle_after: float = 1800.0, offline_after: int = 5) -> None:
         """Derive idle/offline/active host statuses from the subscribers (call periodically)."""
         now = time.monotonic()
+        stored: dict[str, HostState] = {}
+        after: str | None = None
+        while True:  # one query per 500 hosts, not one per host
+            page = await self.store.list_hosts(after=after, limit=500)
+            stored.update((h.hostname, h) for h in page)
+            if len(page) < 500:
+                break
+            after = page[-1].hostname
         for hostname, run in list(self._runs.items()):
-            host = await self.store.get_host(hostname)
+            host = stored.get(hostname)
             if host is None or host.status in ("banned", "throttled"):
                 continue
             sub = run.subscriber
