@@ -557,6 +557,17 @@ class SimFleet:
         await asyncio.sleep(0)
         return self.ground_truth[start:]
 
+    async def announce(self, accounts: Sequence[SimAccount]) -> list[TruthEvent]:
+        """``#identity`` and ``#account active`` for each of ``accounts``, emitted at once (with
+        ``announce_accounts=False``: the accounts' first sight at a chosen point of the stream)."""
+        start = len(self.ground_truth)
+        for acct in accounts:
+            self._queue(acct.host, "#identity", {"did": acct.did, "time": now_iso(), "handle": acct.handle}, acct.did)
+            self._queue(acct.host, "#account", {"did": acct.did, "time": now_iso(), "active": True}, acct.did)
+        self._flush_now()
+        await asyncio.sleep(0)
+        return self.ground_truth[start:]
+
     async def commit(self, accounts: Sequence[SimAccount], per_account: int = 1) -> list[TruthEvent]:
         """``per_account`` valid commits from each of ``accounts`` (no faults), emitted at once."""
         assert self._mix is not None
