@@ -42,6 +42,7 @@ async def test_no_valid_commit_is_rejected_across_rotations_at_start_up(tmp_path
         await fleet.rotate_keys(rotators)
         await fleet.commit(rotators, per_account=3)
         fleet.clear_weather()
+        await fleet.commit(fleet.accounts)  # the slow accounts' first commits
         await all_synced(relay, fleet)
         await assert_delivered(fleet, consumer)
         async with httpx.AsyncClient(base_url=relay.url) as http:
