@@ -209,11 +209,11 @@ async def run(a: argparse.Namespace) -> None:
             closing = [acct for i in kinds for acct in fleet.hosts[i].accounts.values()]
             markers = await fleet.commit([x for x in closing if x.status == "active"])
             markers += await fleet.markers()
-            want = {(tr.did, tr.rev) for tr in markers if tr.rev}
             deadline = time.monotonic() + a.settle
-            while time.monotonic() < deadline and not want <= arrivals.commits.keys():
+            while time.monotonic() < deadline and lost_commits(markers, arrivals):
                 await asyncio.sleep(0.5)
-            note(f"weather: markers {sum(1 for k in want if k in arrivals.commits)}/{len(want)} arrived")
+            note(f"weather: markers {len(markers) - len(lost_commits(markers, arrivals))}/{len(markers)} arrived "
+                 f"(or were covered by a #sync)")
             others = [x for x in fleet.accounts if x.host.hostname not in bad_hosts]
             sample = rng.sample(others, min(1000, len(others)))
             frozen = await frozen_accounts(r.url, closing + sample)
