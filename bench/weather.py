@@ -7,7 +7,8 @@ hosts, ``--accounts`` 100,000 accounts in all, every one first seen by the relay
 backlog holds each account's ``#identity``, ``#account`` and first ``#commit``); DID documents
 and handle checks (``--handle-resolver-url`` = the PLC directory) answer with a log-normal delay,
 p50 ``--identity-p50`` / p99 ``--identity-p99`` (50 ms / 3 s); ``--misbehaving`` (5 %) of the
-hosts each have one kind of weather, in turn: unreadable frames, handle domains that never
+hosts each have one kind of weather, in turn: unreadable frames (one in the middle of the
+backlog, then 2 % of the frames), handle domains that never
 answer, a getRepo failing (500) while accounts lose commits (broken chains), bad signatures, key
 rotations, dropped connections. Commits flow at ``--rate`` per second for ``--minutes``; then the
 weather clears (faults off, getRepo healed) and every account of a misbehaving host, plus one of
@@ -20,7 +21,9 @@ Measured, each printed as a ``RESULT`` line:
   ≤ 2 s);
 * ``weather_commits_lost``: valid commits (ground truth ``accept``) that never arrived, once the
   markers have (or ``--settle`` s passed), not counting commits covered by a later ``#sync`` of
-  an account that was desynchronized (goal: 0); ``weather_commits_expected`` beside it;
+  an account that was desynchronized (goal: 0); ``weather_commits_expected`` beside it, and
+  ``weather_commits_replaced_by_sync``: valid commits that did not arrive as themselves but are
+  covered by a later ``#sync`` (expected for the broken chains, not for skipped frames);
 * ``weather_accounts_frozen``: accounts of misbehaving hosts (and a sample of 1,000 others) that
   the relay does not report ``active`` at the host's rev ``--settle`` s after the weather cleared
   (goal: 0);
@@ -177,6 +180,11 @@ async def run(a: argparse.Namespace) -> None:
     for acct in fleet.accounts:
         fleet.domains.weather[acct.handle] = HandleWeather(tail)
     kinds = assign_weather(fleet, a.misbehaving, rng)
+    for index, kind in kinds.items():  # an unreadable frame in the middle of the backlog, too
+        if kind == "unreadable":
+            accounts = list(fleet.hosts[index].accounts.values())
+            await fleet.emit("unreadable", accounts[0])
+            await fleet.commit(accounts)
     bad_hosts = {fleet.hosts[i].hostname for i in kinds}
     note(f"weather: misbehaving hosts {len(kinds)}: {sorted(set(kinds.values()))}")
     backlog_firsts = {(tr.did, tr.rev) for tr in fleet.ground_truth
@@ -242,6 +250,7 @@ async def run(a: argparse.Namespace) -> None:
     result("weather_healthy_delay_max_s", round(max(delays, default=float("nan")), 3))
     result("weather_commits_expected", sum(1 for tr in fleet.ground_truth if tr.kind == "#commit" and tr.verdict == "accept"))
     result("weather_commits_lost", len(lost))
+    result("weather_commits_replaced_by_sync", len(undelivered_commits(fleet.ground_truth, arrivals)) - len(lost))
     result("weather_commits_duplicated", arrivals.duplicates)
     result("weather_accounts_frozen", len(frozen))
     result("weather_relay_rss_mb", round(peak_rss / 1e6, 1))
@@ -253,6 +262,12 @@ async def run(a: argparse.Namespace) -> None:
         note(f"weather: lost e.g. {[(tr.host, tr.did[-6:], tr.fault) for tr in lost[:5]]}")
     if delays:
         note(f"weather: healthy delay mean {statistics.fmean(delays):.3f}s over {len(delays)} commits")
+
+
+def undelivered_commits(truth: list[TruthEvent], arrivals: Arrivals) -> list[TruthEvent]:
+    """Valid commits that did not arrive as ``#commit``."""
+    return [tr for tr in truth if tr.kind == "#commit" and tr.verdict == "accept" and tr.rev
+            and (tr.did, tr.rev) not in arrivals.commits]
 
 
 def lost_commits(truth: list[TruthEvent], arrivals: Arrivals) -> list[TruthEvent]:
