@@ -240,3 +240,22 @@ async def test_the_daily_new_host_limit_is_exact_under_concurrency(tmp_path: Pat
     assert len(admitted) == 10, [r.text for r in good]
     assert all(r.status_code == 400 and "new_host_limit" in r.json()["message"] for r in refused)
     assert len(stored) == 10
+
+
+async def test_relay_serve_applies_the_limits(tmp_path: Path) -> None:
+    """``relay serve`` as a process: its main port closes a slowloris connection (408) and counts
+    it in ``/metrics`` — the limits are wired into the server the command runs."""
+    from tests.faults.harness import RelayProcess
+
+    settings = {"RELAY_DATABASE_URL": str(tmp_path / "relay.sqlite"), "RELAY_VALIDATION_WORKERS": "0",
+                "RELAY_HTTP_HEADER_TIMEOUT": "1s"}
+    async with RelayProcess("serve", settings, tmp_path / "relay.log") as relay:
+        await relay.start(timeout=60)
+        reader, writer = await _open(relay.url)
+        writer.write(b"GET /_health HTTP/1.1\r\nhost: relay\r\nx-slow: a")  # and never the rest
+        answer = await asyncio.wait_for(reader.read(), 15)
+        writer.close()
+        async with httpx.AsyncClient(timeout=5) as http:
+            text = (await http.get(f"{relay.url}/metrics")).text
+    assert answer.startswith(b"HTTP/1.1 408")
+    assert metric_value(text, "relay_http_refused_total", reason="header_timeout") == 1
