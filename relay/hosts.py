@@ -15,8 +15,6 @@ admission (under the same lock, so no count sees it twice) when the host is stor
 process admits hosts (the ingest holding the writer lease), so the in-memory reservations are
 the whole picture.
 
-``admin_clients`` limits failed admin authentications per client address (``relay.admin``).
-
 Host statuses and their transitions (``com.atproto.sync.defs#hostStatus``):
 
 * ``active``    — subscribed and connected (set on admission, unblock, and every successful connect);
@@ -138,8 +136,6 @@ class HostManager:
         self.crawling_source = "config"
         #: requestCrawl calls per client address (``crawl_client_wait``)
         self.crawl_clients = ClientRateLimiter(config.crawl_requests_per_minute)
-        #: failed admin authentications per client address (``relay.admin``)
-        self.admin_clients = ClientRateLimiter(config.admin_auth_failures_per_minute)
         #: new-host places reserved by public requestCrawls still probing (see the module docstring)
         self._reserved = 0
         self._admissions = asyncio.Lock()

@@ -169,16 +169,20 @@ async def test_failed_admin_authentication_is_rate_limited_per_client(tmp_path: 
             wrong = {"authorization": "Bearer guess"}
             right = {"authorization": "Bearer secret"}
             assert (await http.get("/admin/hosts", headers=right)).status_code == 200
-            for _ in range(3):
+            for _ in range(2):
                 assert (await http.get("/admin/hosts", headers=wrong)).status_code == 403
+            # the dashboard checks the same token: its failures count too
+            assert (await http.get("/dashboard/data", headers=wrong)).status_code == 403
             r = await http.get("/admin/hosts", headers=wrong)
             assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
             # the right token from the same address is refused as well: guessing gains nothing
             assert (await http.get("/admin/hosts", headers=right)).status_code == 429
+            assert (await http.get("/dashboard/data", headers=right)).status_code == 429
+            assert (await http.get("/dashboard/data")).status_code == 200  # the public view stays
             elsewhere = await http.get("/admin/hosts", headers={**right, "x-forwarded-for": "192.0.2.8"})
             assert elsewhere.status_code == 200
             text = (await http.get("/metrics")).text
-    assert metric_value(text, "relay_admin_requests_total", result="rate_limited") == 2
+    assert metric_value(text, "relay_admin_requests_total", result="rate_limited") == 3
 
 
 class DescribeServers:
