@@ -153,6 +153,24 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("consumer_max_queue_bytes", "RELAY_CONSUMER_MAX_QUEUE_BYTES", "--consumer-max-queue-bytes",
             "67108864", "bytes of live events the relay queues for one consumer (at most 10,000 events) "
             "before it gets ConsumerTooSlow", "int"),
+    Setting("http_header_timeout", "RELAY_HTTP_HEADER_TIMEOUT", "--http-header-timeout", "10s",
+            "main port: a connection whose request headers (a WebSocket upgrade request included) have not all "
+            "arrived this long after it opened, or after its previous response, is answered 408 and closed "
+            "(0 = no limit)", "duration"),
+    Setting("max_connections", "RELAY_MAX_CONNECTIONS", "--max-connections", "10000",
+            "main port: open connections (HTTP and WebSocket); past it a new connection is answered 503 with "
+            "Retry-After and closed (0 = no limit; each one is a file descriptor)", "int"),
+    Setting("max_websockets", "RELAY_MAX_WEBSOCKETS", "--max-websockets", "5000",
+            "main port: open WebSockets (subscribeRepos, /subscribe); past it an upgrade is answered 503 with "
+            "Retry-After (0 = no limit)", "int"),
+    Setting("crawl_requests_per_minute", "RELAY_CRAWL_REQUESTS_PER_MINUTE", "--crawl-requests-per-minute", "10",
+            "requestCrawl calls one client address may make per minute (bursts up to the same number); more are "
+            "answered 429 with Retry-After (0 = no limit)", "int"),
+    Setting("admin_auth_failures_per_minute", "RELAY_ADMIN_AUTH_FAILURES_PER_MINUTE",
+            "--admin-auth-failures-per-minute", "10",
+            "admin requests with a missing or wrong token one client address may make per minute; past it every "
+            "admin request from that address is answered 429 with Retry-After until it may try again "
+            "(0 = no limit)", "int"),
     Setting("log_level", "RELAY_LOG_LEVEL", "--log-level", "info", "debug, info, warning or error"),
 )
 
@@ -238,6 +256,11 @@ class RelayConfig:
     getrepo_cache_mb: int = 64
     consumer_max_lag: float = 15.0
     consumer_max_queue_bytes: int = 64 * 1024 * 1024
+    http_header_timeout: float = 10.0
+    max_connections: int = 10_000
+    max_websockets: int = 5000
+    crawl_requests_per_minute: int = 10
+    admin_auth_failures_per_minute: int = 10
     log_level: str = "info"
 
     @property
