@@ -65,7 +65,7 @@ class RelayMetrics:
                                      ["result"], registry=r)
         self.host_resets = Counter("relay_host_cursor_resets_total",
                                    "Upstream cursors reset: the host's stream went backwards or it answered "
-                                   "FutureCursor (wiped or restored), or a frame it keeps replaying is unreadable",
+                                   "FutureCursor (wiped or restored)",
                                    ["host", "reason"], registry=r)
         self.getrepo = Counter("relay_getrepo_total", "getRepo requests by how they were answered",
                                ["result"], registry=r)

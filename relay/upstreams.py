@@ -208,6 +208,7 @@ class Upstreams:
         """A subscriber and the fence all its events share."""
         fence = Fence()
         subscriber = HostSubscriber(url, self._on_frame(hostname, fence), cursor=cursor, config=config,
+                                    on_count=lambda reason: self.count("host", reason),
                                     on_cursor_reset=self._on_reset(hostname), resolve=self.guard.connect_address)
         return subscriber, fence
 
@@ -418,8 +419,7 @@ class Upstreams:
             late write or ack moves the cursor past the reset), its durable cursor restarts at 0.
             Its accounts keep their stored state: a restored repository's next commit does not
             chain to it and is resynchronised."""
-            await self.settle_read(hostname)
-            self.count("host", reason)
+            await self.settle_read(hostname)  # (the subscriber counted it: on_count)
             self.metrics.host_resets.labels(host=hostname, reason=reason).inc()
             await self.store.set_host_cursor(hostname, 0)
             run = self._runs.get(hostname)

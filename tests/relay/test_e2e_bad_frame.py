@@ -14,6 +14,7 @@ import json
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+import httpx
 import pytest
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.http11 import Request as WsRequest
@@ -24,7 +25,7 @@ from firehose.reasons import Reason
 from mst.crypto import PrivateKey
 from mst.repo import Repo, Write
 from tests.firehose.commits import commit_body
-from tests.relay.e2e import Consumer, check_stream, crawl
+from tests.relay.e2e import Consumer, check_stream, crawl, metric_value
 from tests.relay.helpers import serve_asgi
 from tests.relay.test_e2e_scenarios import _plc_app
 from tests.waiting import until
@@ -137,13 +138,13 @@ async def test_an_unreadable_frame_costs_only_itself(relay_factory, kind: str) -
                     latest = await relay.service.store.latest_seq()
                     await consumer.wait_for(lambda evs: bool(evs) and evs[-1].seq >= latest)
                     cursor = await relay.service.store.host_cursor(upstream.hostname)
-                    subscriber = upstreams._runs[upstream.hostname].subscriber  # the run's own counters
-                    counters = dict(subscriber.counters)
-                    resets = subscriber.resets
+                    async with httpx.AsyncClient(base_url=relay.url) as http:
+                        text = (await http.get("/metrics")).text
     commits = [e for e in consumer.events if e.t == "#commit"]
     check_stream(consumer.events)
     assert len(commits) == 110
     assert {did: [e.rev for e in commits if e.did == did] for did in expected} == expected
-    assert counters.get(reason) == 1 and resets == 0
+    assert metric_value(text, "relay_verdicts_total", kind="host", reason=reason) == 1
+    assert metric_value(text, "relay_host_cursor_resets_total") == 0
     assert cursor == 111
     assert None not in upstream.cursors  # never "live from now": the backlog was read through
