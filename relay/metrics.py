@@ -3,22 +3,44 @@
 Each ``RelayMetrics`` owns a private ``CollectorRegistry`` so that several relays can live in one
 process (tests). ``/metrics`` renders this registry followed by the process-wide default one
 (where other packages may register their own collectors).
+
+Cost per host stays small and goes away with the host: the per-host series (``PER_HOST``) are
+removed by :meth:`RelayMetrics.forget_host` when a host is banned, and no ``*_created`` copies
+are exported (``prometheus_client.disable_created_metrics``, process-wide). :meth:`render` is
+safe to call from another thread while the event loop updates the metrics (prometheus_client
+locks every value and label map); ``/metrics`` renders in a worker thread so a scrape of many
+series never stalls ingest or delivery.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from prometheus_client.metrics_core import CounterMetricFamily
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily
 
 #: Fields of ``firehose.broadcast.BroadcastStats`` exported as ``relay_broadcast_events_total{event}``.
 BROADCAST_EVENTS = ("too_slow", "lagged", "future_cursor", "outdated_cursor", "replay_overflows", "bus_gaps_filled",
                     "bus_errors")
 
+#: Fields of ``firehose.publisher.PublisherStats`` exported as ``relay_bus_publish_events_total{result}``.
+PUBLISH_RESULTS = ("published", "dropped")
+
 __all__ = ["CONTENT_TYPE_LATEST", "RelayMetrics"]
+
+disable_created_metrics()  # type: ignore[no-untyped-call]  # a *_created series per labelled child doubles every per-host family
 
 
 class RelayMetrics:
@@ -27,6 +49,7 @@ class RelayMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        self._render_lock: asyncio.Lock | None = None
         self.events_in = Counter("relay_events_in_total", "Frames received from upstream hosts",
                                  ["host", "type"], registry=r)
         self.verdicts = Counter("relay_verdicts_total", "Judgements on upstream events",
@@ -82,6 +105,25 @@ class RelayMetrics:
         self.jetstream_messages = Counter("relay_jetstream_messages_total", "JSON stream messages sent",
                                           ["compressed"], registry=r)
 
+    @property
+    def per_host(self) -> tuple[Any, ...]:
+        """The metrics labelled by ``host`` (its first label)."""
+        return (self.events_in, self.host_resets)
+
+    def forget_host(self, hostname: str) -> None:
+        """Remove every series labelled with ``hostname`` (the host was banned or removed): a
+        relay that has seen thousands of hosts exports only those it still follows. Call it after
+        the host's run has stopped (a later increment would bring the series back from zero)."""
+        for metric in self.per_host:
+            with metric._lock:  # noqa: SLF001 - prometheus_client has no public "children" listing
+                keys = [key for key in metric._metrics if key and key[0] == hostname]  # noqa: SLF001
+            for key in keys:
+                with contextlib.suppress(KeyError):
+                    metric.remove(*key)
+        ids = {id(metric) for metric in self.per_host}
+        for key in [k for k in self._children if k[0] in ids and k[1][:1] == (hostname,)]:
+            del self._children[key]
+
     def child(self, metric: Any, *values: str) -> Any:
         """``metric.labels(*values)``, kept once per label tuple: ``labels()`` costs a lock and a
         tuple build per call, too much for per-event counters on the ingest path."""
@@ -100,8 +142,26 @@ class RelayMetrics:
             self.registry.register(collector)
         collector.stats = stats
 
+    def watch_publisher(self, stats: Callable[[], Any]) -> None:
+        """Export the bus publisher's counters (read at scrape time from ``stats()``)."""
+        collector = getattr(self, "_publisher_collector", None)
+        if collector is None:
+            collector = self._publisher_collector = _PublisherCollector(stats)
+            self.registry.register(collector)
+        collector.stats = stats
+
+    async def render_off_loop(self) -> bytes:
+        """:meth:`render` in a worker thread, one at a time (concurrent scrapes queue here): the
+        event loop keeps serving while a large exposition is built."""
+        lock = self._render_lock
+        if lock is None:
+            lock = self._render_lock = asyncio.Lock()
+        async with lock:
+            return await asyncio.to_thread(self.render)
+
     def render(self) -> bytes:
-        """Text exposition of this relay's registry plus the process default registry."""
+        """Text exposition of this relay's registry plus the process default registry. Safe in a
+        worker thread (see the module docstring)."""
         return generate_latest(self.registry) + generate_latest(REGISTRY)
 
 
@@ -120,3 +180,24 @@ class _BroadcastCollector:
             family.add_metric([event], getattr(stats, event, 0) if stats is not None else 0)
         yield family
 
+
+
+class _PublisherCollector:
+    """``relay_bus_publish_events_total{result}`` (published, or dropped from a full queue — the
+    fan-outs read those from the store), ``relay_bus_publish_errors_total`` (failed or timed-out
+    bus calls, each retried) and ``relay_bus_publish_queue_bytes``."""
+
+    def __init__(self, stats: Callable[[], Any]) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        stats = self.stats()
+        events = CounterMetricFamily("relay_bus_publish_events", "Committed events handed to the bus, by result",
+                                     labels=["result"])
+        for result in PUBLISH_RESULTS:
+            events.add_metric([result], getattr(stats, result, 0) if stats is not None else 0)
+        yield events
+        yield CounterMetricFamily("relay_bus_publish_errors", "Bus publish calls that failed or timed out (retried)",
+                                  value=getattr(stats, "errors", 0) if stats is not None else 0)
+        yield GaugeMetricFamily("relay_bus_publish_queue_bytes", "Committed events waiting for the bus, in bytes",
+                                value=getattr(stats, "queued_bytes", 0) if stats is not None else 0)
