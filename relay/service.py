@@ -56,6 +56,7 @@ from relay.jetstream_server import JetstreamServer, jetstream_server
 from relay.jsonlog import fields
 from relay.lanes import AccountLanes
 from relay.metrics import RelayMetrics
+from relay.redis_guard import FailFastRedis
 from relay.repo_proxy import RepoProxy
 from relay.resync import ResyncManager
 from relay.resync_queue import ResyncQueue
@@ -167,7 +168,7 @@ class RelayService:
             self._redis = redis_client(config.redis_url, timeouts)
             self.bus = RedisStreamBus(config.redis_url, stream=self.bus_stream, maxlen=max(1, config.bus_max_entries),
                                       timeouts=timeouts)
-            cache = RedisIdentityCache(self._redis)
+            cache = RedisIdentityCache(FailFastRedis(self._redis))  # a hung Redis: one timeout per cool-off
         else:
             self.bus = InProcessBus()
             cache = MemoryIdentityCache()
