@@ -106,21 +106,22 @@ class RelayMetrics:
                                           ["compressed"], registry=r)
 
     @property
-    def per_host(self) -> tuple[Any, ...]:
-        """The metrics labelled by ``host`` (its first label)."""
-        return (self.events_in, self.host_resets)
+    def per_host(self) -> tuple[tuple[Any, tuple[str, ...]], ...]:
+        """The metrics labelled by ``host`` (their first label), with their label names."""
+        return ((self.events_in, ("host", "type")), (self.host_resets, ("host", "reason")))
 
     def forget_host(self, hostname: str) -> None:
         """Remove every series labelled with ``hostname`` (the host was banned or removed): a
         relay that has seen thousands of hosts exports only those it still follows. Call it after
         the host's run has stopped (a later increment would bring the series back from zero)."""
-        for metric in self.per_host:
-            with metric._lock:  # noqa: SLF001 - prometheus_client has no public "children" listing
-                keys = [key for key in metric._metrics if key and key[0] == hostname]  # noqa: SLF001
+        for metric, names in self.per_host:
+            keys = {tuple(sample.labels[n] for n in names)
+                    for family in metric.collect() for sample in family.samples
+                    if sample.labels.get("host") == hostname}
             for key in keys:
                 with contextlib.suppress(KeyError):
                     metric.remove(*key)
-        ids = {id(metric) for metric in self.per_host}
+        ids = {id(metric) for metric, _ in self.per_host}
         for key in [k for k in self._children if k[0] in ids and k[1][:1] == (hostname,)]:
             del self._children[key]
 
