@@ -18,9 +18,10 @@ import pytest
 
 from backfill.sequencer import Sequencer
 from backfill.store import open_store
+from firehose.broadcast import Broadcaster
 from firehose.bus import RedisStreamBus, RedisTimeouts
-from firehose.publisher import BusPublisher
-from firehose.state import PendingEvent
+from firehose.publisher import BusPublisher, batch_bytes
+from firehose.state import PendingEvent, SequencedEvent
 from relay.sim import SimConfig, SimFleet
 from tests.faults.harness import RedisServer
 from tests.relay.e2e import Consumer, check_stream, crawl
@@ -134,5 +135,54 @@ async def test_sequencing_never_waits_for_the_bus(redis_server: RedisServer, tmp
             assert [int(entry_id.split(b"-")[0]) for entry_id, _ in entries] == list(range(1, 22))
     finally:
         await publisher.close()
+        await bus.close()
+        await store.close()
+
+
+async def test_a_full_publish_queue_drops_the_oldest_and_the_fan_out_fills_the_hole(
+        redis_server: RedisServer, tmp_path: Path) -> None:
+    """With Redis stopped the publisher's queue stays within its byte budget (plus the newest
+    batch): the oldest unpublished events are dropped and counted. After SIGCONT the stream lacks
+    them, and a fan-out following it still delivers every event exactly once, in order, without
+    passing the hole: it reads the missing ones from the store first."""
+    store = await open_store(str(tmp_path / "drop.sqlite"))
+    await store.migrate()
+    slow = RedisTimeouts(connect=1.0, socket=60.0)
+    bus = RedisStreamBus(redis_server.url, stream="drop", timeouts=slow)
+    publisher = BusPublisher(bus, max_bytes=3000, timeout=60.0)  # room for ~10 small events
+    follower_bus = RedisStreamBus(redis_server.url, stream="drop", timeouts=slow)
+    broadcaster = Broadcaster(store, follower_bus)
+    delivered: list[int] = []
+    real_deliver = broadcaster.deliver
+
+    def deliver(batch: list[SequencedEvent]) -> None:
+        last = broadcaster.latest_seq
+        delivered.extend(e.seq for e in batch if e.seq > last)
+        real_deliver(batch)
+
+    broadcaster.deliver = deliver  # type: ignore[method-assign]
+    await broadcaster.start()
+    publisher.start()
+    try:
+        async with Sequencer(store, publisher.publish) as seq:
+            await seq.submit(_event(0))
+            await publisher.flushed()
+            redis_server.pause()
+            for n in range(1, 41):
+                event = await seq.submit(_event(n))
+                assert event is not None
+                assert publisher.stats.queued_bytes <= publisher.max_bytes + batch_bytes([event])
+            assert publisher.stats.dropped > 0
+            redis_server.resume()
+            await asyncio.wait_for(publisher.flushed(), 30)
+            await until(lambda: broadcaster.latest_seq >= 41, "the fan-out to deliver everything", timeout=30)
+        entries = await bus.redis.xrange("drop")
+        assert len(entries) == 41 - publisher.stats.dropped  # the hole was real on the bus
+        assert delivered == list(range(1, 42))  # and no consumer saw it
+        assert broadcaster.stats.bus_gaps_filled >= 1
+    finally:
+        await broadcaster.close()
+        await publisher.close()
+        await follower_bus.close()
         await bus.close()
         await store.close()
