@@ -50,6 +50,9 @@ class RelayMetrics:
         r = self.registry = CollectorRegistry(auto_describe=True)
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self._render_lock: asyncio.Lock | None = None
+        #: metrics whose first label is a host (by ``id``), and the ``child`` keys of each host
+        self._per_host: dict[int, Any] = {}
+        self._by_host: dict[str, set[tuple[int, tuple[str, ...]]]] = {}
         self.events_in = Counter("relay_events_in_total", "Frames received from upstream hosts",
                                  ["host", "type"], registry=r)
         self.verdicts = Counter("relay_verdicts_total", "Judgements on upstream events",
@@ -104,26 +107,25 @@ class RelayMetrics:
                                  ["event"], registry=r)
         self.jetstream_messages = Counter("relay_jetstream_messages_total", "JSON stream messages sent",
                                           ["compressed"], registry=r)
-
-    @property
-    def per_host(self) -> tuple[tuple[Any, tuple[str, ...]], ...]:
-        """The metrics labelled by ``host`` (their first label), with their label names."""
-        return ((self.events_in, ("host", "type")), (self.host_resets, ("host", "reason")))
+        self._per_host = {id(m): m for m in (self.events_in, self.host_resets)}
 
     def forget_host(self, hostname: str) -> None:
         """Remove every series labelled with ``hostname`` (the host was banned or removed): a
-        relay that has seen thousands of hosts exports only those it still follows. Call it after
-        the host's run has stopped (a later increment would bring the series back from zero)."""
-        for metric, names in self.per_host:
-            keys = {tuple(sample.labels[n] for n in names)
-                    for family in metric.collect() for sample in family.samples
-                    if sample.labels.get("host") == hostname}
-            for key in keys:
+        relay that has seen thousands of hosts exports only those it still follows. Cheap: the
+        series made through :meth:`child` are indexed by host; ``relay_host_cursor_resets_total``
+        (rare, made with ``labels()``) is searched among its own few samples. Call it after the
+        host's run has stopped (a later increment would bring the series back from zero)."""
+        for key in self._by_host.pop(hostname, ()):
+            metric = self._children.pop(key, None)
+            if metric is not None:
                 with contextlib.suppress(KeyError):
-                    metric.remove(*key)
-        ids = {id(metric) for metric, _ in self.per_host}
-        for key in [k for k in self._children if k[0] in ids and k[1][:1] == (hostname,)]:
-            del self._children[key]
+                    self._per_host[key[0]].remove(*key[1])
+        resets = {(s.labels["host"], s.labels["reason"])
+                  for family in self.host_resets.collect() for s in family.samples
+                  if s.labels.get("host") == hostname}
+        for labels in resets:
+            with contextlib.suppress(KeyError):
+                self.host_resets.remove(*labels)
 
     def child(self, metric: Any, *values: str) -> Any:
         """``metric.labels(*values)``, kept once per label tuple: ``labels()`` costs a lock and a
@@ -132,6 +134,8 @@ class RelayMetrics:
         found = self._children.get(key)
         if found is None:
             found = self._children[key] = metric.labels(*values)
+            if key[0] in self._per_host:  # its first label is a host: indexed for forget_host
+                self._by_host.setdefault(values[0], set()).add(key)
         return found
 
     def watch_broadcast(self, stats: Callable[[], Any]) -> None:
