@@ -15,13 +15,15 @@ from typing import Any
 
 import httpx
 import pytest
+import redis.exceptions
 
 from backfill.sequencer import Sequencer
 from backfill.store import open_store
 from firehose.broadcast import Broadcaster
-from firehose.bus import RedisStreamBus, RedisTimeouts
+from firehose.bus import RedisStreamBus, RedisTimeouts, redis_client
 from firehose.publisher import BusPublisher, batch_bytes
 from firehose.state import PendingEvent, SequencedEvent
+from relay.redis_guard import FailFastRedis, RedisSkipped
 from relay.sim import SimConfig, SimFleet
 from tests.faults.harness import RedisServer
 from tests.relay.e2e import Consumer, check_stream, crawl
@@ -59,6 +61,10 @@ async def test_a_hung_redis_does_not_slow_durable_ingest(redis_server: RedisServ
             service = relay.service
             sequencer, publisher = service.sequencer, service.publisher
             assert sequencer is not None and publisher is not None
+            for client in (service._redis, service.bus.redis):  # noqa: SLF001 - every Redis client is bounded
+                kwargs = client.connection_pool.connection_kwargs
+                assert (kwargs["socket_timeout"], kwargs["socket_connect_timeout"]) == (0.5, 0.5)
+                assert kwargs["health_check_interval"] == 30.0
             await crawl(relay.url, fleet.hosts[0].hostname)
             warm = await fleet.generate(6)
             await consumer.wait_for(lambda evs: {t.rev for t in warm} <= {e.rev for e in evs})
@@ -186,3 +192,26 @@ async def test_a_full_publish_queue_drops_the_oldest_and_the_fan_out_fills_the_h
         await follower_bus.close()
         await bus.close()
         await store.close()
+
+
+async def test_the_identity_cache_client_stops_asking_a_hung_redis(redis_server: RedisServer) -> None:
+    """One call waits for the reply timeout; the calls after it fail at once until the cool-off
+    has passed; then one probe goes out, and once Redis answers calls pass again."""
+    now = [0.0]
+    client = redis_client(redis_server.url, RedisTimeouts(connect=0.5, socket=0.5))
+    guard = FailFastRedis(client, cool_off=2.0, clock=lambda: now[0])
+    try:
+        await guard.set("k", "v")
+        redis_server.pause()
+        with pytest.raises(redis.exceptions.TimeoutError):  # it asked, and waited for the reply timeout
+            await guard.get("k")
+        assert guard.open
+        with pytest.raises(RedisSkipped):
+            await asyncio.wait_for(guard.get("k"), 0.25)  # less than the reply timeout: not sent
+        now[0] += 2.0
+        redis_server.resume()
+        assert await guard.get("k") == b"v"  # the probe after the cool-off
+        assert not guard.open
+    finally:
+        redis_server.resume()
+        await client.aclose()
