@@ -26,7 +26,7 @@ from firehose.state import PendingEvent, SequencedEvent
 from relay.redis_guard import FailFastRedis, RedisSkipped
 from relay.sim import SimConfig, SimFleet
 from tests.faults.harness import RedisServer
-from tests.relay.e2e import Consumer, check_stream, crawl
+from tests.relay.e2e import Consumer, check_stream, crawl, metric_value
 from tests.relay.helpers import running_relay
 from tests.waiting import until
 
@@ -101,6 +101,9 @@ async def test_a_hung_redis_does_not_slow_durable_ingest(redis_server: RedisServ
             stored = await service.store.latest_seq()
             assert [e.seq for e in consumer.events] == list(range(1, (stored or 0) + 1))  # nothing lost
             assert (await http.get("/_ready")).status_code == 200
+            metrics = (await http.get("/metrics")).text
+            assert metric_value(metrics, "relay_bus_publish_errors_total") >= 1
+            assert metric_value(metrics, "relay_bus_publish_events_total", result="published") >= DURING_HANG
     finally:
         await fleet.stop()
 
