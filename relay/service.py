@@ -198,7 +198,8 @@ class RelayService:
                 publish = exit_before_publish(publish, int(exit_at))
             self.sequencer = Sequencer(self.store, publish, wait_for_lock=self.role == "ingest")
             await self.sequencer.start()
-            self._tasks.append(asyncio.create_task(self._prove_writable(), name="store-write-check"))
+            if not await self._write_check():  # first try inline: a healthy start is ready at once
+                self._tasks.append(asyncio.create_task(self._prove_writable(), name="store-write-check"))
         await self.broadcaster.start()
         if config.firehose_bind:
             await self._start_firehose_listener(config.firehose_bind)
@@ -274,29 +275,35 @@ class RelayService:
         assert self.publisher is not None
         self.publisher.offer(events)
 
-    async def _prove_writable(self, timeout: float = 5.0, retry_max: float = 5.0) -> None:
-        """Write to the store once (a setting: when this process last proved it can write), retrying
-        with capped backoff until it succeeds: until then readiness says the store is not writable
-        (a relay started on a full disk or a read-only database must not look ready). A batch the
-        sequencer commits proves it as well."""
+    async def _write_check(self, timeout: float = 5.0) -> bool:
+        """Write to the store once (a setting: when this process last proved it can write).
+        Sets ``store_written`` on success; notes (and logs, once) the error otherwise."""
+        try:
+            await asyncio.wait_for(self.store.set_setting("last_write_check", repr(time.time())), timeout)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if self._write_error is None:
+                log.warning("the store cannot be written; not ready until a write succeeds",
+                            extra=fields(error=describe_store_error(exc)))
+            self._write_error = exc
+            return False
+        if self._write_error is not None:
+            log.warning("the store takes writes again")
+        self._write_error = None
+        self.store_written.set()
+        return True
+
+    async def _prove_writable(self, retry_max: float = 5.0) -> None:
+        """Repeat the write check with capped backoff until it succeeds: until then readiness
+        says the store is not writable (a relay started on a read-only database must not look
+        ready). A batch the sequencer commits proves it as well."""
         attempt = 0
         while not self.store_written.is_set():
-            try:
-                await asyncio.wait_for(self.store.set_setting("last_write_check", repr(time.time())), timeout)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                if self._write_error is None:
-                    log.warning("the store cannot be written; not ready until a write succeeds",
-                                extra=fields(error=describe_store_error(exc)))
-                self._write_error = exc
-                attempt += 1
-                await asyncio.sleep(min(retry_max, 0.1 * 2 ** min(attempt, 10)))
-                continue
-            if self._write_error is not None:
-                log.warning("the store takes writes again")
-            self._write_error = None
-            self.store_written.set()
+            attempt += 1
+            await asyncio.sleep(min(retry_max, 0.1 * 2 ** min(attempt, 10)))
+            if not self.store_written.is_set():
+                await self._write_check()
 
     def _count(self, kind: str, reason: str) -> None:
         self.metrics.child(self.metrics.verdicts, kind, reason).inc()
