@@ -238,9 +238,12 @@ async def ready(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
+    """Prometheus exposition. The gauges read from the store are refreshed first; the text is
+    built in a worker thread (``RelayMetrics.render_off_loop``), so a scrape of thousands of
+    hosts' series does not stall ingest or delivery."""
     service = _service(request)
     await service.refresh_gauges()
-    return Response(service.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    return Response(await service.metrics.render_off_loop(), media_type=CONTENT_TYPE_LATEST)
 
 
 async def not_implemented(request: Request) -> Response:

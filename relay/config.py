@@ -97,6 +97,18 @@ SETTINGS: tuple[Setting, ...] = (
             "latency, never events", "int"),
     Setting("redis_stream", "RELAY_REDIS_STREAM", "--redis-stream", "relay:events",
             "Redis Streams key of the event bus (ingest and fan-out must agree)"),
+    Setting("redis_timeout", "RELAY_REDIS_TIMEOUT", "--redis-timeout", "2s",
+            "scale-out: longest wait for one Redis reply (every client: bus, identity cache, readiness); "
+            "a hung Redis raises after this, once (no hidden retries)", "duration"),
+    Setting("redis_connect_timeout", "RELAY_REDIS_CONNECT_TIMEOUT", "--redis-connect-timeout", "2s",
+            "scale-out: longest wait for a new Redis connection", "duration"),
+    Setting("redis_health_check", "RELAY_REDIS_HEALTH_CHECK", "--redis-health-check", "30s",
+            "scale-out: a Redis connection idle this long is PINGed before it is used again", "duration"),
+    Setting("bus_publish_max_bytes", "RELAY_BUS_PUBLISH_MAX_BYTES", "--bus-publish-max-bytes", "67108864",
+            "committed events waiting for the bus, in bytes (frames + ~200 per event): sequencing never waits "
+            "for the bus; past this the oldest are not published (fan-outs read them from the database)", "int"),
+    Setting("bus_publish_timeout", "RELAY_BUS_PUBLISH_TIMEOUT", "--bus-publish-timeout", "5s",
+            "longest wait for one publish to the bus; a failed publish is retried with backoff", "duration"),
     Setting("new_hosts_per_day", "RELAY_NEW_HOSTS_PER_DAY", "--new-hosts-per-day", "50",
             "limit on hosts added through public requestCrawl in any 24 h (counted in the database)", "int"),
     Setting("crawling_enabled", "RELAY_CRAWLING", "--crawling", "true",
@@ -237,6 +249,11 @@ class RelayConfig:
     redis_url: str = ""
     bus_max_entries: int = 200_000
     redis_stream: str = "relay:events"
+    redis_timeout: float = 2.0
+    redis_connect_timeout: float = 2.0
+    redis_health_check: float = 30.0
+    bus_publish_max_bytes: int = 64 * 1024 * 1024
+    bus_publish_timeout: float = 5.0
     new_hosts_per_day: int = 50
     crawling_enabled: bool = True
     validation_workers: int = 2
@@ -302,6 +319,12 @@ class RelayConfig:
             raise ConfigError("bad_redis_stream", "RELAY_REDIS_STREAM must not be empty")
         if not re.match(r"^https?://[^/]", config.plc_url):
             raise ConfigError("bad_plc_url", f"RELAY_PLC_URL: expected http(s)://host…, got {config.plc_url!r}")
+        for name, env in (("redis_timeout", "RELAY_REDIS_TIMEOUT"), ("redis_connect_timeout", "RELAY_REDIS_CONNECT_TIMEOUT"),
+                          ("redis_health_check", "RELAY_REDIS_HEALTH_CHECK"), ("bus_publish_timeout", "RELAY_BUS_PUBLISH_TIMEOUT")):
+            if getattr(config, name) <= 0:
+                raise ConfigError("bad_duration", f"{env}: must be more than 0")
+        if config.bus_publish_max_bytes < 1024 * 1024:
+            raise ConfigError("bad_int", "RELAY_BUS_PUBLISH_MAX_BYTES: must be at least 1048576")
         if config.consumer_max_lag <= 0:
             raise ConfigError("bad_duration", "RELAY_CONSUMER_MAX_LAG: must be more than 0")
         if config.consumer_max_queue_bytes < 1024 * 1024:

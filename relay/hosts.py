@@ -306,6 +306,7 @@ class HostManager:
         await self.store.set_host_status(host.hostname, "banned")
         if self.stop_host is not None:
             await self.stop_host(host.hostname)
+        self.metrics.forget_host(host.hostname)
         await self.record_action("block_host", host.hostname)
         return await self._require(host.hostname)
 

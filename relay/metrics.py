@@ -3,22 +3,44 @@
 Each ``RelayMetrics`` owns a private ``CollectorRegistry`` so that several relays can live in one
 process (tests). ``/metrics`` renders this registry followed by the process-wide default one
 (where other packages may register their own collectors).
+
+Cost per host stays small and goes away with the host: the per-host series (``PER_HOST``) are
+removed by :meth:`RelayMetrics.forget_host` when a host is banned, and no ``*_created`` copies
+are exported (``prometheus_client.disable_created_metrics``, process-wide). :meth:`render` is
+safe to call from another thread while the event loop updates the metrics (prometheus_client
+locks every value and label map); ``/metrics`` renders in a worker thread so a scrape of many
+series never stalls ingest or delivery.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from prometheus_client.metrics_core import CounterMetricFamily
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily
 
 #: Fields of ``firehose.broadcast.BroadcastStats`` exported as ``relay_broadcast_events_total{event}``.
 BROADCAST_EVENTS = ("too_slow", "lagged", "future_cursor", "outdated_cursor", "replay_overflows", "bus_gaps_filled",
                     "bus_errors")
 
+#: Fields of ``firehose.publisher.PublisherStats`` exported as ``relay_bus_publish_events_total{result}``.
+PUBLISH_RESULTS = ("published", "dropped")
+
 __all__ = ["CONTENT_TYPE_LATEST", "RelayMetrics"]
+
+disable_created_metrics()  # type: ignore[no-untyped-call]  # a *_created series per labelled child doubles every per-host family
 
 
 class RelayMetrics:
@@ -27,6 +49,10 @@ class RelayMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        self._render_lock: asyncio.Lock | None = None
+        #: metrics whose first label is a host (by ``id``), and the ``child`` keys of each host
+        self._per_host: dict[int, Any] = {}
+        self._by_host: dict[str, set[tuple[int, tuple[str, ...]]]] = {}
         self.events_in = Counter("relay_events_in_total", "Frames received from upstream hosts",
                                  ["host", "type"], registry=r)
         self.verdicts = Counter("relay_verdicts_total", "Judgements on upstream events",
@@ -81,6 +107,25 @@ class RelayMetrics:
                                  ["event"], registry=r)
         self.jetstream_messages = Counter("relay_jetstream_messages_total", "JSON stream messages sent",
                                           ["compressed"], registry=r)
+        self._per_host = {id(m): m for m in (self.events_in, self.host_resets)}
+
+    def forget_host(self, hostname: str) -> None:
+        """Remove every series labelled with ``hostname`` (the host was banned or removed): a
+        relay that has seen thousands of hosts exports only those it still follows. Cheap: the
+        series made through :meth:`child` are indexed by host; ``relay_host_cursor_resets_total``
+        (rare, made with ``labels()``) is searched among its own few samples. Call it after the
+        host's run has stopped (a later increment would bring the series back from zero)."""
+        for key in self._by_host.pop(hostname, ()):
+            metric = self._children.pop(key, None)
+            if metric is not None:
+                with contextlib.suppress(KeyError):
+                    self._per_host[key[0]].remove(*key[1])
+        resets = {(s.labels["host"], s.labels["reason"])
+                  for family in self.host_resets.collect() for s in family.samples
+                  if s.labels.get("host") == hostname}
+        for labels in resets:
+            with contextlib.suppress(KeyError):
+                self.host_resets.remove(*labels)
 
     def child(self, metric: Any, *values: str) -> Any:
         """``metric.labels(*values)``, kept once per label tuple: ``labels()`` costs a lock and a
@@ -89,6 +134,8 @@ class RelayMetrics:
         found = self._children.get(key)
         if found is None:
             found = self._children[key] = metric.labels(*values)
+            if key[0] in self._per_host:  # its first label is a host: indexed for forget_host
+                self._by_host.setdefault(values[0], set()).add(key)
         return found
 
     def watch_broadcast(self, stats: Callable[[], Any]) -> None:
@@ -100,8 +147,26 @@ class RelayMetrics:
             self.registry.register(collector)
         collector.stats = stats
 
+    def watch_publisher(self, stats: Callable[[], Any]) -> None:
+        """Export the bus publisher's counters (read at scrape time from ``stats()``)."""
+        collector = getattr(self, "_publisher_collector", None)
+        if collector is None:
+            collector = self._publisher_collector = _PublisherCollector(stats)
+            self.registry.register(collector)
+        collector.stats = stats
+
+    async def render_off_loop(self) -> bytes:
+        """:meth:`render` in a worker thread, one at a time (concurrent scrapes queue here): the
+        event loop keeps serving while a large exposition is built."""
+        lock = self._render_lock
+        if lock is None:
+            lock = self._render_lock = asyncio.Lock()
+        async with lock:
+            return await asyncio.to_thread(self.render)
+
     def render(self) -> bytes:
-        """Text exposition of this relay's registry plus the process default registry."""
+        """Text exposition of this relay's registry plus the process default registry. Safe in a
+        worker thread (see the module docstring)."""
         return generate_latest(self.registry) + generate_latest(REGISTRY)
 
 
@@ -120,3 +185,24 @@ class _BroadcastCollector:
             family.add_metric([event], getattr(stats, event, 0) if stats is not None else 0)
         yield family
 
+
+
+class _PublisherCollector:
+    """``relay_bus_publish_events_total{result}`` (published, or dropped from a full queue — the
+    fan-outs read those from the store), ``relay_bus_publish_errors_total`` (failed or timed-out
+    bus calls, each retried) and ``relay_bus_publish_queue_bytes``."""
+
+    def __init__(self, stats: Callable[[], Any]) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        stats = self.stats()
+        events = CounterMetricFamily("relay_bus_publish_events", "Committed events handed to the bus, by result",
+                                     labels=["result"])
+        for result in PUBLISH_RESULTS:
+            events.add_metric([result], getattr(stats, result, 0) if stats is not None else 0)
+        yield events
+        yield CounterMetricFamily("relay_bus_publish_errors", "Bus publish calls that failed or timed out (retried)",
+                                  value=getattr(stats, "errors", 0) if stats is not None else 0)
+        yield GaugeMetricFamily("relay_bus_publish_queue_bytes", "Committed events waiting for the bus, in bytes",
+                                value=getattr(stats, "queued_bytes", 0) if stats is not None else 0)
