@@ -342,14 +342,15 @@ def select(converter: JetstreamConverter, events: Iterable[SequencedEvent], opti
 
 
 async def seq_for_time(store: ReplayStore, at_us: int) -> int:
-    """The replay cursor (a seq, for ``Broadcaster.session``) of a time cursor: the first stored
-    event with ``time_us >= at_us`` (times never decrease along seq, so a binary search over seq,
-    one single-event read per step); ``latest + 1`` when there is none yet (live from now, no gap),
-    the oldest stored seq when ``at_us`` is older than the window."""
+    """The replay cursor (a seq, for ``Broadcaster.session``, whose cursors are exclusive) of a
+    time cursor: the seq just before the first stored event with ``time_us >= at_us`` (times never
+    decrease along seq, so a binary search over seq, one single-event read per step); ``latest``
+    when there is none yet (live from now, no gap); ``oldest - 1`` (the whole window, no
+    ``OutdatedCursor``) when ``at_us`` is older than the window."""
     latest = await store.latest_seq() or 0
     oldest = await store.oldest_seq()
     if oldest is None:
-        return latest + 1
+        return latest
     lo, hi = oldest, latest + 1
     while lo < hi:
         mid = (lo + hi) // 2
@@ -360,4 +361,4 @@ async def seq_for_time(store: ReplayStore, at_us: int) -> int:
             hi = mid
         else:
             lo = found[0].seq + 1
-    return lo
+    return lo - 1
