@@ -6,7 +6,8 @@ one JSON object per WebSocket message, as Bluesky's Jetstream service sends them
 * ``#commit`` → one ``{"did", "time_us", "kind": "commit", "commit": {"rev", "operation",
   "collection", "rkey", "record", "cid"}}`` per op (``record``/``cid`` absent on deletes), the
   record converted to the atproto JSON data model (``$link``, ``$bytes``);
-* ``#identity`` → ``{"did", "time_us", "kind": "identity", "identity": {"did", "handle", "seq", "time"}}``;
+* ``#identity`` → ``{"did", "time_us", "kind": "identity", "identity": {"did", "handle", "seq", "time"}}``,
+  ``handle`` always a string (``handle.invalid`` when the event has none: absent or unverified);
 * ``#account`` → ``{"did", "time_us", "kind": "account", "account": {"active", "did", "seq", "time", "status"?}}``;
 * ``#sync`` has no Jetstream form and is not sent (nor the session's own ``#info``).
 
@@ -51,6 +52,8 @@ MAX_HEARTBEAT_PAYLOAD = 81
 #: The dictionary the relay compresses with (``bench/train_jetstream_dict.py`` regenerates it).
 DICTIONARY_PATH = Path(__file__).with_name("jetstream_zstd.dict")
 ZSTD_LEVEL = 3
+#: What an identity message carries for a handle that is absent or did not verify (atproto handle spec).
+INVALID_HANDLE = "handle.invalid"
 
 
 class JetstreamOptionsError(ReasonError):
@@ -234,6 +237,10 @@ def _commit_messages(did: str, at_us: int, body: dict[str, Any]) -> tuple[JetMes
 def _status_message(kind: str, did: str, at_us: int, body: dict[str, Any]) -> tuple[JetMessage, ...]:
     inner = {k: v for k, v in body.items() if isinstance(v, str | int | bool) and not isinstance(v, float)}
     inner.setdefault("did", did)
+    if kind == "identity" and not isinstance(inner.get("handle"), str):
+        # Jetstream clients require a string handle; an unverified or absent one is the handle
+        # spec's "handle.invalid" (the CBOR #identity leaves it out, as the sync spec says)
+        inner["handle"] = INVALID_HANDLE
     return (JetMessage(None, _dumps({"did": did, "time_us": at_us, "kind": kind, kind: inner})),)
 
 
