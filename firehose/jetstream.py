@@ -145,13 +145,16 @@ def _list_field(payload: dict[str, Any], name: str) -> list[object]:
 
 
 def parse_client_message(data: str | bytes) -> ClientMessage:
-    """Parse ``{"type": ..., "payload": ...}``; raises :class:`JetstreamOptionsError`."""
+    """Parse ``{"type": ..., "payload": ...}``; raises :class:`JetstreamOptionsError` (also for
+    JSON nested deeper than the parser's recursion limit)."""
     if len(data) > MAX_CLIENT_MESSAGE_BYTES:
         raise JetstreamOptionsError(Reason.JETSTREAM_BAD_MESSAGE, "message too large")
     try:
         msg = json.loads(data)
     except ValueError:
         raise JetstreamOptionsError(Reason.JETSTREAM_BAD_MESSAGE, "message is not JSON") from None
+    except RecursionError:  # deeper than the parser goes: refused like any other bad message
+        raise JetstreamOptionsError(Reason.JETSTREAM_BAD_MESSAGE, "message is nested too deeply") from None
     if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
         raise JetstreamOptionsError(Reason.JETSTREAM_BAD_MESSAGE, "message must be an object with a type")
     kind = msg["type"]

@@ -352,3 +352,19 @@ async def test_identity_and_account_events_pass_collection_filters(relay_factory
             last = [m for m in client.events() if m["did"] == account.did][-1]
             assert last["kind"] == "account" and last["account"]["active"] is False
             assert last["account"]["status"] == "deactivated"
+
+
+async def test_a_deeply_nested_options_update_closes_with_the_reason_and_is_counted(relay_factory, sim) -> None:  # type: ignore[no-untyped-def]
+    """A 5,000-deep JSON array in an ``options_update`` is a typed refusal (close 1008 with the
+    reason, counted), not a crash of the connection's reader."""
+    async with running(relay_factory, sim) as relay:
+        async with jet(relay) as client:
+            nested = "[" * 5000 + "]" * 5000
+            await client.ws.send('{"type": "options_update", "payload": {"wantedCollections": ' + nested + "}}")
+            await until(lambda: client.closed is not None)
+        assert client.closed is not None and client.closed.rcvd is not None
+        assert client.closed.rcvd.code == 1008 and "jetstream_bad_message" in client.closed.rcvd.reason
+        assert "nested too deeply" in client.closed.rcvd.reason
+        async with httpx.AsyncClient(base_url=relay.url) as http:
+            metrics = (await http.get("/metrics")).text
+        assert 'relay_jetstream_total{event="closed_jetstream_bad_message"} 1.0' in metrics
