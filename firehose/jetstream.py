@@ -16,7 +16,10 @@ per event and never decreasing along seq (``backfill.numbering``), so it is the 
 the ops of one commit share it.
 
 :class:`JetstreamConverter` converts each event once (an LRU by seq shared by every consumer) and
-compresses each message at most once (zstd with the project's dictionary, :class:`ZstdCodec`);
+compresses each message at most once per dictionary (:class:`ZstdCodec`): Jetstream's own
+dictionary (``LEGACY_DICTIONARY_PATH``, what ``compress=true`` means to every Jetstream client) and
+the relay's ``current`` one (``DICTIONARY_PATH``, trained on simulated records; a client opts in
+by its id, as with Jetstream's newer protocol);
 :func:`select` picks, per consumer, the messages its :class:`JetstreamOptions` want.
 """
 
@@ -49,8 +52,13 @@ MAX_WANTED_DIDS = 10_000
 MAX_CLIENT_MESSAGE_BYTES = 10_000_000
 #: Largest ``payload`` of a client heartbeat echoed back.
 MAX_HEARTBEAT_PAYLOAD = 81
-#: The dictionary the relay compresses with (``bench/train_jetstream_dict.py`` regenerates it).
+#: The relay's own dictionary, trained on simulated records (``bench/train_jetstream_dict.py``
+#: regenerates it): offered by its id (``zstdDictionary=<id>``), never by ``compress=true``.
 DICTIONARY_PATH = Path(__file__).with_name("jetstream_zstd.dict")
+#: Jetstream's dictionary (id 1612007021), carried byte for byte: ``compress=true`` compresses with
+#: it, since Jetstream clients bundle it (source and licence beside it, ``jetstream_dicts/README.md``).
+LEGACY_DICTIONARY_PATH = Path(__file__).with_name("jetstream_dicts") / "legacy_subscribe.zdict"
+LEGACY_DICTIONARY_ID = 1612007021
 ZSTD_LEVEL = 3
 #: What an identity message carries for a handle that is absent or did not verify (atproto handle spec).
 INVALID_HANDLE = "handle.invalid"
@@ -186,7 +194,7 @@ class JetMessage:
 
     collection: str | None
     data: bytes
-    zstd: bytes | None = None
+    zstd: dict[int, bytes] | None = None  # dictionary id → the compressed message
 
 
 @dataclass(slots=True)
@@ -274,7 +282,13 @@ class ZstdCodec:
 
     @classmethod
     def default(cls) -> ZstdCodec:
+        """The relay's own dictionary (the opt-in ``current`` one)."""
         return cls(DICTIONARY_PATH.read_bytes())
+
+    @classmethod
+    def legacy(cls) -> ZstdCodec:
+        """Jetstream's dictionary (``compress=true``)."""
+        return cls(LEGACY_DICTIONARY_PATH.read_bytes())
 
     def compress(self, data: bytes) -> bytes:
         return self._compressor.compress(data)
@@ -292,10 +306,14 @@ class ConverterStats:
 
 
 class JetstreamConverter:
-    """Converts events once for all consumers (LRU by seq) and compresses messages lazily."""
+    """Converts events once for all consumers (LRU by seq) and compresses messages lazily, once
+    per dictionary. ``codec``: what ``compress=true`` uses; ``current``: the dictionary served when
+    none is asked for by id (default: ``codec``); both can be asked for by id."""
 
-    def __init__(self, codec: ZstdCodec, cache_size: int = 20_000) -> None:
+    def __init__(self, codec: ZstdCodec, current: ZstdCodec | None = None, cache_size: int = 20_000) -> None:
         self.codec = codec
+        self.current = current or codec
+        self.codecs = {c.dict_id: c for c in (codec, self.current)}
         self._cache: BoundedLRU[int, JetEvent] = BoundedLRU(cache_size)
         self.stats = ConverterStats()
 
@@ -315,10 +333,16 @@ class JetstreamConverter:
         self._cache.put(ev.seq, got)
         return got
 
-    def zstd(self, msg: JetMessage) -> bytes:
-        data = msg.zstd
+    def zstd(self, msg: JetMessage, dict_id: int | None = None) -> bytes:
+        """``msg`` compressed with the dictionary ``dict_id`` (one of :attr:`codecs`; None:
+        :attr:`codec`), made once."""
+        codec = self.codec if dict_id is None else self.codecs[dict_id]
+        done = msg.zstd
+        if done is None:
+            done = msg.zstd = {}
+        data = done.get(codec.dict_id)
         if data is None:
-            data = msg.zstd = self.codec.compress(msg.data)
+            data = done[codec.dict_id] = codec.compress(msg.data)
             self.stats.compressed += 1
         return data
 
@@ -332,8 +356,9 @@ class Selection:
 
 
 def select(converter: JetstreamConverter, events: Iterable[SequencedEvent], options: JetstreamOptions,
-           compress: bool) -> Selection:
-    """The messages ``options`` want from ``events`` (ascending seq), compressed or not."""
+           dict_id: int | None) -> Selection:
+    """The messages ``options`` want from ``events`` (ascending seq), compressed with the
+    dictionary ``dict_id`` (one of ``converter.codecs``) or, for None, not compressed."""
     out = Selection()
     dids = options.dids
     limit = options.max_message_bytes
@@ -343,7 +368,7 @@ def select(converter: JetstreamConverter, events: Iterable[SequencedEvent], opti
         for msg in converter.event(ev).messages:
             if not options.wants_collection(msg.collection):
                 continue
-            data = converter.zstd(msg) if compress else msg.data
+            data = msg.data if dict_id is None else converter.zstd(msg, dict_id)
             if limit and len(data) > limit:
                 continue
             out.messages.append(data)
