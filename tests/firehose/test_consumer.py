@@ -92,6 +92,18 @@ async def test_reconnects_and_drops_the_overlap() -> None:
     assert script.cursors[:3] == [0, 6, 11]
 
 
+async def test_reconnects_with_the_last_seq_received_and_is_resent_nothing() -> None:
+    """Against a server that counts cursors as every relay does (``seq > cursor``), each
+    reconnect asks for what follows the last seq received: nothing is resent, nothing skipped."""
+    script = Script(cut_after=5)
+    async with scripted(script) as url:
+        consumer = RelayConsumer(url, cursor=3, backoff=Backoff(0.01, 0.05))
+        events = await take(consumer, 17)
+    assert [e.seq for e in events] == list(range(4, 21))
+    assert script.cursors[:4] == [3, 8, 13, 18]
+    assert consumer.duplicates_dropped == 0
+
+
 async def test_outdated_cursor_is_an_explicit_gap() -> None:
     script = Script(oldest=10, latest=15)
     async with scripted(script) as url:
