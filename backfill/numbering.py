@@ -39,6 +39,20 @@ class CursorOnly:
 
 
 @dataclass(slots=True)
+class AccountWrite:
+    """Store an account's state with no event (e.g. marked desynchronized, or held over its host's
+    limit): the account lanes are the only writers of account rows, through the sequencer."""
+
+    account: AccountState
+    fence: Fence | None = None
+    rev: None = None
+
+    @property
+    def did(self) -> str:
+        return self.account.did
+
+
+@dataclass(slots=True)
 class Numbered:
     """The outcome of ``number_batch``: ``seq`` is the last seq given (``base`` if none)."""
 
@@ -56,6 +70,13 @@ class Numbered:
     fenced: int = 0
     last_time: float = 0.0
     collections: CollectionChanges = field(default_factory=CollectionChanges)
+    #: (host, upstream seq) of the #identity/#account events numbered here that a re-read of their
+    #: host cannot recognise by a rev (``PendingEvent.frame_seq``)
+    upstream_done: list[tuple[str, int]] = field(default_factory=list)
+
+
+#: kinds whose re-delivery a rev does not reveal
+_NO_REV_KINDS = ("#identity", "#account")
 
 
 async def number_batch(
@@ -81,6 +102,7 @@ async def number_batch(
     now_us = round(now * 1_000_000)
     last_time = now
     collections = CollectionChanges()
+    upstream_done: list[tuple[str, int]] = []
     for index, (item, fut) in enumerate(items):
         if index % 128 == 127:
             # Let the commit in flight keep streaming its COPY data while this batch encodes.
@@ -92,6 +114,13 @@ async def number_batch(
             continue
         if isinstance(item, CursorOnly):
             cursors[item.host] = max(cursors.get(item.host, 0), item.upstream_seq)
+            results.append((fut, None))
+            continue
+        if isinstance(item, AccountWrite):
+            state = item.account
+            if not state.updated_at:
+                state.updated_at = now
+            accounts[state.did] = state
             results.append((fut, None))
             continue
         event: PendingEvent = item
@@ -138,10 +167,14 @@ async def number_batch(
         done = SequencedEvent(seq, did, kind, at, frame)
         sequenced.append(done)
         results.append((fut, done))
+        frame_seq = event.frame_seq
+        if frame_seq is not None and event.host is not None and kind in _NO_REV_KINDS:
+            upstream_done.append((event.host, frame_seq))
         account = event.account
         if account is not None:
             if not account.updated_at:
                 account.updated_at = now
             accounts[account.did] = account
     return Numbered(seq, rows, sequenced, results, errors, accounts, cursors, revved, last_rev,
-                    ignored, encode_errors, fenced, last_time, collections)
+                    ignored, encode_errors, fenced, last_time, collections,
+                    [(h, s) for h, s in upstream_done if s > cursors.get(h, 0)])

@@ -56,8 +56,8 @@ _HOST_COLS = (
 # Batch write of account state from the sequencer: the batch is COPYed into a per-connection
 # temporary staging table (binary COPY: far cheaper to encode than nine text arrays), then one
 # UPDATE covers the existing accounts (the common case) and one INSERT the new ones.
-# local_status of an existing account is not touched: only the operator (upsert_account) changes
-# it, so a takedown is never undone by a concurrently validated event.
+# Every column is written, local_status too: an account's lane is the only writer of its row, and
+# a takedown is an operation of the lane, so no event in flight can carry a stale local_status.
 _STAGE = "relay_account_stage"
 _SQL_CREATE_STAGE = f"""
 CREATE TEMPORARY TABLE IF NOT EXISTS {_STAGE} (
@@ -67,7 +67,7 @@ CREATE TEMPORARY TABLE IF NOT EXISTS {_STAGE} (
 """
 # Sent without parameters (simple protocol), so each is planned with the staged row count known.
 _SQL_UPDATE_ACCOUNTS = f"""
-UPDATE accounts a SET host = s.host, upstream_status = s.upstream_status, rev = s.rev,
+UPDATE accounts a SET host = s.host, upstream_status = s.upstream_status, local_status = s.local_status, rev = s.rev,
     commit_cid = s.commit_cid, data_cid = s.data_cid, sync_state = s.sync_state, updated_at = s.updated_at
 FROM pg_temp.{_STAGE} s
 WHERE a.did = s.did
@@ -77,8 +77,8 @@ INSERT INTO accounts ({_ACCOUNT_COLS})
 SELECT {_ACCOUNT_COLS} FROM pg_temp.{_STAGE} s
 WHERE NOT EXISTS (SELECT 1 FROM accounts a WHERE a.did = s.did)
 ON CONFLICT (did) DO UPDATE SET
-    host = EXCLUDED.host, upstream_status = EXCLUDED.upstream_status, rev = EXCLUDED.rev,
-    commit_cid = EXCLUDED.commit_cid, data_cid = EXCLUDED.data_cid,
+    host = EXCLUDED.host, upstream_status = EXCLUDED.upstream_status, local_status = EXCLUDED.local_status,
+    rev = EXCLUDED.rev, commit_cid = EXCLUDED.commit_cid, data_cid = EXCLUDED.data_cid,
     sync_state = EXCLUDED.sync_state, updated_at = EXCLUDED.updated_at
 """
 
@@ -456,10 +456,18 @@ class PostgresStore(Store):
         return await self._pool.fetchval("SELECT upstream_cursor FROM hosts WHERE hostname = $1", hostname)
 
     async def set_host_cursor(self, hostname: str, cursor: int) -> bool:
-        result = await self._pool.execute(
-            "UPDATE hosts SET upstream_cursor = $2 WHERE hostname = $1", hostname, cursor
-        )
-        return result == "UPDATE 1"
+        async with self._pool.acquire() as conn, conn.transaction():
+            await conn.execute("DELETE FROM upstream_done WHERE host = $1", hostname)
+            result = await conn.execute(
+                "UPDATE hosts SET upstream_cursor = $2 WHERE hostname = $1", hostname, cursor
+            )
+        return bool(result == "UPDATE 1")
+
+    async def upstream_done_above(self, hostname: str, cursor: int) -> list[int]:
+        await self._pool.execute("DELETE FROM upstream_done WHERE host = $1 AND upstream_seq <= $2", hostname, cursor)
+        rows = await self._pool.fetch(
+            "SELECT upstream_seq FROM upstream_done WHERE host = $1 ORDER BY upstream_seq", hostname)
+        return [r[0] for r in rows]
 
     # -- domain bans -------------------------------------------------------------------------
     async def list_domain_bans(self) -> list[str]:
@@ -564,6 +572,10 @@ class _PgLease(WriterLease):
             await self._write_accounts(batch)
             await self._write_collections(batch)
             await self._write_hosts(batch)
+            if batch.upstream_done:
+                await self._conn.executemany(
+                    "INSERT INTO upstream_done (host, upstream_seq) VALUES ($1, $2) ON CONFLICT DO NOTHING",
+                    batch.upstream_done)
 
     async def _advance_high_water(self, batch: BatchWrite) -> None:
         status = await self._conn.execute(

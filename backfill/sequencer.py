@@ -60,10 +60,10 @@ from backfill.errors import (
     SequencerConflictError,
     SequencerLockedError,
 )
-from backfill.numbering import CursorOnly, number_batch
+from backfill.numbering import AccountWrite, CursorOnly, number_batch
 from backfill.store import BatchWrite, Store, WriterLease, host_count_deltas
 from firehose.backoff import backoff_delay
-from firehose.state import Fence, PendingEvent, SequencedEvent
+from firehose.state import AccountState, Fence, PendingEvent, SequencedEvent
 
 log = logging.getLogger(__name__)
 
@@ -274,6 +274,18 @@ class Sequencer:
             await self._put((event, fut))
         return fut
 
+    def enqueue_nowait(self, event: PendingEvent) -> asyncio.Future[SequencedEvent | None]:
+        """``enqueue`` without waiting: for a caller that bounds what it has in flight itself (the
+        host runs bound their frames in bytes), and must hand events over in a fixed order from
+        a callback. Raises ``SequencerClosedError`` when the sequencer is not running."""
+        if self._task is None or self._failure is not None or self._closed or self._stopped:
+            raise SequencerClosedError(f"sequencer not running: {self._failure or self.state}")
+        fut: asyncio.Future[SequencedEvent | None] = asyncio.get_running_loop().create_future()
+        self._pending.append((event, fut))
+        if not self._has_items.is_set():
+            self._has_items.set()
+        return fut
+
     async def submit(self, event: PendingEvent) -> SequencedEvent | None:
         """Sequence ``event``; returns it once durable and published, or None if ignored as a
         re-delivery. Raises if its batch could not be written (nothing of it was stored)."""
@@ -285,6 +297,14 @@ class Sequencer:
         await self._check_open()
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         await self._put((CursorOnly(host, upstream_seq, fence), fut))
+        await fut
+
+    async def write_account(self, state: AccountState, fence: Fence | None = None) -> None:
+        """Store ``state`` with the next batch, with no event; returns once durable. (The account
+        lanes own account rows: they write every change through here or with an event.)"""
+        await self._check_open()
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        await self._put((AccountWrite(state, fence), fut))
         await fut
 
     async def _put(self, item: tuple[Any, asyncio.Future[Any]]) -> None:
@@ -433,6 +453,7 @@ class Sequencer:
             host_updates={h: (u[0], u[1], u[2]) for h, u in host_updates.items()},
             collection_resets=numbered.collections.resets,
             collection_deltas=numbered.collections.deltas(),
+            upstream_done=numbered.upstream_done,
         )
         return _Prepared(
             epoch=epoch,
@@ -466,7 +487,7 @@ class Sequencer:
             try:
                 assert self._lease is not None
                 batch = prepared.batch
-                if batch.events or batch.accounts or batch.host_updates:
+                if batch.events or batch.accounts or batch.host_updates or batch.upstream_done:
                     await self._lease.commit_batch(batch)
             except (SequencerLockedError, SequencerConflictError) as exc:
                 self._fatal(exc, prepared)

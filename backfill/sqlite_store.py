@@ -53,7 +53,7 @@ _HOST_COLS = (
 _SQL_UPSERT_ACCOUNT_FROM_EVENT = (
     f"INSERT INTO accounts ({_ACCOUNT_COLS}) VALUES (?,?,?,?,?,?,?,?,?) "
     "ON CONFLICT (did) DO UPDATE SET host = excluded.host, upstream_status = excluded.upstream_status, "
-    "rev = excluded.rev, commit_cid = excluded.commit_cid, data_cid = excluded.data_cid, "
+    "local_status = excluded.local_status, rev = excluded.rev, commit_cid = excluded.commit_cid, data_cid = excluded.data_cid, "
     "sync_state = excluded.sync_state, updated_at = excluded.updated_at"
 )
 _SQL_UPDATE_HOST = (
@@ -451,9 +451,23 @@ class SqliteStore(Store):
         return await self._read(fetchval, "SELECT upstream_cursor FROM hosts WHERE hostname = ?", (hostname,))
 
     async def set_host_cursor(self, hostname: str, cursor: int) -> bool:
-        return await self._update_one(
-            "UPDATE hosts SET upstream_cursor = ? WHERE hostname = ?", (cursor, hostname)
-        )
+        def _reset(conn: sqlite3.Connection) -> bool:
+            with Tx(conn):
+                conn.execute("DELETE FROM upstream_done WHERE host = ?", (hostname,))
+                return conn.execute("UPDATE hosts SET upstream_cursor = ? WHERE hostname = ?",
+                                    (cursor, hostname)).rowcount == 1
+
+        return await self._write(_reset)
+
+    async def upstream_done_above(self, hostname: str, cursor: int) -> list[int]:
+        def _above(conn: sqlite3.Connection) -> list[int]:
+            with Tx(conn):
+                conn.execute("DELETE FROM upstream_done WHERE host = ? AND upstream_seq <= ?", (hostname, cursor))
+                rows = conn.execute("SELECT upstream_seq FROM upstream_done WHERE host = ? ORDER BY upstream_seq",
+                                    (hostname,)).fetchall()
+            return [r[0] for r in rows]
+
+        return await self._write(_above)
 
     # -- domain bans -------------------------------------------------------------------------
     async def list_domain_bans(self) -> list[str]:
@@ -593,6 +607,9 @@ class _SqliteLease(WriterLease):
                 _write_accounts(conn, batch)
                 _write_collections(conn, batch)
                 _write_hosts(conn, batch)
+                if batch.upstream_done:
+                    conn.executemany("INSERT INTO upstream_done (host, upstream_seq) VALUES (?, ?) "
+                                     "ON CONFLICT DO NOTHING", batch.upstream_done)
 
         await self._store._write(_commit)
 

@@ -52,6 +52,8 @@ class BatchWrite:
     ``collection_deltas`` (``(collection, did, delta, floor)``: ``records = max(floor, records +
     delta)``, and at least 1 for an existing row of an account whose counts are not exact; rows
     at 0 removed) keep ``repo_collections`` (``backfill.collections``); written after the accounts.
+    ``upstream_done`` rows ``(host, upstream seq)``: frames stored above the cursor their event
+    carried, which a re-read must skip (migration 0010; ``Store.upstream_done_above``).
     """
 
     expected_high_water: int
@@ -61,6 +63,7 @@ class BatchWrite:
     host_updates: dict[str, tuple[int | None, float | None, int]] = field(default_factory=dict)
     collection_resets: dict[str, dict[str, int]] = field(default_factory=dict)
     collection_deltas: list[tuple[str, str, int, int]] = field(default_factory=list)
+    upstream_done: list[tuple[str, int]] = field(default_factory=list)
 
     @property
     def frame_bytes(self) -> int:
@@ -299,7 +302,12 @@ class Store(ABC):
     @abstractmethod
     async def set_host_cursor(self, hostname: str, cursor: int) -> bool:
         """Overwrite a host's upstream cursor (admin reset, e.g. after the host restarted its
-        sequence); False when the host is unknown."""
+        sequence), forgetting the host's ``upstream_done`` rows; False when the host is unknown."""
+
+    @abstractmethod
+    async def upstream_done_above(self, hostname: str, cursor: int) -> list[int]:
+        """The upstream seqs above ``cursor`` recorded as done for ``hostname`` (``BatchWrite.
+        upstream_done``); the rows at or below it are deleted on the way."""
 
     # -- domain bans -------------------------------------------------------------------------
     @abstractmethod

@@ -106,6 +106,8 @@ class Reason(StrEnum):
     RELAY_NOT_AUTHORITATIVE = "relay_not_authoritative"  # a relay upstream may not speak for the account
     ACCOUNT_THROTTLED = "account_throttled"  # over the host's account limit: held, resynced later
     HANDLE_NOT_VERIFIED = "handle_not_verified"  # #identity passed on without its handle
+    HANDLE_VERIFIED_LATE = "handle_verified_late"  # a slow handle verified: #identity with it emitted
+    UNSEEN_HISTORY = "unseen_history"  # a first-seen account's commit chains on one the relay should have seen
     UNREFERENCED_BLOCKS = "unreferenced_blocks"  # #commit/#sync passed on without blocks nothing references
     RESYNC_PENDING = "resync_pending"  # buffered until the account's resync completes
     RESYNC_BUFFER_FULL = "resync_buffer_full"  # dropped: covered by the resync anyway

@@ -99,6 +99,9 @@ class PendingEvent:
     ``collections`` (optional): the account's complete record counts per collection at this event
     (a walk of the whole verified repository, e.g. a resync's ``#sync``); they replace the stored
     ones in the same transaction (``backfill.collections``).
+    ``frame_seq`` (optional, with ``host``): the upstream seq of the frame this event came from;
+    an ``#identity``/``#account`` stored above the cursor it carries (``upstream_seq``) is recorded
+    as done there (``backfill.store.BatchWrite.upstream_done``), so a re-read skips it.
     """
 
     kind: str
@@ -112,6 +115,7 @@ class PendingEvent:
     seq_offset: int | None = None
     fence: Fence | None = None
     collections: dict[str, int] | None = None
+    frame_seq: int | None = None
 
 
 @dataclass(slots=True)

@@ -2,7 +2,13 @@
 
 The token is compared in constant time (``hmac.compare_digest``). Without a configured token the
 whole admin API answers 404 ``AdminDisabled``. A missing token answers 401 ``AuthRequired``, a
-wrong one 403 ``InvalidToken``. Bodies are JSON; errors are ``{error, message}``.
+wrong one 403 ``InvalidToken``. Failed authentications are limited per client address
+(``RELAY_ADMIN_AUTH_FAILURES_PER_MINUTE``, a token bucket): once a client has spent them, every
+admin request from it, and every dashboard request carrying a token — with the right one or not,
+so guessing gains nothing — is answered 429 ``RateLimitExceeded`` with ``Retry-After`` until it may try again (counted
+``relay_admin_requests_total{result="rate_limited"}``). :func:`authenticate` is that check, for
+the admin API and the dashboard alike; each ``RelayService`` has one failure table
+(:func:`auth_limiter`, made on first use). Bodies are JSON; errors are ``{error, message}``.
 
 | method | path | body / effect |
 | --- | --- | --- |
@@ -24,6 +30,8 @@ wrong one 403 ``InvalidToken``. Bodies are JSON; errors are ``{error, message}``
 from __future__ import annotations
 
 import hmac
+import logging
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +39,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
+from relay.client_limits import ClientRateLimiter, RateLimited
 from relay.hosts import CrawlRefused
+from relay.jsonlog import fields
 from relay.xrpc import XrpcError, int_param, invalid, json_object
 
 if TYPE_CHECKING:
@@ -39,6 +49,8 @@ if TYPE_CHECKING:
     from firehose.state import AccountState
     from relay.hosts import HostManager
     from relay.service import RelayService
+
+log = logging.getLogger("relay.admin")
 
 #: An admin endpoint: the request (already authorized) and the service it administers.
 AdminHandler = Callable[[Request, "RelayService"], Awaitable[Response]]
@@ -69,10 +81,36 @@ def check_token(configured: str, header: str | None) -> str:
     return "wrong"
 
 
-def _authorize(request: Request) -> None:
-    service = _service(request)
+_auth_limiters: weakref.WeakKeyDictionary[RelayService, ClientRateLimiter] = weakref.WeakKeyDictionary()
+
+
+def auth_limiter(service: RelayService) -> ClientRateLimiter:
+    """``service``'s table of failed admin authentications per client address."""
+    found = _auth_limiters.get(service)
+    if found is None:
+        found = _auth_limiters[service] = ClientRateLimiter(service.config.admin_auth_failures_per_minute)
+    return found
+
+
+def authenticate(service: RelayService, request: Request) -> str:
+    """``check_token`` for ``request``, counted in ``relay_admin_requests_total{result}``, under the
+    per-client failure limit: raises ``RateLimited`` while the client has no failures left, and a
+    ``missing`` or ``wrong`` result spends one of them."""
+    limiter = auth_limiter(service)
+    client = request.client.host if request.client else "unknown"
+    if service.config.admin_token and (wait := limiter.wait(client)):
+        service.metrics.admin_requests.labels(result="rate_limited").inc()
+        raise RateLimited(wait, "too many failed admin authentications from this address")
     result = check_token(service.config.admin_token, request.headers.get("authorization"))
     service.metrics.admin_requests.labels(result=result).inc()
+    if result in ("missing", "wrong"):
+        limiter.take(client)
+        log.warning("admin authentication failed", extra=fields(client=client, result=result))
+    return result
+
+
+def _authorize(request: Request) -> None:
+    result = authenticate(_service(request), request)
     if result == "disabled":
         raise XrpcError(404, "AdminDisabled", "the admin API is off (set RELAY_ADMIN_TOKEN)")
     if result == "missing":

@@ -11,12 +11,16 @@
   while other relays carry it too (failover between relays does not rebind it); an event from the
   PDS itself rebinds it to the PDS, after which relays may no longer speak for it.
 * Admission: a host has an account limit (``relay.hosts.HostPolicy``); an account first seen on
-  a host over its limit is *held* (stored ``sync_state="throttled"``, nothing redistributed) and
-  resynchronised when the limit is raised. An account that moved here (its DID document says so)
-  is rebound to this host.
+  a host over its limit is *held* (``admit`` returns it with ``sync_state="throttled"``; its lane
+  stores it so, and nothing of it is redistributed) and resynchronised when the limit is raised.
+  An account that moved here (its DID document says so) is rebound to this host.
 
-Per-host account counts are loaded once from the store and then kept here (check and count with
-no ``await`` in between, since lanes admit accounts concurrently). Host settings and domain bans
+Per-host account counts: the count stored for the host (loaded once; the sequencer keeps the
+stored one), plus the accounts stored since through their lanes (``stored``), plus the first-seen
+accounts admitted whose first event is still on its way (reserved once per DID, whatever number of
+frames it sends; ``released`` when the frame came to nothing). So a frame that is rejected never
+counts, and an account is never counted twice. Checked and reserved with no ``await`` in between,
+since lanes admit accounts concurrently. Host settings and domain bans
 used by the relay rule are cached for ``host_ttl`` seconds; ``relay.upstreams`` calls
 ``host_changed`` whenever a host is started or stopped (added, blocked, changed), so operator
 changes to known hosts apply at once (a new domain ban on a host never seen: within ``host_ttl``).
@@ -59,6 +63,8 @@ class Admission:
         self.host_ttl = host_ttl
         self.clock = clock
         self._host_counts: dict[str, int] = {}
+        #: hostname → first-seen accounts admitted whose first event is not stored yet
+        self._reserved: dict[str, set[str]] = {}
         self._hosts: BoundedLRU[str, tuple[float, HostState | None]] = BoundedLRU(50_000)
         self._bans: tuple[float, list[str]] | None = None
 
@@ -132,15 +138,39 @@ class Admission:
         if hostname not in self._host_counts:
             loaded = await self.store.count_accounts(hostname)
             self._host_counts.setdefault(hostname, loaded)
-        # check and count with no await in between: accounts are admitted concurrently
-        count = self._host_counts[hostname]
-        self._host_counts[hostname] = count + 1
-        if limit is not None and count >= limit:
-            held = AccountState(did=did, host=hostname, sync_state="throttled", updated_at=time.time())
-            await self.store.upsert_account(held)
-            if host is not None and host.status == "active":
-                await self.store.set_host_status(hostname, "throttled")
-                self.forget_host(hostname)
-                log.info("host throttled", extra=fields(host=hostname, limit=limit))
-            return None
+        # check and reserve with no await in between: accounts are admitted concurrently
+        reserved = self._reserved.setdefault(hostname, set())
+        if did not in reserved:
+            if limit is not None and self._host_counts[hostname] + len(reserved) >= limit:
+                if host is not None and host.status == "active":
+                    await self.store.set_host_status(hostname, "throttled")
+                    self.forget_host(hostname)
+                    log.info("host throttled", extra=fields(host=hostname, limit=limit))
+                self._host_counts[hostname] += 1  # the held account is stored on the host too
+                return AccountState(did=did, host=hostname, sync_state="throttled", updated_at=time.time())
+            reserved.add(did)
         return AccountState(did=did, host=hostname)
+
+    def stored(self, hostname: str, did: str) -> None:
+        """A first-seen account admitted on ``hostname`` is stored now (its first event)."""
+        reserved = self._reserved.get(hostname)
+        if reserved is not None and did in reserved:
+            reserved.discard(did)
+            self._host_counts[hostname] = self._host_counts.get(hostname, 0) + 1
+
+    def moved(self, old_host: str | None, new_host: str | None) -> None:
+        """An account stored on ``old_host`` is stored on ``new_host`` now."""
+        if old_host in self._host_counts:
+            self._host_counts[old_host] -= 1
+        if new_host in self._host_counts:
+            self._host_counts[new_host] += 1
+
+    def released(self, hostname: str, did: str) -> None:
+        """A first-seen account admitted on ``hostname`` came to nothing (its frame was rejected)."""
+        reserved = self._reserved.get(hostname)
+        if reserved is not None:
+            reserved.discard(did)
+
+    def reserved(self, hostname: str) -> int:
+        """First-seen accounts of ``hostname`` admitted and not yet stored (or released)."""
+        return len(self._reserved.get(hostname, ()))

@@ -122,6 +122,21 @@ SETTINGS: tuple[Setting, ...] = (
             "DNS TXT _atproto.HANDLE, then https://HANDLE/.well-known/atproto-did"),
     Setting("dns_servers", "RELAY_DNS_SERVERS", "--dns-servers", "",
             "DNS servers (ip or ip:port, comma-separated) for handle TXT lookups; empty = /etc/resolv.conf"),
+    Setting("handle_wait", "RELAY_HANDLE_WAIT", "--handle-wait", "1s",
+            "how long an #identity waits for its handle's check before it is passed on with the handle "
+            "stripped (only its own account waits; the handle follows in a second #identity once it "
+            "verifies)", "duration"),
+    Setting("handle_timeout", "RELAY_HANDLE_TIMEOUT", "--handle-timeout", "10s",
+            "a handle check (DNS, then HTTPS) that takes longer fails; failures are remembered for 60 s",
+            "duration"),
+    Setting("host_clock_skew", "RELAY_HOST_CLOCK_SKEW", "--host-clock-skew", "5m",
+            "how far a host's clock may be ahead of the relay's: a first-seen account whose commit chains on "
+            "one made (by its TID) more than this after the relay began following the host is resynchronised "
+            "(the relay missed that commit, e.g. the host was wiped while the relay was away)", "duration"),
+    Setting("ingest_buffer_mb", "RELAY_INGEST_BUFFER_MB", "--ingest-buffer-mb", "128",
+            "memory for upstream frames read and not yet stored, across all hosts (MB, counted as twice a "
+            "frame's size plus 2 KiB; one host may use an eighth of it, and at most 512 frames); a host "
+            "over its share stops being read until its frames are stored", "int"),
     Setting("lenient_sync_validation", "RELAY_LENIENT_SYNC_VALIDATION", "--lenient-sync-validation", "false",
             "accept sync 1.0 commits (no prevData, or update/delete ops without prev) after every check but "
             "operation inversion, counted as lenient_no_prev_data / lenient_no_op_prev; per host: admin "
@@ -138,6 +153,24 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("consumer_max_queue_bytes", "RELAY_CONSUMER_MAX_QUEUE_BYTES", "--consumer-max-queue-bytes",
             "67108864", "bytes of live events the relay queues for one consumer (at most 10,000 events) "
             "before it gets ConsumerTooSlow", "int"),
+    Setting("http_header_timeout", "RELAY_HTTP_HEADER_TIMEOUT", "--http-header-timeout", "10s",
+            "main port: a connection whose request headers (a WebSocket upgrade request included) have not all "
+            "arrived this long after it opened, or after its previous response, is answered 408 and closed "
+            "(0 = no limit)", "duration"),
+    Setting("max_connections", "RELAY_MAX_CONNECTIONS", "--max-connections", "10000",
+            "main port: open connections (HTTP and WebSocket); past it a new connection is answered 503 with "
+            "Retry-After and closed (0 = no limit; each one is a file descriptor)", "int"),
+    Setting("max_websockets", "RELAY_MAX_WEBSOCKETS", "--max-websockets", "5000",
+            "main port: open WebSockets (subscribeRepos, /subscribe); past it an upgrade is answered 503 with "
+            "Retry-After (0 = no limit)", "int"),
+    Setting("crawl_requests_per_minute", "RELAY_CRAWL_REQUESTS_PER_MINUTE", "--crawl-requests-per-minute", "10",
+            "requestCrawl calls one client address may make per minute (bursts up to the same number); more are "
+            "answered 429 with Retry-After (0 = no limit)", "int"),
+    Setting("admin_auth_failures_per_minute", "RELAY_ADMIN_AUTH_FAILURES_PER_MINUTE",
+            "--admin-auth-failures-per-minute", "10",
+            "admin requests with a missing or wrong token one client address may make per minute; past it every "
+            "admin request from that address is answered 429 with Retry-After until it may try again "
+            "(0 = no limit)", "int"),
     Setting("log_level", "RELAY_LOG_LEVEL", "--log-level", "info", "debug, info, warning or error"),
 )
 
@@ -214,11 +247,20 @@ class RelayConfig:
     identity_max_age: float = 24 * 3600.0
     handle_resolver_url: str = ""
     dns_servers: str = ""
+    handle_wait: float = 1.0
+    handle_timeout: float = 10.0
+    host_clock_skew: float = 300.0
+    ingest_buffer_mb: int = 128
     lenient_sync_validation: bool = False
     getrepo_proxy: bool = False
     getrepo_cache_mb: int = 64
     consumer_max_lag: float = 15.0
     consumer_max_queue_bytes: int = 64 * 1024 * 1024
+    http_header_timeout: float = 10.0
+    max_connections: int = 10_000
+    max_websockets: int = 5000
+    crawl_requests_per_minute: int = 10
+    admin_auth_failures_per_minute: int = 10
     log_level: str = "info"
 
     @property

@@ -323,9 +323,13 @@ class IdentityResolver:
                  metrics: RelayMetrics | None = None, rate: float = 50.0, burst: int = 100,
                  handle_resolver_url: str = "", timeout: float = 10.0, concurrency: int = 16,
                  txt_lookup: TxtLookup | None = None, persisted: PersistedIdentities | None = None,
-                 stale_after: float = DEFAULT_MAX_AGE, clock: Callable[[], float] = time.time) -> None:
+                 stale_after: float = DEFAULT_MAX_AGE, clock: Callable[[], float] = time.time,
+                 handle_concurrency: int = 64, handle_timeout: float = 10.0, handle_negative_ttl: float = 60.0) -> None:
         """``txt_lookup`` enables the DNS TXT handle method (see :func:`dns_txt_lookup`);
-        ``clock`` is the wall clock of ``Identity.fetched_at``."""
+        ``clock`` is the wall clock of ``Identity.fetched_at``. Handle checks have their own
+        bound (``handle_concurrency`` at once, each given up after ``handle_timeout`` seconds), so
+        slow handle domains never hold DID resolution; a failed check is remembered for
+        ``handle_negative_ttl`` seconds."""
         self.plc_url = plc_url.rstrip("/")
         self.txt_lookup = txt_lookup
         self.safe = safe_client
@@ -350,8 +354,19 @@ class IdentityResolver:
         #: (handle, did) → expiry of a successful bidirectional check
         self._handles_ok: BoundedLRU[tuple[str, str], float] = BoundedLRU(100_000)
         self.handle_ttl = 60.0
+        #: (handle, did) → expiry of a failed check
+        self._handles_bad: BoundedLRU[tuple[str, str], float] = BoundedLRU(100_000)
+        self.handle_negative_ttl = handle_negative_ttl
+        self.handle_timeout = handle_timeout
+        self._handle_slots = asyncio.Semaphore(handle_concurrency)
+        self._handle_checks: dict[tuple[str, str], asyncio.Task[bool]] = {}
 
     async def aclose(self) -> None:
+        checks = list(self._handle_checks.values())
+        for task in checks:
+            task.cancel()
+        if checks:
+            await asyncio.wait(checks, timeout=1.0)
         await self._plc.aclose()
         await self._trusted.aclose()
 
@@ -483,17 +498,43 @@ class IdentityResolver:
         except ValueError:
             raise IdentityError("bad_did_document", f"{url}: not JSON") from None
 
+    def handle_check(self, handle: str, did: str) -> asyncio.Future[bool]:
+        """``verify_handle`` as a task, shared by every caller asking about the same pair while it
+        runs (a caller may stop waiting for it without cancelling it for the others)."""
+        key = (handle, did)
+        running = self._handle_checks.get(key)
+        if running is not None:
+            return running
+        task = asyncio.get_running_loop().create_task(self.verify_handle(handle, did), name=f"handle:{handle}")
+        self._handle_checks[key] = task
+        task.add_done_callback(lambda _: self._handle_checks.pop(key, None))
+        return task
+
     async def verify_handle(self, handle: str, did: str) -> bool:
         """True when ``handle`` resolves back to ``did`` (bidirectional verification).
 
-        Successful checks are remembered for ``handle_ttl`` seconds."""
+        Successful checks are remembered for ``handle_ttl`` seconds, failed ones for
+        ``handle_negative_ttl``; a check that takes longer than ``handle_timeout`` fails."""
         key = (handle, did)
+        now = time.monotonic()
         expiry = self._handles_ok.peek(key)
-        if expiry is not None and expiry > time.monotonic():
+        if expiry is not None and expiry > now:
             return True
-        ok = await self._check_handle(handle, did)
+        failed_until = self._handles_bad.peek(key)
+        if failed_until is not None and failed_until > now:
+            self._count("handle_checks", "failed_cached")
+            return False
+        try:
+            async with asyncio.timeout(self.handle_timeout):
+                ok = await self._check_handle(handle, did)
+        except TimeoutError:
+            self._count("handle_checks", "timeout")
+            ok = False
         if ok:
             self._handles_ok.put(key, time.monotonic() + self.handle_ttl)
+            self._handles_bad.pop(key, None)
+        else:
+            self._handles_bad.put(key, time.monotonic() + self.handle_negative_ttl)
         await self._record_handle_check(did, handle, ok)
         return ok
 
@@ -508,7 +549,7 @@ class IdentityResolver:
             self.persisted.put(checked)
 
     async def _check_handle(self, handle: str, did: str) -> bool:
-        async with self._network:
+        async with self._handle_slots:
             return await self._check_handle_now(handle, did)
 
     async def _check_handle_now(self, handle: str, did: str) -> bool:

@@ -57,6 +57,8 @@ from firehose.state import AccountState, Fence, PendingEvent, SequencedEvent
 from firehose.subscriber import UpstreamFrame
 from firehose.validate import Verdict, identity_body, outgoing_body, validate_account, validate_identity
 from mst import cbor
+from mst.syntax import is_valid_tid
+from mst.tid import tid_to_micros
 from relay.accounts import account_event_body, now_iso
 from relay.admission import Admission
 from relay.batched import BatchedLookup
@@ -68,6 +70,8 @@ log = logging.getLogger("relay.lanes")
 
 #: Frames buffered per account while it is being resynchronized (older ones are covered by it).
 MAX_BUFFER_PER_ACCOUNT = 1000
+#: Seconds of clock skew allowed between a host's TIDs and the relay (``_missed_history``).
+UNSEEN_HISTORY_MARGIN = 300.0
 #: ``PendingEvent.body`` of a pre-encoded event (the sequencer does not read it); never mutated.
 _NO_BODY: dict[str, Any] = {}
 
@@ -91,6 +95,8 @@ class Work:
     #: the host's settings at dispatch: judge sync 1.0 commits leniently; the host is a relay
     lenient: bool = False
     relay: bool = False
+    #: when the relay began following the host (``HostState.created_at``; 0: unknown)
+    followed_since: float = 0.0
 
 
 _Op = Callable[["_Lane"], Awaitable[Any]]
@@ -144,7 +150,12 @@ class AccountLanes:
     def __init__(self, *, store: Store, sequencer: Sequencer, pool: ValidationPool, admission: Admission,
                  identity: IdentityResolver, resync: ResyncQueue, count: Count,
                  idle_cache: int = 200_000, relay_dedup: int = 100_000,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, handle_wait: float = 1.0,
+                 history_margin: float = UNSEEN_HISTORY_MARGIN) -> None:
+        """``handle_wait``: how long an ``#identity`` waits for its handle's check before it is
+        passed on with the handle stripped (the handle follows in a later ``#identity`` if the
+        check succeeds: ``_verify_later``). ``history_margin``: the clock skew allowed to hosts
+        by ``_missed_history``."""
         self.store = store
         self.sequencer = sequencer
         self.pool = pool
@@ -154,6 +165,11 @@ class AccountLanes:
         self.count = count
         self.clock = clock
         self.identity_refreshes = 0
+        self.handle_wait = handle_wait
+        self.history_margin = history_margin
+        #: did → token of the handle follow-up still due (``_verify_later``)
+        self._later_handles: dict[str, object] = {}
+        self._background: set[asyncio.Task[None]] = set()
         self._lanes: dict[str, _Lane] = {}
         self._idle: BoundedLRU[str, AccountState | None] = BoundedLRU(idle_cache)
         #: (did, kind) -> digest of the last #identity/#account accepted from a relay upstream:
@@ -161,6 +177,14 @@ class AccountLanes:
         self._relayed: BoundedLRU[tuple[str, str], bytes] = BoundedLRU(relay_dedup)
         #: lanes loading at once share one query (a burst of never-seen accounts: issue 18)
         self._accounts: BatchedLookup[str, AccountState] = BatchedLookup(store.get_accounts)
+
+    async def close(self) -> None:
+        """Cancel the background work (handle follow-ups still waiting for their check)."""
+        tasks = list(self._background)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=1.0)
 
     # -- lanes ---------------------------------------------------------------------------------
     def _lane(self, did: str) -> _Lane:
@@ -218,6 +242,16 @@ class AccountLanes:
         """An accepted event its host run did not submit (its fence was revoked first)."""
         self._settle(event, None, True)
 
+    def _set_durable(self, lane: _Lane, state: AccountState) -> None:
+        """``state`` is stored: the lane's durable state, and the hosts' account counts follow."""
+        before = lane.durable
+        if before is None:
+            if state.host is not None:
+                self.admission.stored(state.host, lane.did)
+        elif before.host != state.host:
+            self.admission.moved(before.host, state.host)
+        lane.durable = state
+
     def _settle(self, event: PendingEvent, result: SequencedEvent | None, failed: bool) -> None:
         if failed:  # a relayed copy not stored is re-read: let it (or another relay's copy) through
             self._relayed.pop((event.did, event.kind))
@@ -229,15 +263,19 @@ class AccountLanes:
                 del lane.inflight[i]
                 break
         if failed:
+            if lane.durable is None and event.host is not None:
+                self.admission.released(event.host, event.did)
             for doomed, _ in lane.inflight:
                 if doomed.fence is not None and not doomed.fence.valid:
                     self._relayed.pop((doomed.did, doomed.kind))
             lane.inflight = [e for e in lane.inflight if e[0].fence is None or e[0].fence.valid]
         elif result is None:
             self.count("ignore", Reason.ALREADY_SEQUENCED)
+            if lane.durable is None and event.host is not None:
+                self.admission.released(event.host, event.did)
             lane.stale = True
         elif event.account is not None:
-            lane.durable = event.account
+            self._set_durable(lane, event.account)
         if not lane.inflight:
             for waiter in lane.quiet:
                 if not waiter.done():
@@ -330,6 +368,8 @@ class AccountLanes:
         finally:
             if event is not None:
                 lane.inflight_host = work.hostname
+            elif lane.durable is None and not lane.inflight:  # nothing of the account is stored
+                self.admission.released(work.hostname, work.did)
             if not work.judged.done():
                 work.judged.set_result(event)
 
@@ -347,15 +387,19 @@ class AccountLanes:
         return verdict
 
     async def _admitted(self, lane: _Lane, work: Work) -> AccountState | None:
-        """The state to judge against, or None (counted) when the account is held."""
+        """The state to judge against, or None (counted) when the account is held (an account
+        first seen over its host's limit is stored held here)."""
         head = lane.head
         state = None
         if head is None or head.sync_state != "throttled":
             state = await self.admission.admit(work.hostname, work.did, head)
+        if state is not None and state.sync_state == "throttled":  # just held
+            await self._quiet(lane)
+            await self.sequencer.write_account(state)
+            self._set_durable(lane, state)
+            state = None
         if state is None:
             self.count("ignore", Reason.ACCOUNT_THROTTLED)
-            if head is None:  # just held: the admission stored it
-                lane.durable = await self.store.get_account(work.did)
         return state
 
     async def _repo_event(self, lane: _Lane, work: Work) -> PendingEvent | None:
@@ -365,6 +409,12 @@ class AccountLanes:
             self.count("reject", _not_speaker(work))
             return None
         known = lane.head is not None
+        verdict: Verdict | None = None
+        if not known:  # verified before it may take a place on its host: a forgery takes none
+            verdict = await self._judge(work, None, ident.signing_key)
+            if verdict.kind != "accept":
+                self.count(verdict.kind, verdict.reason)
+                return None
         state = await self._admitted(lane, work)
         if state is None:
             return None
@@ -372,11 +422,30 @@ class AccountLanes:
         if state.sync_state in ("desynchronized", "resyncing"):
             self._hold(lane, work)
             return None
-        verdict = await self._judge(work, state if known else None, ident.signing_key)
+        if verdict is None:
+            verdict = await self._judge(work, state, ident.signing_key)
+        elif self._missed_history(work, self.history_margin):
+            # e.g. a host wiped and past its old cursor before the relay reconnected: the commits
+            # before this one were never read. Resync the account (one #sync covers them).
+            self.count("desync", Reason.UNSEEN_HISTORY)
+            await self._mark_desynchronized(lane, work.hostname, state)
+            self._hold(lane, work)
+            return None
         event = await self._apply(lane, work, state, verdict)
         if event is not None:
             self._advance(lane, event, event.account)
         return event
+
+    @staticmethod
+    def _missed_history(work: Work, margin: float) -> bool:
+        """Does this first-seen account's ``#commit`` chain on a commit made while the relay was
+        already following the host (``since`` is a TID: its time is when that commit was made)?
+        Then the relay should have read that commit and did not. A commit chained on history from
+        before the relay followed the host (the common case of a host just added) is not."""
+        since = work.uf.frame.body.get("since")
+        if work.kind != "#commit" or not work.followed_since or not isinstance(since, str) or not is_valid_tid(since):
+            return False
+        return tid_to_micros(since) / 1e6 > work.followed_since + margin
 
     def _hold(self, lane: _Lane, work: Work) -> None:
         if len(lane.buffer) < MAX_BUFFER_PER_ACCOUNT:
@@ -427,8 +496,8 @@ class AccountLanes:
         (default: the durable one, else a new account on ``hostname``)."""
         base = base or lane.durable or AccountState(did=lane.did, host=hostname)
         marked = dataclasses.replace(base, sync_state="desynchronized", updated_at=self.clock())
-        await self.store.upsert_account(marked)
-        lane.durable = marked
+        await self.sequencer.write_account(marked)
+        self._set_durable(lane, marked)
         await self.resync.enqueue(lane.did)
 
     def _relayed_again(self, work: Work) -> bool:
@@ -469,8 +538,14 @@ class AccountLanes:
         if verdict.kind != "accept":
             return None
         verified = False
+        self._later_handles.pop(work.did, None)  # this #identity supersedes any follow-up still due
         if msg.handle:
-            verified = await self.identity.verify_handle(msg.handle.lower(), work.did)
+            check = self.identity.handle_check(msg.handle.lower(), work.did)
+            done, _ = await asyncio.wait([check], timeout=self.handle_wait)
+            if check in done:
+                verified = check.result()
+            else:  # a slow handle domain: pass the event on now, the handle once it verifies
+                self._verify_later(work.did, work.uf.frame.body, check)
             if not verified:
                 self.count("strip", Reason.HANDLE_NOT_VERIFIED)
         # An account first seen through its #identity is stored with its host, so it is admitted
@@ -500,8 +575,8 @@ class AccountLanes:
             if held is not None:
                 verdict = validate_account(msg, held, self.clock())
                 assert verdict.new_state is not None
-                await self.store.upsert_account(verdict.new_state)
-                lane.durable = verdict.new_state
+                await self.sequencer.write_account(verdict.new_state)
+                self._set_durable(lane, verdict.new_state)
             return None
         verdict = validate_account(msg, state, self.clock())
         self.count(verdict.kind, verdict.reason)
@@ -515,6 +590,36 @@ class AccountLanes:
         self._remember_relayed(work)
         return event
 
+    def _verify_later(self, did: str, body: dict[str, Any], check: asyncio.Future[bool]) -> None:
+        """An ``#identity`` was passed on with its handle stripped while the handle's check was
+        still running: if the check succeeds, and no later ``#identity`` of the account came
+        meanwhile, emit an ``#identity`` carrying the verified handle (counted ``handle_verified_late``)."""
+        token = object()
+        self._later_handles[did] = token
+
+        async def later() -> None:
+            try:
+                ok = await check
+            except Exception:  # noqa: BLE001 - a failed check is an unverified handle
+                ok = False
+            if not ok:
+                if self._later_handles.get(did) is token:
+                    del self._later_handles[did]
+                return
+
+            async def op(lane: _Lane) -> None:
+                if self._later_handles.pop(did, None) is not token:
+                    return  # a later #identity came first
+                self.count("accept", Reason.HANDLE_VERIFIED_LATE)
+                await self.submit_own(lane, PendingEvent(kind="#identity", did=did,
+                                                         body=identity_body(body, True)))
+
+            await self.run_op(did, op)
+
+        task = asyncio.get_running_loop().create_task(later(), name=f"handle-later:{did}")
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
     # -- operations ----------------------------------------------------------------------------
     async def set_local_status(self, did: str, local_status: str) -> AccountState:
         """Operator takedown / reversal: store it and emit ``#account`` with the combined status."""
@@ -522,8 +627,7 @@ class AccountLanes:
         async def op(lane: _Lane) -> AccountState:
             state = lane.durable or AccountState(did=did)
             new_state = dataclasses.replace(state, local_status=local_status, updated_at=self.clock())
-            await self.store.upsert_account(new_state)  # event upserts never touch local_status
-            lane.durable = new_state
+            # the new status and its #account are stored together, or neither
             await self.submit_own(lane, PendingEvent(kind="#account", did=did, body=account_event_body(new_state),
                                                      account=new_state))
             return new_state
@@ -572,8 +676,8 @@ class AccountLanes:
                                                               account=state, collections=collections))
             seq = stored.seq if stored is not None else None
         else:
-            await self.store.upsert_account(state)
-            lane.durable = state
+            await self.sequencer.write_account(state)
+            self._set_durable(lane, state)
         buffered, lane.buffer = lane.buffer, []
         for work in buffered:
             rev = str(work.uf.frame.body.get("rev", ""))

@@ -165,7 +165,8 @@ class RelayService:
                                          rate=max(1.0, float(config.identity_rate)),
                                          burst=max(1, int(config.identity_rate * 2.5)),
                                          txt_lookup=dns_txt_lookup(parse_nameservers(config.dns_servers) or None),
-                                         persisted=self.identities, stale_after=config.identity_max_age)
+                                         persisted=self.identities, stale_after=config.identity_max_age,
+                                         handle_timeout=config.handle_timeout)
         if config.getrepo_proxy:
             self.repo_proxy = RepoProxy(identity=self.identity, safe=self.safe, metrics=self.metrics,
                                         cache_bytes=max(1, config.getrepo_cache_mb) * 1024 * 1024)
@@ -194,10 +195,13 @@ class RelayService:
         self.admission = admission = Admission(store=self.store, identity=self.identity, policy=policy,
                                                default_account_limit=config.default_account_limit)
         self.lanes = AccountLanes(store=self.store, sequencer=self.sequencer, pool=self.pool, admission=admission,
-                                  identity=self.identity, resync=resync_queue, count=self._count)
+                                  identity=self.identity, resync=resync_queue, count=self._count,
+                                  handle_wait=config.handle_wait, history_margin=config.host_clock_skew)
+        buffer = max(1, config.ingest_buffer_mb) * 1024 * 1024
         self.upstreams = Upstreams(store=self.store, sequencer=self.sequencer, lanes=self.lanes,
                                    admission=admission, policy=policy,
-                                   guard=self.guard, metrics=self.metrics, config=config, count=self._count)
+                                   guard=self.guard, metrics=self.metrics, config=config, count=self._count,
+                                   max_in_flight_bytes=buffer, max_in_flight_bytes_per_host=max(1, buffer // 8))
         self.resync = ResyncManager(store=self.store, identity=self.identity, safe=self.safe,
                                     metrics=self.metrics, queue=resync_queue, lanes=self.lanes,
                                     workers=config.resync_workers)
@@ -313,6 +317,8 @@ class RelayService:
         self._tasks = []
         if self.upstreams is not None:
             await self.upstreams.close()
+        if self.lanes is not None:
+            await self.lanes.close()
         if self.resync is not None:
             await self.resync.close()
         if self.pool is not None:

@@ -1,21 +1,30 @@
-"""Host subscriptions: one run per followed host, from its durable cursor, in upstream order.
+"""Host subscriptions: one run per followed host, from its durable cursor.
 
-A run is a ``firehose.subscriber.HostSubscriber`` plus an ordered queue. Each frame it reads is
-dispatched at once into its account's lane (``relay.lanes``) and queued here; the run's drainer
-takes the frames strictly in upstream order, waits for each one's judgement and hands the accepted
-events to the sequencer (so a host's events are stored in the order the host sent them, and the
-stored host cursor never passes a frame that is not yet stored). The upstream cursor advances only
-when the sequencer has made a frame's effects durable.
+A run is a ``firehose.subscriber.HostSubscriber`` plus a window of the frames it has read and not
+yet finished. Each frame is dispatched at once into its account's lane (``relay.lanes``); when the
+lane has judged it, its event (if any) goes to the sequencer straight away. Frames of one account
+are judged, sequenced and stored in upstream order; frames of different accounts finish in any
+order, so one account waiting for slow work (a DID lookup, a handle check, a key refresh, a resync
+hold) delays only itself — never another account of its host.
+
+The host's cursor is a **watermark**: the highest upstream seq such that it and every frame read
+before it are done (stored, or judged to produce nothing). Each event carries the watermark of its
+moment as the host cursor of its write, and a host whose frames make no events stores it now and
+then (``SKIP_PERSIST_EVERY``, and whenever the window empties). A restart reads again from the
+watermark: frames done above it are skipped when the same process re-reads them (``done_above``),
+and after a crash the lanes drop what was already stored (a commit or ``#sync`` whose rev is not
+newer than the stored one).
 
 Every subscriber instance carries a ``Fence`` (``firehose.state``) that all its events share. When
 the sequencer could not store one of them, it revokes the fence, so none of the later ones is
-stored either; the run then restarts a subscriber from its last acknowledged cursor, with a new
-fence, and re-reads everything that was not stored (re-deliveries of what was stored are ignored
-by the lanes). Nothing is lost and nothing is judged against a state the store does not hold.
+stored either; the run then restarts a subscriber from its watermark, with a new fence, and
+re-reads everything that was not done. Nothing is lost and nothing is judged against a state the
+store does not hold.
 
-While the store is unavailable the sequencer holds its batches and stops taking new ones once its
-queue is full; then the drainer waits, the run's queue fills, and the subscriber stops reading its
-socket: backpressure, never reading and discarding.
+Memory: a run's outstanding frames are bounded in count and bytes per host, and in bytes across
+all hosts; a run at its bound stops reading its socket until its own frames finish
+(backpressure, never reading and discarding). While the store is unavailable nothing finishes,
+the windows fill, and every subscriber stops reading.
 """
 
 from __future__ import annotations
@@ -27,7 +36,6 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from datetime import datetime
-from typing import Any
 
 from backfill.errors import BackfillError
 from backfill.sequencer import Sequencer
@@ -64,6 +72,13 @@ def host_time(stamp: str | None) -> float | None:
         return None
 
 
+def frame_cost(uf: UpstreamFrame) -> int:
+    """The memory an upstream frame holds until it is done, as the in-flight budgets count it: its
+    bytes twice (the raw frame, and its decoded body or the event encoded from it) plus 2 KiB, an
+    allowance for the objects around it (work item, futures, event, account state)."""
+    return 2 * len(uf.raw) + 2048
+
+
 def did_of(kind: str, body: dict[str, object]) -> str | None:
     """The account a frame is about (``repo`` of a ``#commit``, else ``did``), if a valid DID."""
     did = body.get("repo") if kind == "#commit" else body.get("did")
@@ -71,42 +86,72 @@ def did_of(kind: str, body: dict[str, object]) -> str | None:
 
 
 @dataclasses.dataclass(slots=True, eq=False)
+class _Slot:
+    """One frame of a host run's window: its upstream seq, host ``time``, size and whether it is done
+    (judged to produce nothing, or its event stored)."""
+
+    seq: int
+    stamp: object
+    nbytes: int
+    done: bool = False
+
+
+@dataclasses.dataclass(slots=True, eq=False)
 class _HostRun:
     hostname: str
     subscriber: HostSubscriber
     fence: Fence
-    queue: asyncio.Queue[Work]
     task: asyncio.Task[None] | None = None
-    drainer: asyncio.Task[None] | None = None
     last_frame: float = 0.0
     restart: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     stopping: asyncio.Task[None] | None = None  # the subscriber's stop, when a restart asked for it
     restarts: int = 0
-    #: frames received and not yet done (judged and, if they became an event, stored or dropped)
+    #: frames received and not yet finished (judged and, if they became an event, stored or lost)
     outstanding: int = 0
-    #: one ``[host time, done]`` per frame of the current subscriber, in upstream order, until done
-    marks: deque[list[Any]] = dataclasses.field(default_factory=deque)
+    #: bytes of those frames
+    outstanding_bytes: int = 0
+    #: set whenever a frame finishes (the reader waits on it for room in the window)
+    room: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    #: set while nothing is outstanding
+    idle: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    #: the current subscriber's frames in upstream order, from the first one not done
+    window: deque[_Slot] = dataclasses.field(default_factory=deque)
+    #: upstream seqs above the watermark that are done: skipped when read again after a restart
+    done_above: set[int] = dataclasses.field(default_factory=set)
+    #: the highest upstream seq such that it and every frame before it are done (None: none yet)
+    watermark: int | None = None
+    #: the highest watermark known to be stored as the host's cursor
+    persisted: int = 0
+    persisting: asyncio.Task[None] | None = None
     #: host ``time`` of the latest frame such that it and every frame before it are done
     done_time: str | None = None
+    followed_since: float = 0.0  # when the relay began following the host (HostState.created_at)
     lenient: bool = False  # judge sync 1.0 commits leniently (the host's setting, else the relay's)
     relay: bool = False  # the host is another relay (see relay.admission)
-    #: the sequencer future of the last event submitted (futures resolve in submission order)
-    last_submitted: asyncio.Future[SequencedEvent | None] | None = None
     last_read: int | None = None  # upstream seq of the last frame read
 
-    def mark(self, work: Work) -> list[Any]:
-        entry = [work.uf.frame.body.get("time"), False]
-        self.marks.append(entry)
-        return entry
+    def __post_init__(self) -> None:
+        self.idle.set()
 
-    def finish(self, entry: list[Any]) -> None:
-        """``entry``'s frame is done: advance ``done_time`` over the done prefix."""
-        entry[1] = True
-        marks = self.marks
-        while marks and marks[0][1]:
-            stamp = marks.popleft()[0]
-            if isinstance(stamp, str):
-                self.done_time = stamp
+    def advance(self) -> bool:
+        """Move the watermark over the done prefix of the window; True when it moved."""
+        window = self.window
+        moved = False
+        while window and window[0].done:
+            slot = window.popleft()
+            self.done_above.discard(slot.seq)
+            self.watermark = slot.seq
+            if isinstance(slot.stamp, str):
+                self.done_time = slot.stamp
+            moved = True
+        return moved
+
+    def forget_stream(self) -> None:
+        """The host's stream restarted (reset): nothing of the old one is pending or done."""
+        self.window.clear()
+        self.done_above.clear()
+        self.watermark = None
+        self.persisted = 0
 
 
 class Upstreams:
@@ -114,8 +159,13 @@ class Upstreams:
 
     def __init__(self, *, store: Store, sequencer: Sequencer, lanes: AccountLanes, admission: Admission,
                  policy: HostPolicy, guard: AddressGuard, metrics: RelayMetrics, config: RelayConfig, count: Count,
-                 max_in_flight_per_host: int = 512, backoff_base: float = 1.0) -> None:
-        """``admission`` is told whenever a host starts or stops (its cached host settings)."""
+                 max_in_flight_per_host: int = 512, max_in_flight_bytes_per_host: int = 16 * 1024 * 1024,
+                 max_in_flight_bytes: int = 128 * 1024 * 1024, backoff_base: float = 1.0) -> None:
+        """``admission`` is told whenever a host starts or stops (its cached host settings).
+        Frames read and not yet finished are bounded per host (``max_in_flight_per_host`` frames,
+        ``max_in_flight_bytes_per_host`` bytes) and across all hosts (``max_in_flight_bytes``): a
+        run over its bounds stops reading its socket until its own frames finish (a run with
+        nothing outstanding may always take one frame, however large)."""
         self.store = store
         self.sequencer = sequencer
         self.lanes = lanes
@@ -126,6 +176,11 @@ class Upstreams:
         self.config = config
         self.count = count
         self.max_in_flight_per_host = max_in_flight_per_host
+        self.max_in_flight_bytes_per_host = max_in_flight_bytes_per_host
+        self.max_in_flight_bytes = max_in_flight_bytes
+        #: bytes of every run's outstanding frames
+        self.in_flight_bytes = 0
+        self._global_room = asyncio.Event()
         #: first reconnect delay (seconds); doubles per failure up to 30 s
         self.backoff_base = backoff_base
         self._runs: dict[str, _HostRun] = {}
@@ -165,15 +220,16 @@ class Upstreams:
         if run is not None and run.task is not None and not run.task.done():
             return
         cursor = await self.store.host_cursor(host.hostname)
+        done_above = set(await self.store.upstream_done_above(host.hostname, cursor or 0))
         url = host_base_url(host.hostname, insecure=self.config.allow_insecure_hosts, websocket=True)
         # A new host is read from the start of its backfill window (cursor 0), so nothing it
         # emitted before it was added is missed; later runs resume from the durable cursor.
         subscriber, fence = self._subscriber(host.hostname, url, cursor or 0, self.subscriber_config(host))
-        run = _HostRun(host.hostname, subscriber, fence, asyncio.Queue(self.max_in_flight_per_host),
+        run = _HostRun(host.hostname, subscriber, fence,
                        lenient=self.config.lenient_sync_validation if host.lenient is None else host.lenient,
-                       relay=host.relay)
+                       relay=host.relay, persisted=cursor or 0, done_above=done_above,
+                       followed_since=host.created_at)
         self._runs[host.hostname] = run
-        run.drainer = asyncio.create_task(self._drain(run), name=f"drain:{host.hostname}")
         run.task = asyncio.create_task(self._run_host(run), name=f"host:{host.hostname}")
         if host.status not in ("active", "throttled"):
             await self.store.set_host_status(host.hostname, "active")
@@ -204,7 +260,9 @@ class Upstreams:
                 return
             run.restart.clear()
             run.restarts += 1
-            run.marks.clear()  # the old subscriber's frames that are not done will be read again
+            # The old subscriber's frames that are not done will be read again (from the watermark,
+            # which is the acknowledged cursor); those above it that are done are skipped then.
+            run.window.clear()
             run.subscriber, run.fence = self._subscriber(run.hostname, subscriber.host, subscriber.cursor,
                                                          subscriber.config)
             log.info("subscription restarted", extra=fields(host=run.hostname, cursor=subscriber.cursor))
@@ -239,10 +297,11 @@ class Upstreams:
             await asyncio.wait_for(run.subscriber.stop(), 1.0)
         except (TimeoutError, Exception):
             pass
-        for task in (run.task, run.drainer):
-            if task is not None:
-                task.cancel()
-        await asyncio.wait([t for t in (run.task, run.drainer) if t is not None], timeout=1.0)
+        tasks = [t for t in (run.task, run.persisting) if t is not None]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=1.0)
 
     async def start_all(self) -> None:
         """Resume every non-banned host from its persisted cursor."""
@@ -263,8 +322,16 @@ class Upstreams:
     async def watch_hosts(self, *, idle_after: float = 1800.0, offline_after: int = 5) -> None:
         """Derive idle/offline/active host statuses from the subscribers (call periodically)."""
         now = time.monotonic()
+        stored: dict[str, HostState] = {}
+        after: str | None = None
+        while True:  # one query per 500 hosts, not one per host
+            page = await self.store.list_hosts(after=after, limit=500)
+            stored.update((h.hostname, h) for h in page)
+            if len(page) < 500:
+                break
+            after = page[-1].hostname
         for hostname, run in list(self._runs.items()):
-            host = await self.store.get_host(hostname)
+            host = stored.get(hostname)
             if host is None or host.status in ("banned", "throttled"):
                 continue
             sub = run.subscriber
@@ -297,7 +364,7 @@ class Upstreams:
         if done is not None and done >= observed_at + settle:
             return True
         sub = run.subscriber
-        if not sub.connected.is_set() or run.outstanding or run.marks:
+        if not sub.connected.is_set() or run.outstanding or run.window:
             return False
         quiet = time.monotonic() - max(run.last_frame, sub.connected_at)
         return quiet >= settle and time.time() - settle >= observed_at
@@ -306,32 +373,60 @@ class Upstreams:
     def _on_frame(self, hostname: str, fence: Fence) -> Callable[[UpstreamFrame], Awaitable[None]]:
         async def on_frame(uf: UpstreamFrame) -> None:
             run = self._runs.get(hostname)
-            if run is None:
+            if run is None or run.fence is not fence:  # a replaced subscriber: its frames are read again
                 return
             run.last_frame = time.monotonic()
-            run.outstanding += 1
             run.last_read = uf.seq
-            await run.queue.put(self.dispatch(hostname, uf, fence))
+            if uf.seq in run.done_above:  # read again after a restart, and done before it
+                self.count("ignore", Reason.DUPLICATE_EVENT)
+                run.window.append(_Slot(uf.seq, uf.frame.body.get("time"), 0, done=True))
+                self._advanced(run)
+                return
+            size = frame_cost(uf)
+            while run.outstanding and self._full(run, size):
+                # Backpressure: this host waits for its own frames to finish (never for another's).
+                run.room.clear()
+                self._global_room.clear()
+                waiters = [asyncio.ensure_future(run.room.wait()), asyncio.ensure_future(self._global_room.wait())]
+                try:
+                    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for w in waiters:
+                        w.cancel()
+                if self._runs.get(hostname) is not run or run.fence is not fence:
+                    return
+            slot = _Slot(uf.seq, uf.frame.body.get("time"), size)
+            run.window.append(slot)
+            run.outstanding += 1
+            run.outstanding_bytes += size
+            self.in_flight_bytes += size
+            run.idle.clear()
+            work = self.dispatch(hostname, uf, fence)
+            work.judged.add_done_callback(lambda judged: self._judged(run, work, slot, judged))
 
         return on_frame
 
+    def _full(self, run: _HostRun, size: int) -> bool:
+        return (run.outstanding >= self.max_in_flight_per_host
+                or run.outstanding_bytes + size > self.max_in_flight_bytes_per_host
+                or self.in_flight_bytes + size > self.max_in_flight_bytes)
+
     def _on_reset(self, hostname: str) -> Callable[[int | None, str], Awaitable[None]]:
         async def on_reset(old: int | None, reason: str) -> None:
-            """The host's stream went backwards or it answered ``FutureCursor`` (wiped or restored),
-            or it keeps replaying an unreadable frame: once every frame already read from the old
-            stream is settled (stored or not — so no late write or ack moves the cursor past the
-            reset), its durable cursor restarts at 0. Its accounts keep their stored state: a
-            restored repository's next commit does not chain to it and is resynchronised."""
+            """The host's stream went backwards or it answered ``FutureCursor`` (wiped or restored):
+            once every frame already read from the old stream is settled (stored or not — so no
+            late write or ack moves the cursor past the reset), its durable cursor restarts at 0.
+            Its accounts keep their stored state: a restored repository's next commit does not
+            chain to it and is resynchronised."""
             await self.settle_read(hostname)
             self.count("host", reason)
             self.metrics.host_resets.labels(host=hostname, reason=reason).inc()
             await self.store.set_host_cursor(hostname, 0)
-            if reason in (Reason.FUTURE_CURSOR, Reason.SEQ_WENT_BACKWARDS):
-                log.warning("upstream cursor reset: the host's stream restarted (wiped or restored?); "
-                            "reading it again from the start", extra=fields(host=hostname, old_cursor=old, reason=reason))
-            else:
-                log.warning("upstream cursor reset: the host keeps sending a frame that cannot be read; "
-                            "following it live", extra=fields(host=hostname, old_cursor=old, reason=reason))
+            run = self._runs.get(hostname)
+            if run is not None:
+                run.forget_stream()
+            log.warning("upstream cursor reset: the host's stream restarted (wiped or restored?); "
+                        "reading it again from the start", extra=fields(host=hostname, old_cursor=old, reason=reason))
 
         return on_reset
 
@@ -340,17 +435,22 @@ class Upstreams:
         run = self._runs.get(hostname)
         return None if run is None else run.last_read
 
+    def watermark(self, hostname: str) -> int | None:
+        """``hostname``'s watermark: the highest upstream seq such that it and every frame read
+        before it are done (None: none yet, or not followed)."""
+        run = self._runs.get(hostname)
+        return None if run is None else run.watermark
+
     async def settle_read(self, hostname: str) -> None:
-        """Wait until every frame read from ``hostname`` so far is through the drainer and, if it
-        made an event, that event's sequencer future is resolved (the sequencer resolves them in
-        order): then nothing read so far is still on its way (stored, ignored or re-read)."""
+        """Wait until every frame read from ``hostname`` so far is finished (judged and, if it
+        made an event, that event stored or lost) and no cursor write of the run is in flight:
+        then nothing read so far is still on its way (stored, ignored or re-read)."""
         run = self._runs.get(hostname)
         if run is None:
             return
-        await run.queue.join()
-        last = run.last_submitted
-        if last is not None and not last.done():
-            await asyncio.wait([last])
+        await run.idle.wait()
+        while run.persisting is not None and not run.persisting.done():
+            await asyncio.wait([run.persisting])
 
     def dispatch(self, hostname: str, uf: UpstreamFrame, fence: Fence) -> Work:
         """Start judging one upstream frame in its account's lane; never raises for bad input
@@ -361,7 +461,8 @@ class Upstreams:
         judged: asyncio.Future[PendingEvent | None] = asyncio.get_running_loop().create_future()
         run = self._runs.get(hostname)
         work = Work(hostname, uf, kind, did or "", time.monotonic(), fence, judged,
-                    lenient=run is not None and run.lenient, relay=run is not None and run.relay)
+                    lenient=run is not None and run.lenient, relay=run is not None and run.relay,
+                    followed_since=run.followed_since if run is not None else 0.0)
         if did is None:
             self.count("reject", Reason.BAD_DID)
             judged.set_result(None)
@@ -373,71 +474,102 @@ class Upstreams:
         return work
 
     # -- events out ----------------------------------------------------------------------------
-    async def _drain(self, run: _HostRun) -> None:
-        queue = run.queue
-        while True:
-            work = await queue.get()
-            submitted = False
-            try:
-                event = await work.judged
-                if not work.fence.valid:  # its subscriber is being replaced: it will be re-read
-                    if event is not None:
-                        self.lanes.dropped(event)
-                elif event is None:
-                    entry = run.mark(work)
-                    await self._skip(run, work)
-                    run.finish(entry)
-                else:
-                    await self._submit(run, work, event, run.mark(work))
-                    submitted = True
-            except asyncio.CancelledError:
-                if work.judged.cancelled() and not self._closed:
-                    continue  # its lane was cancelled, not this drainer
-                raise
-            except BackfillError as exc:  # e.g. fenced off while persisting a skip cursor
-                log.info("frame not persisted", extra=fields(host=run.hostname, reason=exc.reason))
-            except Exception:
-                log.exception("ingest drain failed", extra=fields(host=run.hostname))
-            finally:
-                if not submitted:
-                    run.outstanding -= 1
-                queue.task_done()
+    # Each frame finishes on its own: an account's lane judges its frames in order and resolves
+    # each one's ``judged`` in that order, and this done-callback hands the event to the sequencer
+    # at once (synchronously, so an account's events reach the sequencer in the lane's order). No
+    # frame waits for a frame of another account: only the watermark does.
 
-    async def _skip(self, run: _HostRun, work: Work) -> None:
-        """A frame that produced no event: persist the cursor now and then (not every time)."""
-        seq = work.uf.seq
-        sub = run.subscriber
-        acked = sub.cursor
-        if acked is None or seq - acked >= SKIP_PERSIST_EVERY:
-            await self.sequencer.advance_cursor(run.hostname, seq, fence=work.fence)
-            if run.fence is work.fence:
-                sub.ack(seq)
-
-    async def _submit(self, run: _HostRun, work: Work, event: PendingEvent, entry: list[Any]) -> None:
+    def _judged(self, run: _HostRun, work: Work, slot: _Slot, judged: asyncio.Future[PendingEvent | None]) -> None:
+        if judged.cancelled():  # its lane was cancelled (shutdown): not judged, so not done
+            self._finished(run, work, slot, ok=False)
+            return
+        event = judged.result()
+        if event is None:
+            self._finished(run, work, slot, ok=True)
+            return
+        if not work.fence.valid:  # its subscriber is being replaced: it will be read again
+            self.lanes.dropped(event)
+            self._finished(run, work, slot, ok=False)
+            return
         event.host = run.hostname
-        event.upstream_seq = work.uf.seq
+        # The cursor stored with the event: every frame up to the watermark is done already.
+        event.upstream_seq = run.watermark if run.fence is work.fence else None
+        event.frame_seq = work.uf.seq
         event.fence = work.fence
-        future = await self.sequencer.enqueue(event)
-        run.last_submitted = future
-        future.add_done_callback(lambda f: self._settled(run, work, event, entry, f))
+        try:
+            future = self.sequencer.enqueue_nowait(event)
+        except BackfillError as exc:
+            log.info("frame not sequenced", extra=fields(host=run.hostname, reason=exc.reason))
+            work.fence.revoke(exc.reason)
+            self.lanes.dropped(event)
+            self._finished(run, work, slot, ok=False)
+            return
+        future.add_done_callback(lambda f: self._settled(run, work, slot, event, f))
 
-    def _settled(self, run: _HostRun, work: Work, event: PendingEvent, entry: list[Any],
+    def _settled(self, run: _HostRun, work: Work, slot: _Slot, event: PendingEvent,
                  future: asyncio.Future[SequencedEvent | None]) -> None:
-        """Done-callback of a sequencer future: the lane learns the outcome; the upstream cursor
-        advances once the event is durable; a lost one restarts the run."""
-        run.outstanding -= 1
+        """Done-callback of a sequencer future: the lane learns the outcome; the frame is done once
+        its event is durable; a lost one restarts the run."""
         self.lanes.settled(event, future)
         if future.cancelled() or future.exception() is not None:
             if not future.cancelled():
                 log.warning("sequencing failed", extra=fields(host=run.hostname, did=event.did,
                                                               error=str(future.exception())[:300]))
-            self._restart(run, work.fence)
+            self._finished(run, work, slot, ok=False)
             return
-        if run.fence is work.fence:
-            run.subscriber.ack(work.uf.seq)
-            run.finish(entry)
+        if event.upstream_seq is not None and run.fence is work.fence:
+            run.persisted = max(run.persisted, event.upstream_seq)
+        self._finished(run, work, slot, ok=True)
         result = future.result()
         if result is None:
             return
         self.metrics.current_seq.set(result.seq)  # (relay_events_sequenced_total: RelayService._publish)
         self.metrics.lag.observe(time.monotonic() - work.received)
+
+    def _finished(self, run: _HostRun, work: Work, slot: _Slot, *, ok: bool) -> None:
+        """``slot``'s frame is finished: done (``ok``), or lost (its run re-reads it)."""
+        run.outstanding -= 1
+        run.outstanding_bytes -= slot.nbytes
+        self.in_flight_bytes -= slot.nbytes
+        run.room.set()
+        self._global_room.set()
+        if not run.outstanding:
+            run.idle.set()
+        if not ok:
+            self._restart(run, work.fence)
+            return
+        if run.fence is not work.fence:  # a replaced subscriber's frame: the new one re-reads it
+            return
+        slot.done = True
+        if run.window and run.window[0] is not slot:
+            run.done_above.add(slot.seq)
+        self._advanced(run)
+
+    def _advanced(self, run: _HostRun) -> None:
+        """After a frame is done: move the watermark, acknowledge it as the reconnect cursor, and
+        store it as the host cursor now and then (events carry it too, so a busy host stores it
+        with its events; frames that make none, or a host gone quiet, need this)."""
+        if not run.advance() or run.watermark is None:
+            return
+        run.subscriber.ack(run.watermark)
+        self._persist_later(run)
+
+    def _persist_later(self, run: _HostRun) -> None:
+        mark = run.watermark
+        if mark is None or mark <= run.persisted or (run.persisting is not None and not run.persisting.done()):
+            return
+        if run.window and mark - run.persisted < SKIP_PERSIST_EVERY:
+            return
+        run.persisting = asyncio.get_running_loop().create_task(self._persist(run, mark, run.fence),
+                                                                name=f"cursor:{run.hostname}")
+
+    async def _persist(self, run: _HostRun, mark: int, fence: Fence) -> None:
+        try:
+            await self.sequencer.advance_cursor(run.hostname, mark, fence=fence)
+        except BackfillError as exc:  # e.g. fenced off: the run is being restarted
+            log.info("cursor not persisted", extra=fields(host=run.hostname, reason=exc.reason))
+            return
+        if run.fence is fence:
+            run.persisted = max(run.persisted, mark)
+            run.persisting = None
+            self._persist_later(run)

@@ -185,12 +185,28 @@ async def test_cursor_only_advance_and_publish_errors(store: Store) -> None:
     assert len(await store.read_after(0)) == 1
 
 
-async def test_takedown_is_not_undone_by_sequenced_state(store: Store) -> None:
-    await store.upsert_account(AccountState("did:plc:t", host="pds.example", local_status="takendown"))
+async def test_account_rows_are_written_whole_with_their_event_or_alone(store: Store) -> None:
+    """The account lanes are the only writers of account rows, through the sequencer: a takedown's
+    local status is stored with its ``#account`` (one transaction), the state a later event
+    carries is stored whole, and ``write_account`` stores a state with no event."""
     async with Sequencer(store, Collector()) as seq:
-        await seq.submit(commit_event(1, did="did:plc:t"))
-    account = await store.get_account("did:plc:t")
-    assert account is not None and account.local_status == "takendown" and account.rev == commit_event(1).rev
+        taken = AccountState("did:plc:t", host="pds.example", local_status="takendown")
+        stored = await seq.submit(PendingEvent("#account", "did:plc:t", {"did": "did:plc:t", "active": False,
+                                                                         "status": "takendown"}, account=taken))
+        assert stored is not None
+        account = await store.get_account("did:plc:t")
+        assert account is not None and account.local_status == "takendown"
+        event = commit_event(1, did="did:plc:t")
+        assert event.account is not None
+        event.account.local_status = "takendown"  # the lane judges on the state it owns
+        await seq.submit(event)
+        account = await store.get_account("did:plc:t")
+        assert account is not None and account.local_status == "takendown" and account.rev == commit_event(1).rev
+        await seq.write_account(AccountState("did:plc:u", host="pds.example", sync_state="throttled"))
+        held = await store.get_account("did:plc:u")
+        assert held is not None and held.sync_state == "throttled"
+        assert (await store.get_host("pds.example")).account_count == 2  # type: ignore[union-attr]
+    assert [e.did for e in await store.read_after(0)] == ["did:plc:t", "did:plc:t"]  # no event for the write
 
 
 async def test_closed_sequencer_refuses(store: Store) -> None:
@@ -460,3 +476,23 @@ async def test_number_batch_yields_while_encoding_a_long_batch() -> None:
         task.cancel()
     assert out.seq == 300
     assert ran[1:] == [127, 255]  # the other task ran before items 128 and 256 were encoded
+
+
+async def test_events_stored_above_their_watermark_are_recorded_for_a_re_read(store: Store) -> None:
+    """The host cursor an event carries is its run's watermark, below its own frame: an
+    ``#identity``/``#account`` stored above it is recorded (``upstream_done``) in the same batch, so
+    a re-read after a crash skips it; a commit is not (a re-read one is known by its rev), and
+    neither is an event whose frame the batch's cursor already covers."""
+    async with Sequencer(store, Collector()) as seq:
+        ident = PendingEvent("#identity", "did:plc:i", {"did": "did:plc:i"}, host="pds.example",
+                             upstream_seq=3, frame_seq=5)
+        commit = commit_event(6, did="did:plc:c")
+        commit.upstream_seq, commit.frame_seq = 3, 6
+        account = PendingEvent("#account", "did:plc:a", {"did": "did:plc:a", "active": True}, host="pds.example",
+                               upstream_seq=8, frame_seq=7)
+        for event in (ident, commit):
+            await seq.submit(event)
+        assert await store.upstream_done_above("pds.example", 0) == [5]
+        await seq.submit(account)  # its frame is below the cursor stored with it: nothing to record
+    assert await store.host_cursor("pds.example") == 8
+    assert await store.upstream_done_above("pds.example", 0) == [5]

@@ -205,3 +205,26 @@ async def test_batch_host_cursor_never_moves_backwards(store: Store) -> None:
         await lease.release()
     assert await store.set_host_cursor("pds.example", 3)
     assert await store.host_cursor("pds.example") == 3
+
+
+async def test_upstream_done_rows_above_the_cursor(store: Store) -> None:
+    """Frames stored above their host's watermark (``BatchWrite.upstream_done``) are written with
+    the batch; ``upstream_done_above`` returns those above the cursor asked for and deletes the
+    rest; resetting the host's cursor forgets them all (its stream restarted)."""
+    from backfill.store import BatchWrite
+
+    lease = await store.acquire_writer(wait=True, timeout=10)
+    try:
+        hw = await lease.high_water()
+        await lease.commit_batch(BatchWrite(hw, hw, host_updates={"pds.example": (4, None, 0)},
+                                            upstream_done=[("pds.example", 7), ("pds.example", 9), ("other.example", 8)]))
+        await lease.commit_batch(BatchWrite(hw, hw, upstream_done=[("pds.example", 9), ("pds.example", 12)]))
+    finally:
+        await lease.release()
+    assert await store.upstream_done_above("pds.example", 4) == [7, 9, 12]
+    assert await store.upstream_done_above("pds.example", 9) == [12]
+    assert await store.upstream_done_above("pds.example", 4) == [12]  # 7 and 9 were deleted
+    assert await store.upstream_done_above("other.example", 0) == [8]
+    assert await store.set_host_cursor("pds.example", 0)
+    assert await store.upstream_done_above("pds.example", 0) == []
+    assert await store.upstream_done_above("other.example", 0) == [8]

@@ -24,6 +24,7 @@ from relay.identity import (
 from relay.metrics import RelayMetrics
 from relay.ssrf import AddressGuard, SafeClient
 from tests.relay.helpers import serve_asgi
+from tests.waiting import until
 
 DID = "did:plc:ewvi7nxzyoun6zhxrhs64oiz"
 
@@ -164,6 +165,56 @@ async def test_resolver_plc_cache_purge_and_handles() -> None:
             assert metrics.identity_cache.labels(result="hit")._value.get() >= 5
         finally:
             await resolver.aclose()
+            await safe.aclose()
+
+
+async def test_handle_checks_time_out_are_remembered_and_never_hold_did_resolution() -> None:
+    """Handle checks have their own bound: while every handle slot waits on a handle domain that
+    does not answer, DIDs still resolve; concurrent checks of one pair share one request
+    (``handle_check``). A check over ``handle_timeout`` fails (``timeout``), and a failed check is
+    remembered (``failed_cached``: not asked again)."""
+    key = PrivateKey.generate_k256()
+    gate = asyncio.Event()
+    asked: list[str] = []
+
+    async def plc(request: Request) -> JSONResponse:
+        return JSONResponse(_doc(DID, {"type": "Multikey", "publicKeyMultibase": key.did_key()[8:]}))
+
+    async def resolve_handle(request: Request) -> JSONResponse:
+        handle = request.query_params.get("handle", "")
+        asked.append(handle)
+        await gate.wait()
+        return JSONResponse({"did": DID} if handle.startswith("h") else {"error": "HandleNotFound"},
+                            status_code=200 if handle.startswith("h") else 400)
+
+    app = Starlette(routes=[Route("/xrpc/com.atproto.identity.resolveHandle", resolve_handle),
+                            Route("/{did}", plc)])
+    metrics = RelayMetrics()
+    async with serve_asgi(app) as url:
+        safe = SafeClient(AddressGuard())
+        resolver = IdentityResolver(plc_url=url, safe_client=safe, metrics=metrics, handle_resolver_url=url,
+                                    concurrency=2, handle_concurrency=2, handle_timeout=60.0)
+        quick = IdentityResolver(plc_url=url, safe_client=safe, metrics=metrics, handle_resolver_url=url,
+                                 handle_timeout=0.2)
+        try:
+            checks = [resolver.handle_check(f"h{i}.example.com", DID) for i in range(2)]
+            assert resolver.handle_check("h0.example.com", DID) is checks[0]  # shared while it runs
+            await until(lambda: len(asked) == 2, "both handle checks to be asked")
+            await asyncio.wait_for(resolver.resolve(DID, fresh=True), 30)  # not held by the handle checks
+            assert not checks[0].done()
+            gate.set()
+            assert [await c for c in checks] == [True, True]
+
+            gate.clear()
+            assert not await quick.verify_handle("x.example.com", DID)  # the gate holds it past the timeout
+            assert metrics.handle_checks.labels(result="timeout")._value.get() == 1
+            assert not await quick.verify_handle("x.example.com", DID)
+            assert asked.count("x.example.com") == 1  # remembered: not asked again
+            assert metrics.handle_checks.labels(result="failed_cached")._value.get() == 1
+        finally:
+            gate.set()
+            await resolver.aclose()
+            await quick.aclose()
             await safe.aclose()
 
 
