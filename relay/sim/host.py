@@ -4,10 +4,10 @@ The log holds fully encoded frames ``(seq, frame, action)``; ``action`` marks a 
 (``slow``/``stall``/``disconnect``) that fires only for subscribers receiving that frame live, so a
 reconnecting client replaying it from its cursor is not disconnected again in a loop.
 
-Cursor rules follow the AT sync Internet-Draft §4.3: no cursor → live only; cursor above the
-current seq → ``FutureCursor`` error frame and close; cursor inside the window → every frame with
-``seq >= cursor``; cursor older than the window (or 0) → ``#info OutdatedCursor`` (not for 0) and
-the whole window.
+Cursor rules as the TypeScript PDS and Bluesky's relay apply them (the cursor is the last seq the
+client processed): no cursor → live only; cursor above the current seq → ``FutureCursor`` error
+frame and close; otherwise every frame with ``seq > cursor``; a cursor older than the window (the
+frames after it were trimmed; never for 0) → ``#info OutdatedCursor`` first, then the whole window.
 """
 
 from __future__ import annotations
@@ -293,9 +293,9 @@ class SimHost:
             idx = log.end
         else:
             first = log.seqs[0] if log.seqs else self.published_seq + 1
-            if cursor != 0 and cursor < first:
+            if cursor != 0 and cursor < first - 1:
                 await ws.send(encode_frame("#info", {"name": "OutdatedCursor", "message": "cursor older than backfill window"}))
-            idx = log.index_from(cursor)
+            idx = log.index_from(cursor + 1)
         live_from = log.end
         self._subscribers.add(ws)
         closed = asyncio.ensure_future(ws.wait_closed())

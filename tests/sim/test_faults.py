@@ -189,7 +189,7 @@ async def _follow(url: str, want: int, limit: float = 30.0) -> tuple[list[int], 
     connections = 0
     deadline = time.monotonic() + limit
     while len(seqs) < want and time.monotonic() < deadline:
-        cursor = seqs[-1] + 1 if seqs else 0
+        cursor = seqs[-1] if seqs else 0  # the last seq received: the host sends seq > cursor
         connections += 1
         try:
             async with connect(ws_url(url, cursor), max_size=None) as ws:
