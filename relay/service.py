@@ -394,14 +394,16 @@ class RelayService:
         if self._redis is not None:
             try:
                 await asyncio.wait_for(self._redis.ping(), 2.0)
+                self.metrics.bus_up.set(1)
             except Exception as exc:
+                self.metrics.bus_up.set(0)
                 reasons.append(f"bus_unavailable: {type(exc).__name__}")
         return reasons
 
     async def refresh_gauges(self) -> None:
         """Before a scrape: readiness (store, sequencer, bus, current seq) and host statuses. The
         resync queue gauge is kept current by the queue itself."""
-        await self.readiness()
+        self.metrics.ready.set(0 if await self.readiness() else 1)
         if self.hosts is not None:
             with contextlib.suppress(Exception):
                 await self.hosts.refresh_status_gauge()

@@ -11,21 +11,24 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 
 from relay.config import SETTINGS
-from relay.metrics import RelayMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "relay"
 PRODUCTION = CHART / "values-production.yaml"
 HELM = os.environ.get("RELAY_HELM", str(ROOT / ".tools" / "helm"))
+#: promtool from Debian's ``prometheus`` package (``./run test`` installs it; ``RELAY_PROMTOOL`` overrides)
+PROMTOOL = os.environ.get("RELAY_PROMTOOL", shutil.which("promtool") or "/usr/bin/promtool")
 #: Settings that do not come from ``.Values.config``: the Secret's three, and the bind addresses
 #: (set per workload from its port).
 NOT_IN_CONFIG = {"RELAY_DATABASE_URL", "RELAY_REDIS_URL", "RELAY_ADMIN_TOKEN", "RELAY_BIND", "RELAY_FIREHOSE_BIND"}
@@ -185,12 +188,135 @@ def test_optional_resources() -> None:
         assert not by_kind(render(), kind), f"{kind} rendered although not enabled"
 
 
-def test_grafana_dashboard_uses_metrics_the_relay_exports() -> None:
+def rendered_rules(*args: str) -> dict[str, Any]:
+    """The ``spec`` of the PrometheusRule the chart renders with ``prometheusRule.enabled=true``
+    (a Prometheus rule file: ``{groups: [...]}``)."""
+    rules = by_kind(render("--set", "prometheusRule.enabled=true", *args), "PrometheusRule")
+    assert list(rules) == ["relay-atproto-relay"]
+    spec: dict[str, Any] = rules["relay-atproto-relay"]["spec"]
+    return spec
+
+
+def promtool(*args: str) -> subprocess.CompletedProcess[str]:
+    assert Path(PROMTOOL).is_file(), f"{PROMTOOL} missing: ./run test installs it (Debian package prometheus)"
+    return subprocess.run([PROMTOOL, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_prometheus_rule_is_off_by_default_and_promtool_accepts_it(tmp_path: Path) -> None:
+    assert not by_kind(render(), "PrometheusRule")
+    spec = rendered_rules("--set", "prometheusRule.alertLabels.team=relay",
+                          "--set", "prometheusRule.labels.release=kube-prometheus-stack")
+    alerts = {r["alert"] for g in spec["groups"] for r in g["rules"]}
+    assert alerts >= {"RelayNotReady", "RelayIngestLagHigh", "RelayNotSequencing", "RelayHostNearAccountLimit",
+                      "RelayHostOverAccountLimit", "RelayConsumersCutTooSlow", "RelayResyncBacklogAging",
+                      "RelayStoreRetrying", "RelayRedisUnavailable"}
+    assert all(r["labels"]["team"] == "relay" for g in spec["groups"] for r in g["rules"])
+    rule_file = tmp_path / "rules.yaml"
+    rule_file.write_text(yaml.safe_dump(spec))
+    done = promtool("check", "rules", str(rule_file))
+    assert done.returncode == 0 and f"SUCCESS: {len(alerts)} rules found" in done.stdout, done.stdout + done.stderr
+    # promtool does catch a broken expression (the check is not vacuous)
+    spec["groups"][0]["rules"][0]["expr"] = "relay_ready{ == 0"
+    rule_file.write_text(yaml.safe_dump(spec))
+    assert promtool("check", "rules", str(rule_file)).returncode != 0
+
+
+def test_alerts_fire_on_the_series_they_are_about(tmp_path: Path) -> None:
+    """``promtool test rules``: the alerts fire on made-up series of this release's pods and stay
+    quiet where they should (a hot standby is not ready by design; a host well below its limit)."""
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump(rendered_rules()))
+    standby = 'namespace="relays", job="relay-atproto-relay-ingest", pod="ingest-b"'
+    writer = 'namespace="relays", job="relay-atproto-relay-ingest", pod="ingest-a"'
+    fanout = 'namespace="relays", job="relay-atproto-relay-fanout", pod="fanout-a"'
+    other = 'namespace="elsewhere", job="relay-atproto-relay-ingest", pod="x"'
+    series = [
+        {"series": f"relay_ready{{{writer}}}", "values": "1x40"},
+        {"series": f"relay_ready{{{standby}}}", "values": "0x40"},
+        {"series": f'relay_sequencer_state{{{writer}, state="running"}}', "values": "1x40"},
+        {"series": f'relay_sequencer_state{{{standby}, state="waiting"}}', "values": "1x40"},
+        {"series": f"relay_ready{{{fanout}}}", "values": "1x5 0x35"},
+        {"series": f"relay_bus_up{{{fanout}}}", "values": "1x5 0x35"},
+        {"series": f"relay_bus_up{{{other}}}", "values": "0x40"},  # another release: not ours
+        {"series": f'relay_host_accounts{{{writer}, host="full.example"}}', "values": "95x40"},
+        {"series": f'relay_host_account_limit{{{writer}, host="full.example"}}', "values": "100x40"},
+        {"series": f'relay_host_accounts{{{writer}, host="quiet.example"}}', "values": "50x40"},
+        {"series": f'relay_host_account_limit{{{writer}, host="quiet.example"}}', "values": "100x40"},
+        {"series": f'relay_host_accounts{{{writer}, host="unlimited.example"}}', "values": "5000x40"},
+        {"series": f'relay_broadcast_events_total{{{fanout}, event="too_slow"}}', "values": "0+2x40"},
+    ]
+    tests = {"rule_files": ["rules.yaml"], "evaluation_interval": "1m", "tests": [{
+        "interval": "1m", "input_series": series,
+        "alert_rule_test": [
+            {"eval_time": "30m", "alertname": "RelayNotReady", "exp_alerts": [
+                {"exp_labels": {"severity": "warning", "namespace": "relays", "job": "relay-atproto-relay-fanout",
+                                "pod": "fanout-a"},
+                 "exp_annotations": {"summary": "Relay pod fanout-a is not ready",
+                                     "description": "/_ready has answered 503 for 5m: GET /_ready on the pod for "
+                                                    "the reasons."}}]},
+            {"eval_time": "30m", "alertname": "RelayRedisUnavailable", "exp_alerts": [
+                {"exp_labels": {"severity": "critical", "namespace": "relays", "job": "relay-atproto-relay-fanout",
+                                "pod": "fanout-a"},
+                 "exp_annotations": {"summary": "Relay pod fanout-a cannot use Redis",
+                                     "description": "Redis has not answered (or the bus has failed reads) for 2m."}}]},
+            {"eval_time": "30m", "alertname": "RelayNoWriter", "exp_alerts": []},
+            {"eval_time": "30m", "alertname": "RelayHostOverAccountLimit", "exp_alerts": []},
+            {"eval_time": "30m", "alertname": "RelayHostNearAccountLimit", "exp_alerts": [
+                {"exp_labels": {"severity": "warning", "namespace": "relays", "host": "full.example"},
+                 "exp_annotations": {"summary": "Host full.example uses 95% of its account limit",
+                                     "description": "Raise its limit (POST /admin/hosts/<host>/limits) before new "
+                                                    "accounts are held as throttled."}}]},
+            {"eval_time": "30m", "alertname": "RelayConsumersCutTooSlow", "exp_alerts": [
+                {"exp_labels": {"severity": "warning", "namespace": "relays", "pod": "fanout-a"},
+                 "exp_annotations": {"summary": "30 consumers cut as too slow on fanout-a in 15 min",
+                                     "description": "Consumers fell RELAY_CONSUMER_MAX_LAG behind; if many, the "
+                                                    "fan-out may be short of CPU or bandwidth."}}]},
+        ]}]}
+    (tmp_path / "tests.yaml").write_text(yaml.safe_dump(tests, sort_keys=False))
+    done = promtool("test", "rules", str(tmp_path / "tests.yaml"))
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def metric_names(expr: str) -> set[str]:
+    return set(re.findall(r"\b(relay_[a-z_]+)\b", expr))
+
+
+async def test_every_metric_of_the_alerts_and_the_dashboard_is_on_a_running_relays_metrics(tmp_path: Path) -> None:
+    """Each ``relay_*`` name in the rendered PrometheusRule and in the Grafana dashboard is on the
+    ``/metrics`` of a relay that follows a simulated host (a name is there when its family is
+    declared: a labelled counter nothing has counted yet has no sample, but its name is right);
+    the per-host account gauges carry that host."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from relay.sim import SimConfig, SimFleet
+    from tests.relay.e2e import Consumer, commits_of, crawl
+    from tests.relay.helpers import running_relay
+
     dashboard = json.loads((CHART / "files" / "grafana-dashboard.json").read_text())
-    used = {m for panel in dashboard["panels"] for target in panel["targets"]
-            for m in re.findall(r"\b(relay_[a-z_]+)", target["expr"])}
+    in_dashboard = {m for panel in dashboard["panels"] for target in panel["targets"]
+                    for m in metric_names(target["expr"])}
+    in_rules = {m for g in rendered_rules()["groups"] for r in g["rules"] for m in metric_names(r["expr"])}
+    assert in_dashboard and in_rules
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}
-    metrics = RelayMetrics()
-    metrics.watch_broadcast(lambda: None)  # the broadcaster's counters (a collector)
-    exported = {f.name + suffix for f in metrics.registry.collect() for suffix in suffixes[f.type]}
-    assert used and used <= exported, used - exported
+    fleet = SimFleet(SimConfig(hosts=1, accounts_per_host=1, seed=2901))
+    await fleet.start()
+    try:
+        async with running_relay(database_url=str(tmp_path / "relay.sqlite"), allow_insecure_hosts=True,
+                                 plc_url=fleet.plc_url, validation_workers=0, default_account_limit=7) as relay, \
+                Consumer(relay.ws_url, cursor=0) as consumer:
+            account = fleet.accounts[0]
+            await crawl(relay.url, fleet.hosts[0].hostname)
+            await fleet.generate(2)
+            await consumer.wait_for(lambda evs: account.repo.rev in commits_of(consumer, account.did))
+            async with httpx.AsyncClient(base_url=relay.url) as http:
+                text = (await http.get("/metrics")).text
+    finally:
+        await fleet.stop()
+    families = list(text_string_to_metric_families(text))
+    exported = {f.name + suffix for f in families for suffix in suffixes.get(f.type, ("",))}
+    assert not in_rules - exported, f"rules use names /metrics lacks: {sorted(in_rules - exported)}"
+    assert not in_dashboard - exported, f"the dashboard uses names /metrics lacks: {sorted(in_dashboard - exported)}"
+    samples = {(s.name, s.labels.get("host")): s.value for f in families for s in f.samples}
+    host = fleet.hosts[0].hostname
+    assert samples[("relay_host_accounts", host)] == 1
+    assert samples[("relay_host_account_limit", host)] == 7
+    assert samples[("relay_ready", None)] == 1 and samples[("relay_bus_up", None)] == 1
