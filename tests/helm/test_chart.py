@@ -34,7 +34,8 @@ PROMTOOL = os.environ.get("RELAY_PROMTOOL", shutil.which("promtool") or "/usr/bi
 NOT_IN_CONFIG = {"RELAY_DATABASE_URL", "RELAY_REDIS_URL", "RELAY_ADMIN_TOKEN", "RELAY_BIND", "RELAY_FIREHOSE_BIND"}
 EVERYTHING_ON = ["--set", "networkPolicy.enabled=true", "--set", "ingress.enabled=true",
                  "--set", "spark.export.enabled=true", "--set", "grafanaDashboard.enabled=true",
-                 "--set", "fanout.firehoseListener.enabled=true"]
+                 "--set", "fanout.firehoseListener.enabled=true", "--set", "prometheusRule.enabled=true",
+                 "--set", "serviceMonitor.enabled=true", "--set", "config.RELAY_GETREPO_PROXY=true"]
 
 
 def helm(*args: str) -> str:
@@ -42,6 +43,13 @@ def helm(*args: str) -> str:
     done = subprocess.run([HELM, *args], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, f"helm {' '.join(args)}:\n{done.stdout}\n{done.stderr}"
     return done.stdout
+
+
+def render_fails(*args: str) -> str:
+    """``helm template`` that must fail; its error output."""
+    done = subprocess.run([HELM, "template", "relay", str(CHART), *args], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0, f"helm template {' '.join(args)} rendered"
+    return done.stderr
 
 
 def render(*args: str) -> list[dict[str, Any]]:
@@ -78,8 +86,9 @@ def test_rendered_manifests_pass_kubernetes_validate_strict(values: list[str], t
     done = subprocess.run([sys.executable, "-m", "kubernetes_validate", "--strict", "--quiet", str(manifest)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
-    # the only resource without a schema is the Prometheus Operator's ServiceMonitor (a CRD)
-    assert re.findall(r"Couldn't find schema for kind (\w+)", done.stdout + done.stderr) in ([], ["ServiceMonitor"])
+    # the only resources without a schema are the Prometheus Operator's (CRDs)
+    unknown = re.findall(r"Couldn't find schema for kind (\w+)", done.stdout + done.stderr)
+    assert set(unknown) <= {"ServiceMonitor", "PrometheusRule"}, unknown
 
 
 def test_defaults_render_a_working_install() -> None:
@@ -171,9 +180,10 @@ def test_every_relay_setting_is_reachable_from_values() -> None:
 def test_optional_resources() -> None:
     docs = render(*EVERYTHING_ON)
     ingress = by_kind(docs, "Ingress")["relay-atproto-relay"]
-    paths = {p["path"]: p["backend"]["service"]["name"] for p in ingress["spec"]["rules"][0]["http"]["paths"]}
-    assert paths == {"/xrpc/com.atproto.sync.requestCrawl": "relay-atproto-relay-ingest",
-                     "/admin": "relay-atproto-relay-ingest", "/": "relay-atproto-relay-fanout"}
+    paths = ingress["spec"]["rules"][0]["http"]["paths"]
+    assert routed(paths, "/xrpc/com.atproto.sync.requestCrawl") == "relay-atproto-relay-ingest"
+    assert routed(paths, "/admin/hosts") == "relay-atproto-relay-ingest"
+    assert routed(paths, "/xrpc/com.atproto.sync.subscribeRepos") == "relay-atproto-relay-fanout"
     policies = by_kind(docs, "NetworkPolicy")
     assert set(policies) == {f"relay-atproto-relay-{c}" for c in ("ingest", "fanout", "spark")}
     export = next(d for d in docs if d["kind"] == "Job")
@@ -320,3 +330,112 @@ async def test_every_metric_of_the_alerts_and_the_dashboard_is_on_a_running_rela
     assert samples[("relay_host_accounts", host)] == 1
     assert samples[("relay_host_account_limit", host)] == 7
     assert samples[("relay_ready", None)] == 1 and samples[("relay_bus_up", None)] == 1
+
+
+def routed(paths: list[dict[str, Any]], url_path: str) -> str | None:
+    """The Service an Ingress sends ``url_path`` to (Kubernetes' rules: an Exact match first,
+    then the longest Prefix match by path element), or None."""
+    for p in paths:
+        if p["pathType"] == "Exact" and p["path"] == url_path:
+            return str(p["backend"]["service"]["name"])
+    best: tuple[int, str] | None = None
+    for p in paths:
+        prefix = p["path"].rstrip("/")
+        if p["pathType"] == "Prefix" and (url_path == prefix or url_path.startswith(prefix + "/")):
+            if best is None or len(prefix) > best[0]:
+                best = (len(prefix), str(p["backend"]["service"]["name"]))
+    return best[1] if best else None
+
+
+def test_ingress_serves_the_public_paths_and_not_metrics() -> None:
+    for values in (EVERYTHING_ON, ["-f", str(PRODUCTION)]):
+        ingress = by_kind(render(*values), "Ingress")["relay-atproto-relay"]
+        paths = ingress["spec"]["rules"][0]["http"]["paths"]
+        for path in ("/metrics", "/metrics/", "/_ready"):
+            assert routed(paths, path) is None, path
+        fanout = "relay-atproto-relay-fanout"
+        for path in ("/", "/xrpc/com.atproto.sync.subscribeRepos", "/xrpc/com.atproto.sync.getRepo",
+                     "/subscribe", "/dashboard", "/dashboard/data", "/_health"):
+            assert routed(paths, path) == fanout, path
+        assert routed(paths, "/xrpc/com.atproto.sync.requestCrawl") == "relay-atproto-relay-ingest"
+
+
+def test_spark_cronjobs_have_deadlines_and_never_overlap() -> None:
+    docs = render("--set", "spark.export.enabled=true", "--set", "spark.export.schedule=0 5 * * 6",
+                  "--set", "spark.cronJobs.resync.activeDeadlineSeconds=600")
+    cronjobs = by_kind(docs, "CronJob")
+    assert set(cronjobs) == {f"relay-atproto-relay-spark-{j}" for j in ("reconcile", "resync", "export")}
+    deadlines = {}
+    for name, cron in cronjobs.items():
+        assert cron["spec"]["concurrencyPolicy"] == "Forbid", name
+        assert cron["spec"]["startingDeadlineSeconds"] == 3600, name
+        deadlines[name.rsplit("-", 1)[1]] = cron["spec"]["jobTemplate"]["spec"]["activeDeadlineSeconds"]
+    assert deadlines == {"reconcile": 21600, "resync": 600, "export": 86400}
+    # without a value of its own, a job gets spark.activeDeadlineSeconds
+    cron = by_kind(render("--set", "spark.cronJobs.reconcile.activeDeadlineSeconds=null",
+                          "--set", "spark.activeDeadlineSeconds=999"), "CronJob")
+    assert cron["relay-atproto-relay-spark-reconcile"]["spec"]["jobTemplate"]["spec"]["activeDeadlineSeconds"] == 999
+    job = next(d for d in render("--set", "spark.export.enabled=true") if d["kind"] == "Job")
+    assert job["spec"]["activeDeadlineSeconds"] == 86400
+
+
+def test_only_the_relay_pods_get_the_admin_token() -> None:
+    for values in ([], EVERYTHING_ON, ["-f", str(PRODUCTION)]):
+        pods = pod_specs(render(*values))
+        for name, pod in pods.items():
+            env = {e["name"] for c in pod["containers"] for e in c.get("env", [])}
+            assert {"RELAY_DATABASE_URL", "RELAY_REDIS_URL"} <= env, name
+            assert ("RELAY_ADMIN_TOKEN" in env) == (not name.startswith("relay-atproto-relay-spark-")), name
+        assert any(n.startswith("relay-atproto-relay-spark-") for n in pods)
+
+
+def test_fanout_egress_to_pdses_only_with_the_getrepo_proxy() -> None:
+    def internet(policy: dict[str, Any]) -> list[dict[str, Any]]:
+        return [rule for rule in policy["spec"]["egress"] for peer in rule.get("to", [])
+                if peer.get("ipBlock", {}).get("cidr") == "0.0.0.0/0"]
+
+    blocked = yaml.safe_load((CHART / "values.yaml").read_text())["networkPolicy"]["blockedCidrs"]
+    off = by_kind(render("--set", "networkPolicy.enabled=true"), "NetworkPolicy")
+    assert internet(off["relay-atproto-relay-fanout"]) == []
+    assert len(internet(off["relay-atproto-relay-ingest"])) == 1
+    for value in ("true", "1"):
+        on = by_kind(render("--set", "networkPolicy.enabled=true", "--set", f"config.RELAY_GETREPO_PROXY={value}"),
+                     "NetworkPolicy")
+        [rule] = internet(on["relay-atproto-relay-fanout"])
+        assert rule["to"] == [{"ipBlock": {"cidr": "0.0.0.0/0", "except": blocked}}]  # not the cluster's ranges
+        assert rule["ports"] == [{"port": 443, "protocol": "TCP"}, {"port": 80, "protocol": "TCP"}]
+        assert on["relay-atproto-relay-ingest"] == off["relay-atproto-relay-ingest"]
+
+
+def test_ingest_and_fanout_pods_spread_over_nodes() -> None:
+    def anti(pod: dict[str, Any]) -> dict[str, Any]:
+        return dict(pod["affinity"]["podAntiAffinity"])
+
+    docs = render()
+    pods = pod_specs(docs)
+    deployments = by_kind(docs, "Deployment")
+    for role in ("ingest", "fanout"):
+        name = f"relay-atproto-relay-{role}"
+        [term] = anti(pods[name])["preferredDuringSchedulingIgnoredDuringExecution"]
+        assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+        # the term selects the workload's own pods (and only them)
+        assert term["podAffinityTerm"]["labelSelector"]["matchLabels"] == deployments[name]["spec"]["selector"]["matchLabels"]
+    production = pod_specs(render("-f", str(PRODUCTION)))
+    [term] = anti(production["relay-atproto-relay-ingest"])["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["labelSelector"]["matchLabels"]["app.kubernetes.io/component"] == "ingest"
+    assert "affinity" not in pod_specs(render("--set", "fanout.podAntiAffinity="))["relay-atproto-relay-fanout"]
+    own = pod_specs(render("--set", "fanout.affinity.nodeAffinity.x=y"))["relay-atproto-relay-fanout"]["affinity"]
+    assert own == {"nodeAffinity": {"x": "y"}}
+    assert "podAntiAffinity must be preferred, required or empty" in render_fails("--set", "ingest.podAntiAffinity=soft")
+
+
+def test_fanout_drains_before_it_is_stopped() -> None:
+    pod = pod_specs(render("--set", "fanout.preStopSleepSeconds=12", "--set", "fanout.terminationGracePeriodSeconds=40"))
+    fanout = pod["relay-atproto-relay-fanout"]
+    assert fanout["containers"][0]["lifecycle"]["preStop"] == {"exec": {"command": ["sleep", "12"]}}
+    assert fanout["terminationGracePeriodSeconds"] == 40
+    defaults = pod_specs(render())["relay-atproto-relay-fanout"]
+    sleep = int(defaults["containers"][0]["lifecycle"]["preStop"]["exec"]["command"][1])
+    assert sleep > 0 and defaults["terminationGracePeriodSeconds"] >= sleep + 15
+    # a grace period the sleep and the relay's shutdown do not fit in is refused
+    assert "terminationGracePeriodSeconds must be at least" in render_fails("--set", "fanout.preStopSleepSeconds=20")
