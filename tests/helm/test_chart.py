@@ -252,6 +252,10 @@ def test_alerts_fire_on_the_series_they_are_about(tmp_path: Path) -> None:
         {"series": f'relay_host_accounts{{{writer}, host="quiet.example"}}', "values": "50x40"},
         {"series": f'relay_host_account_limit{{{writer}, host="quiet.example"}}', "values": "100x40"},
         {"series": f'relay_host_accounts{{{writer}, host="unlimited.example"}}', "values": "5000x40"},
+        {"series": f'relay_host_accounts{{{writer}, host="at.example"}}', "values": "100x40"},
+        {"series": f'relay_host_account_limit{{{writer}, host="at.example"}}', "values": "100x40"},
+        {"series": f"relay_resync_queue{{{writer}}}", "values": "5x40"},      # stuck: never drains
+        {"series": f"relay_resync_queue{{{standby}}}", "values": "40-1x40"},  # draining
         {"series": f'relay_broadcast_events_total{{{fanout}, event="too_slow"}}', "values": "0+2x40"},
     ]
     tests = {"rule_files": ["rules.yaml"], "evaluation_interval": "1m", "tests": [{
@@ -269,18 +273,38 @@ def test_alerts_fire_on_the_series_they_are_about(tmp_path: Path) -> None:
                  "exp_annotations": {"summary": "Relay pod fanout-a cannot use Redis",
                                      "description": "Redis has not answered (or the bus has failed reads) for 2m."}}]},
             {"eval_time": "30m", "alertname": "RelayNoWriter", "exp_alerts": []},
-            {"eval_time": "30m", "alertname": "RelayHostOverAccountLimit", "exp_alerts": []},
+            {"eval_time": "30m", "alertname": "RelayHostOverAccountLimit", "exp_alerts": [
+                {"exp_labels": {"severity": "warning", "namespace": "relays", "host": "at.example"},
+                 "exp_annotations": {"summary": "Host at.example has reached its account limit",
+                                     "description": "Accounts beyond the limit are held as throttled until the "
+                                                    "limit is raised."}}]},
             {"eval_time": "30m", "alertname": "RelayHostNearAccountLimit", "exp_alerts": [
-                {"exp_labels": {"severity": "warning", "namespace": "relays", "host": "full.example"},
-                 "exp_annotations": {"summary": "Host full.example uses 95% of its account limit",
+                {"exp_labels": {"severity": "warning", "namespace": "relays", "host": host},
+                 "exp_annotations": {"summary": f"Host {host} uses {share} of its account limit",
                                      "description": "Raise its limit (POST /admin/hosts/<host>/limits) before new "
-                                                    "accounts are held as throttled."}}]},
+                                                    "accounts are held as throttled."}}
+                for host, share in (("at.example", "100%"), ("full.example", "95%"))]},
+            {"eval_time": "35m", "alertname": "RelayResyncBacklogAging", "exp_alerts": [
+                {"exp_labels": {"severity": "warning", "namespace": "relays", "job": "relay-atproto-relay-ingest",
+                                "pod": "ingest-a"},
+                 "exp_annotations": {"summary": "Resync backlog on ingest-a has not drained for 30m",
+                                     "description": "5 accounts wait for a resync; see relay_resyncs_total{result} "
+                                                    "for why they fail."}}]},
             {"eval_time": "30m", "alertname": "RelayConsumersCutTooSlow", "exp_alerts": [
                 {"exp_labels": {"severity": "warning", "namespace": "relays", "pod": "fanout-a"},
                  "exp_annotations": {"summary": "30 consumers cut as too slow on fanout-a in 15 min",
                                      "description": "Consumers fell RELAY_CONSUMER_MAX_LAG behind; if many, the "
                                                     "fan-out may be short of CPU or bandwidth."}}]},
-        ]}]}
+        ]}, {
+        # no ingest holds the writer lease: a standby waits, the writer is gone
+        "interval": "1m", "input_series": [
+            {"series": f'relay_sequencer_state{{{standby}, state="waiting"}}', "values": "1x20"},
+            {"series": f'relay_sequencer_state{{{standby}, state="running"}}', "values": "0x20"},
+            {"series": f'relay_sequencer_state{{{other}, state="running"}}', "values": "1x20"}],
+        "alert_rule_test": [{"eval_time": "10m", "alertname": "RelayNoWriter", "exp_alerts": [
+            {"exp_labels": {"severity": "critical"},
+             "exp_annotations": {"summary": "No relay ingest is sequencing events",
+                                 "description": "No pod has reported a running sequencer for 5m."}}]}]}]}
     (tmp_path / "tests.yaml").write_text(yaml.safe_dump(tests, sort_keys=False))
     done = promtool("test", "rules", str(tmp_path / "tests.yaml"))
     assert done.returncode == 0, done.stdout + done.stderr
