@@ -401,13 +401,17 @@ class HostManager:
 
     async def refresh_status_gauge(self) -> None:
         counts = dict.fromkeys(HOST_STATUSES, 0)
+        accounts: dict[str, tuple[int, int | None]] = {}
         after: str | None = None
         while True:
             page = await self.store.list_hosts(after=after, limit=500)
             for host in page:
                 counts[host.status] = counts.get(host.status, 0) + 1
+                if host.status != "banned":
+                    accounts[host.hostname] = (host.account_count, self.account_limit(host))
             if len(page) < 500:
                 break
             after = page[-1].hostname
         for status, n in counts.items():
             self.metrics.hosts.labels(status=status).set(n)
+        self.metrics.set_host_accounts(accounts)

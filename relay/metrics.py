@@ -77,6 +77,10 @@ class RelayMetrics:
         self.sequencer_state = Gauge("relay_sequencer_state",
                                      "1 for the sequencer's current state (running, retrying, failed, waiting, stopped)",
                                      ["state"], registry=r)
+        self.ready = Gauge("relay_ready", "1 if /_ready answered 200 at the last check, else 0", registry=r)
+        self.bus_up = Gauge("relay_bus_up", "0 if the Redis bus did not answer the last readiness PING "
+                            "(scale-out), else 1 (always 1 without Redis)", registry=r)
+        self.bus_up.set(1)
         self.since_sequenced = Gauge("relay_seconds_since_last_sequenced",
                                      "Seconds since the sequencer last committed a batch", registry=r)
         self.resyncs = Counter("relay_resyncs_total", "Finished resyncs", ["result"], registry=r)
@@ -164,6 +168,16 @@ class RelayMetrics:
         async with lock:
             return await asyncio.to_thread(self.render)
 
+    def set_host_accounts(self, accounts: dict[str, tuple[int, int | None]]) -> None:
+        """Replace the per-host account gauges: ``{hostname: (accounts, limit or None)}``. Only
+        the hosts of the last call are exported (a removed host's series go with it);
+        ``relay_host_account_limit`` only for hosts that have a limit."""
+        collector = getattr(self, "_host_accounts", None)
+        if collector is None:
+            collector = self._host_accounts = _HostAccountsCollector()
+            self.registry.register(collector)
+        collector.accounts = dict(accounts)
+
     def render(self) -> bytes:
         """Text exposition of this relay's registry plus the process default registry. Safe in a
         worker thread (see the module docstring)."""
@@ -206,3 +220,22 @@ class _PublisherCollector:
                                   value=getattr(stats, "errors", 0) if stats is not None else 0)
         yield GaugeMetricFamily("relay_bus_publish_queue_bytes", "Committed events waiting for the bus, in bytes",
                                 value=getattr(stats, "queued_bytes", 0) if stats is not None else 0)
+
+class _HostAccountsCollector:
+    """``relay_host_accounts{host}`` and ``relay_host_account_limit{host}`` from the last
+    snapshot given to ``RelayMetrics.set_host_accounts`` (the alert on hosts near their limit)."""
+
+    def __init__(self) -> None:
+        self.accounts: dict[str, tuple[int, int | None]] = {}
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        count = GaugeMetricFamily("relay_host_accounts", "Accounts the relay holds for each upstream host",
+                                  labels=["host"])
+        limit = GaugeMetricFamily("relay_host_account_limit", "Account limit of each upstream host that has one",
+                                  labels=["host"])
+        for host, (n, most) in sorted(self.accounts.items()):
+            count.add_metric([host], n)
+            if most is not None:
+                limit.add_metric([host], most)
+        yield count
+        yield limit

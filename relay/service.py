@@ -456,12 +456,15 @@ class RelayService:
         publisher = self.publisher
         if publisher is not None and publisher.failing is not None:
             error = publisher.failing
+            self.metrics.bus_up.set(0)
             reasons.append(f"bus_unavailable: {classify_bus_error(error)} ({type(error).__name__}: "
                            f"{str(error)[:160]}; publishing held, ingest goes on)")
         elif self._redis is not None:
             try:
                 await asyncio.wait_for(self._redis.ping(), 2.0)
+                self.metrics.bus_up.set(1)
             except Exception as exc:
+                self.metrics.bus_up.set(0)
                 reasons.append(f"bus_unavailable: {classify_bus_error(exc)} ({type(exc).__name__})")
         return reasons
 
@@ -474,7 +477,7 @@ class RelayService:
     async def refresh_gauges(self) -> None:
         """Before a scrape: readiness (store, sequencer, bus, current seq) and host statuses. The
         resync queue gauge is kept current by the queue itself."""
-        await self.readiness()
+        self.metrics.ready.set(0 if await self.readiness() else 1)
         if self.hosts is not None:
             with contextlib.suppress(Exception):
                 await self.hosts.refresh_status_gauge()
