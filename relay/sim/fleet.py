@@ -279,22 +279,22 @@ class SimFleet:
         self._queue(host, "#commit", body, acct.did, rev=res.rev, commit=res.commit_cid.encode(), action=action, **truth)
 
     async def markers(self, among: list[SimAccount] | None = None) -> list[TruthEvent]:
-        """One valid commit from an active account of every host, emitted at once, free of faults
-        and connection actions: a consumer of a relay that has seen them all has seen everything
-        each host sent before them (a relay keeps each host's order). ``among``: the accounts to
-        use (e.g. only those the relay admits). Returns their truth events."""
+        """One valid commit from every active account, emitted at once, free of faults and
+        connection actions: a consumer of a relay that has seen them all has seen everything each
+        of those accounts sent before them (a relay keeps each account's order, not the order
+        between the accounts of a host). ``among``: the accounts to use (e.g. only those the relay
+        admits). Returns their truth events."""
         assert self._mix is not None
         start = len(self.ground_truth)
-        for host in self.hosts:
-            acct = next((a for a in (among or self.accounts) if a.host is host and a.status == "active"), None)
-            if acct is None:
+        for acct in among or self.accounts:
+            if acct.status != "active":
                 continue
             res = acct.repo.apply_writes(self._mix.next_writes(acct.repo.record_paths()))
             body = self._commit_body(acct, res)
             acct.history.append(dict(body))
             if len(acct.history) > 8:
                 del acct.history[0]
-            self._queue(host, "#commit", body, acct.did, rev=res.rev, commit=res.commit_cid.encode())
+            self._queue(acct.host, "#commit", body, acct.did, rev=res.rev, commit=res.commit_cid.encode())
         self._flush_now()
         await asyncio.sleep(0)
         return self.ground_truth[start:]
