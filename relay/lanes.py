@@ -66,8 +66,8 @@ from relay.resync_queue import ResyncQueue
 
 log = logging.getLogger("relay.lanes")
 
-#: Frames buffered per account while it is being resynchronized (older ones are covered by it).
-MAX_BUFFER_PER_ACCOUNT = 1000
+#: What a held frame costs beyond its bytes (its ``Work``), in the resync queue's held-bytes ledger.
+HELD_FRAME_OVERHEAD = 512
 #: ``PendingEvent.body`` of a pre-encoded event (the sequencer does not read it); never mutated.
 _NO_BODY: dict[str, Any] = {}
 
@@ -370,20 +370,56 @@ class AccountLanes:
             return None
         work.signing_key = ident.signing_key
         if state.sync_state in ("desynchronized", "resyncing"):
-            self._hold(lane, work)
-            return None
+            return await self._hold(lane, work, state, ident.signing_key)
         verdict = await self._judge(work, state if known else None, ident.signing_key)
         event = await self._apply(lane, work, state, verdict)
+        if event is None and verdict.kind == "desync" and work.lenient and lane.head is not None \
+                and lane.head.sync_state == "desynchronized":  # lenient: passes as it verifies (``_hold``)
+            return await self._hold(lane, work, lane.head, ident.signing_key)
         if event is not None:
             self._advance(lane, event, event.account)
         return event
 
-    def _hold(self, lane: _Lane, work: Work) -> None:
-        if len(lane.buffer) < MAX_BUFFER_PER_ACCOUNT:
-            lane.buffer.append(work)
-            self.count("buffer", Reason.RESYNC_PENDING)
-        else:
+    async def _hold(self, lane: _Lane, work: Work, state: AccountState, key: str) -> PendingEvent | None:
+        """A ``#commit``/``#sync`` of an account being resynchronised (``state``); its resync is kicked
+        (the host is speaking for it). Strict: held in the lane, judged after the resync's ``#sync``;
+        the oldest held frames are dropped (``resync_buffer_full``, covered by the ``#sync``) to stay
+        under the resync queue's held-bytes bounds. Lenient (as Bluesky's Go relay): judged now
+        against the account's key, chained to ``state`` when it chains, else on its own (operation
+        inversion against its own ``prevData`` where it has one); an accepted ``#commit`` passes
+        (also counted ``pass``/``resync_in_progress``) and the account stays desynchronized, an
+        accepted ``#sync`` resets it as always."""
+        did = lane.did
+        self.resync.kick(did)
+        if work.lenient:
+            base = dataclasses.replace(state, sync_state="synced")
+            verdict = await self._judge(work, base, key)
+            if verdict.kind == "desync":  # the chain broke (again): the commit judged on its own
+                verdict = await self._judge(work, dataclasses.replace(base, rev=None, commit_cid=None,
+                                                                      data_cid=None), key)
+            event = await self._apply(lane, work, state, verdict)
+            if event is None or event.account is None:
+                return None
+            if work.kind == "#commit":
+                event.account.sync_state = state.sync_state
+                self.count("pass", Reason.RESYNC_IN_PROGRESS)
+            else:  # an accepted #sync resets the account (``_apply`` dropped what was held)
+                self.resync.release_held(did)
+            self._advance(lane, event, event.account)
+            return event
+        if not lane.buffer:
+            self.resync.release_held(did)
+        size = len(work.uf.raw) + HELD_FRAME_OVERHEAD
+        while not self.resync.fits(did, size):
             self.count("ignore", Reason.RESYNC_BUFFER_FULL)
+            if not lane.buffer or size > self.resync.held_per_account:  # drop this one (alone)
+                return None
+            oldest = lane.buffer.pop(0)
+            self.resync.release_held(did, len(oldest.uf.raw) + HELD_FRAME_OVERHEAD)
+        lane.buffer.append(work)
+        self.resync.add_held(did, size)
+        self.count("buffer", Reason.RESYNC_PENDING)
+        return None
 
     async def _apply(self, lane: _Lane, work: Work, state: AccountState, verdict: Verdict) -> PendingEvent | None:
         """The event an accepted verdict becomes (its ``account`` is the new head; the caller puts
@@ -575,6 +611,7 @@ class AccountLanes:
             await self.store.upsert_account(state)
             lane.durable = state
         buffered, lane.buffer = lane.buffer, []
+        self.resync.release_held(lane.did)
         for work in buffered:
             rev = str(work.uf.frame.body.get("rev", ""))
             if lane.head is not None and lane.head.rev is not None and rev <= lane.head.rev:
@@ -591,6 +628,7 @@ class AccountLanes:
                 await self.submit_own(lane, event)
             elif verdict.kind == "desync":
                 lane.buffer = buffered[buffered.index(work) + 1:] + lane.buffer
+                self.resync.add_held(lane.did, sum(len(w.uf.raw) + HELD_FRAME_OVERHEAD for w in lane.buffer))
                 break  # marked again; a new resync is queued
         return seq
 

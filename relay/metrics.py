@@ -8,11 +8,11 @@ process (tests). ``/metrics`` renders this registry followed by the process-wide
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from prometheus_client.metrics_core import CounterMetricFamily
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily
 
 #: Fields of ``firehose.broadcast.BroadcastStats`` exported as ``relay_broadcast_events_total{event}``.
 BROADCAST_EVENTS = ("too_slow", "lagged", "future_cursor", "outdated_cursor", "replay_overflows", "bus_gaps_filled",
@@ -100,6 +100,18 @@ class RelayMetrics:
             self.registry.register(collector)
         collector.stats = stats
 
+    def watch_resyncs(self, source: ResyncSource) -> None:
+        """Export the resync queue's state, read at scrape time from ``source``:
+        ``relay_desynchronized_accounts{age}`` (accounts waiting for a resync by how long they have
+        been desynchronized: ``under_1m``, ``under_10m``, ``under_1h``, ``under_1d``, ``older``), ``relay_resync_held_bytes`` (frames
+        held for them) and ``relay_resync_kicks_total`` (waiting retries brought forward because
+        the account's host sent something new). Calling it again replaces the source."""
+        collector = getattr(self, "_resync_collector", None)
+        if collector is None:
+            collector = self._resync_collector = _ResyncCollector(source)
+            self.registry.register(collector)
+        collector.source = source
+
     def render(self) -> bytes:
         """Text exposition of this relay's registry plus the process default registry."""
         return generate_latest(self.registry) + generate_latest(REGISTRY)
@@ -120,3 +132,33 @@ class _BroadcastCollector:
             family.add_metric([event], getattr(stats, event, 0) if stats is not None else 0)
         yield family
 
+
+
+class ResyncSource(Protocol):
+    """What ``RelayMetrics.watch_resyncs`` reads (``relay.resync_queue.ResyncQueue``)."""
+
+    kicks: int
+
+    @property
+    def held_bytes(self) -> int: ...
+
+    def by_age(self) -> dict[str, int]: ...
+
+
+class _ResyncCollector:
+    """See ``RelayMetrics.watch_resyncs``."""
+
+    def __init__(self, source: ResyncSource) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        ages = GaugeMetricFamily("relay_desynchronized_accounts",
+                                 "Accounts waiting for a resync, by how long they have been desynchronized "
+                                 "(under_1m, under_10m, under_1h, under_1d, older)", labels=["age"])
+        for label, count in self.source.by_age().items():
+            ages.add_metric([label], count)
+        yield ages
+        yield GaugeMetricFamily("relay_resync_held_bytes", "Bytes of frames held for accounts being resynchronised",
+                                value=self.source.held_bytes)
+        yield CounterMetricFamily("relay_resync_kicks", "Waiting resync retries started early because the "
+                                  "account's host sent something new for it", value=self.source.kicks)
