@@ -166,6 +166,9 @@ class ResyncManager:
         stored = await self.store.get_account(did)
         if stored is not None and stored.rev and commit.rev < stored.rev:
             raise ResyncFailed("repo_older_than_stored", f"PDS rev {commit.rev} < stored {stored.rev}")
+        head = self.lanes.state(did)  # newer still in memory (lenient mode passes commits meanwhile)
+        if head is not None and head.rev and commit.rev < head.rev:
+            raise ResyncFailed("repo_older_than_stored", f"PDS rev {commit.rev} < stored {head.rev}")
         commit_cid = verified.commit_cid
         sync_car = write_car([commit_cid], [(commit_cid, bytes(verified.blocks[commit_cid]))])
         # synced (the default); ``updated_at`` is set when it is written

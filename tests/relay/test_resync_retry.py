@@ -181,3 +181,43 @@ async def test_held_frames_are_bounded_in_bytes_and_the_sync_covers_the_dropped(
         # dropped), so the account is resynchronised again, up to its newest commit
         assert mine[-2:] == [("#sync", fetched), ("#sync", newest)]
         assert not set(revs) & {rev for t, rev in mine if t == "#commit"}
+
+
+async def test_lenient_mode_passes_a_desynchronized_accounts_commits_while_its_resync_fails(
+        relay_factory: Any) -> None:
+    """Lenient mode, as Bluesky's Go relay: the host withholds a commit, so the next one does not
+    chain; the account is desynchronized and its resync fails (getRepo tampered). That commit and
+    every later one still verify (signature, inversion against their own ``prevData``): each is
+    delivered once, in order, counted ``pass``, and the account stays desynchronized. When getRepo
+    recovers, the host's next commit kicks the retry: one ``#sync`` at that commit, and the account
+    is synced."""
+    async with _one_account(relay_factory, seed=64, lenient_sync_validation=True, resync_retry_base="1h",
+                            resync_retry_max="1h") as (fleet, relay, consumer):
+        service, account, host = relay.service, fleet.accounts[0], fleet.hosts[0]
+        did = account.did
+        host.tampered_repos.add(did)
+        host.set_fault("broken_chain", 1.0)
+        truth = await fleet.generate(1)
+        host.set_fault("broken_chain", 0.0)
+        [broken] = [t for t in truth if t.verdict == "desync"]
+        revs = [t.rev for t in truth]
+        await until(lambda: _attempts(service, did) >= 1, "the resync to fail")
+        for _ in range(3):
+            revs += [t.rev for t in await fleet.markers(among=[account])]
+        await consumer.wait_for(lambda evs: revs[-1] in commits_of(consumer, did))
+        delivered = commits_of(consumer, did)
+        assert broken.rev in revs and delivered[-len(revs):] == revs and len(set(delivered)) == len(delivered)
+        assert _verdicts(service, "pass", "resync_in_progress") == len(revs)
+        stored = await service.store.get_account(did)
+        assert stored is not None and stored.sync_state == "desynchronized" and stored.rev == revs[-1]
+        assert not [e for e in consumer.events if e.t == "#sync"]
+
+        host.tampered_repos.discard(did)
+        [last] = await fleet.markers(among=[account])
+        await consumer.wait_for(lambda evs: any(e.t == "#sync" and e.did == did for e in evs))
+        [sync] = [e for e in consumer.events if e.t == "#sync"]
+        assert sync.rev == last.rev
+        assert [e.rev for e in consumer.events if e.did == did][-2:] == [last.rev, last.rev]  # the commit, its #sync
+        await until(lambda: service.resync.queue.pending == 0, "the queue to empty")
+        stored = await service.store.get_account(did)
+        assert stored is not None and stored.sync_state == "synced" and stored.rev == last.rev
