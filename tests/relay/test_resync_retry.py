@@ -221,3 +221,30 @@ async def test_lenient_mode_passes_a_desynchronized_accounts_commits_while_its_r
         await until(lambda: service.resync.queue.pending == 0, "the queue to empty")
         stored = await service.store.get_account(did)
         assert stored is not None and stored.sync_state == "synced" and stored.rev == last.rev
+
+
+async def test_lenient_mode_never_rolls_an_account_back_to_a_repository_fetched_before_its_commits(
+        relay_factory: Any) -> None:
+    """Lenient mode: the resync's getRepo answers with the repository as it was when asked, and two
+    newer commits pass meanwhile. That repository is refused (``repo_older_than_stored``), not
+    announced; the retry fetches the current one: the account's events never go back in rev."""
+    async with _one_account(relay_factory, seed=65, lenient_sync_validation=True, resync_retry_base="0.01",
+                            resync_retry_max="0.05") as (fleet, relay, consumer):
+        service, account, host = relay.service, fleet.accounts[0], fleet.hosts[0]
+        did = account.did
+        host.hold_repos()
+        try:
+            await service.lanes.mark_for_resync(did, host.hostname)
+            await until(lambda: len(host.repo_requests) == 1, "the resync to ask for the repository")
+            revs = [t.rev for _ in range(2) for t in await fleet.markers(among=[account])]
+            await consumer.wait_for(lambda evs: revs[-1] in commits_of(consumer, did))
+        finally:
+            host.release_repos()
+        await consumer.wait_for(lambda evs: any(e.t == "#sync" and e.did == did for e in evs))
+        [sync] = [e for e in consumer.events if e.t == "#sync"]
+        assert sync.rev == revs[-1]
+        mine = [e.rev or "" for e in consumer.events if e.did == did and e.t in ("#commit", "#sync")]
+        assert mine == sorted(mine)
+        text = await _metrics(relay)
+        assert metric_value(text, "relay_resyncs_total", result="repo_older_than_stored") >= 1
+        assert metric_value(text, "relay_resyncs_total", result="ok") == 1
