@@ -12,7 +12,8 @@ Failures are counted under ``relay_resyncs_total{result=<reason>}`` and retried 
 they fail: capped exponential backoff with jitter (``retry_base`` doubling up to ``retry_max``,
 each delay uniform in its upper half), brought forward when the account's host sends anything
 new for it (``ResyncQueue.kick``). The account stays ``desynchronized`` until a resync succeeds
-(or a valid upstream ``#sync`` arrives); ``getRepoStatus`` reports ``desynchronized`` meanwhile.
+(or a Spark repair clears it, or, in lenient mode, a valid upstream ``#sync`` arrives);
+``getRepoStatus`` reports ``desynchronized`` meanwhile.
 An entry whose account is no longer desynchronized when its turn comes (repaired otherwise)
 leaves the queue without a fetch (``relay_resyncs_total{result="not_needed"}``).
 
