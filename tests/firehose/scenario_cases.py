@@ -62,12 +62,26 @@ def _fully_sync_11(messages: list[dict[str, Any]]) -> bool:
 
 
 def recorded(fixtures_dir: Path, name: str) -> Case:
+    """A scenario file as recorded. One recorded in strict mode must be all sync 1.1 (lenient mode
+    then has nothing to relax and expects the same). One recorded in lenient mode (indigo's
+    ``deactivation``, ``legacy``, ``post_lifecycle_legacy``, ``seq_ordering``: sync 1.0 commits,
+    gaps in the chain) is what lenient mode expects; strict mode rejects every commit without
+    ``prevData`` (``missing_prev_data``) and expects the recorded flags for the rest (only sync
+    1.0 commits may appear in such a file: checked)."""
     doc = load(fixtures_dir, name)
     messages = doc["messages"]
-    assert _fully_sync_11(messages), "a recorded scenario lacks prevData/prev: derive its other mode by hand"
     flags = [bool(m["drop"] or m["invalid"]) for m in messages]
     ok: list[str | None] = [None if f else "ok" for f in flags]
-    return Case(name, doc["accounts"], messages, {mode: flags for mode in MODES}, {mode: ok for mode in MODES})
+    if not doc.get("lenient"):
+        assert _fully_sync_11(messages), "a strict scenario lacks prevData/prev: derive its other mode by hand"
+        return Case(name, doc["accounts"], messages, {mode: flags for mode in MODES}, {mode: ok for mode in MODES})
+    commits = set(_commits(messages))
+    assert all("prevData" not in messages[i]["frame"]["body"] for i in commits), "mixed sync 1.0/1.1 scenario"
+    strict = [f or i in commits for i, f in enumerate(flags)]
+    lenient: list[str | None] = [None if f else "lenient_no_prev_data" if i in commits else "ok"
+                                 for i, f in enumerate(flags)]
+    return Case(name, doc["accounts"], messages, {"strict": strict, "lenient": flags},
+                {"strict": [None if f else "ok" for f in strict], "lenient": lenient})
 
 
 def _commits(messages: list[dict[str, Any]]) -> list[int]:
