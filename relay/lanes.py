@@ -382,15 +382,14 @@ class AccountLanes:
 
     async def _hold(self, lane: _Lane, work: Work, state: AccountState, key: str) -> PendingEvent | None:
         """A ``#commit``/``#sync`` of an account being resynchronised (``state``); its resync is kicked
-        (the host is speaking for it). Strict: held in the lane, judged after the resync's ``#sync``;
+        (the host is speaking for it), unless the frame is an accepted ``#sync``. Strict: held in the lane, judged after the resync's ``#sync``;
         the oldest held frames are dropped (``resync_buffer_full``, covered by the ``#sync``) to stay
         under the resync queue's held-bytes bounds. Lenient (as Bluesky's Go relay): judged now
         against the account's key, chained to ``state`` when it chains, else on its own (operation
         inversion against its own ``prevData`` where it has one); an accepted ``#commit`` passes
         (also counted ``pass``/``resync_in_progress``) and the account stays desynchronized, an
-        accepted ``#sync`` resets it as always."""
+        accepted ``#sync`` resets it as always and takes it out of the resync queue."""
         did = lane.did
-        self.resync.kick(did)
         if work.lenient:
             base = dataclasses.replace(state, sync_state="synced")
             verdict = await self._judge(work, base, key)
@@ -399,14 +398,18 @@ class AccountLanes:
                                                                       data_cid=None), key)
             event = await self._apply(lane, work, state, verdict)
             if event is None or event.account is None:
+                self.resync.kick(did)
                 return None
-            if work.kind == "#commit":
+            if work.kind == "#sync":  # accepted: the account is reset (``_apply`` dropped what was held)
+                self.resync.release_held(did)
+                self.resync.discard(did)
+            else:  # passes; the account stays desynchronized
                 event.account.sync_state = state.sync_state
                 self.count("pass", Reason.RESYNC_IN_PROGRESS)
-            else:  # an accepted #sync resets the account (``_apply`` dropped what was held)
-                self.resync.release_held(did)
+                self.resync.kick(did)
             self._advance(lane, event, event.account)
             return event
+        self.resync.kick(did)
         if not lane.buffer:
             self.resync.release_held(did)
         size = len(work.uf.raw) + HELD_FRAME_OVERHEAD

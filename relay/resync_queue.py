@@ -155,6 +155,13 @@ class ResyncQueue:
             self.add(did)
         self._changed()
 
+    def discard(self, did: str) -> None:
+        """The account was repaired otherwise (an upstream ``#sync``): a queued or waiting entry
+        leaves the queue (a running one is settled by its attempt)."""
+        entry = self._pending.get(did)
+        if entry is not None and entry.state != "running":
+            self.succeeded(did)
+
     def failed(self, did: str, reason: str, error: str, delay: float) -> None:
         """A resync attempt failed: retry in ``delay`` seconds (or sooner, when kicked)."""
         entry = self._pending.get(did)

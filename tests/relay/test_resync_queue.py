@@ -83,3 +83,14 @@ def test_the_held_bytes_ledger_keeps_both_bounds() -> None:
     assert queue.held_for("a") == 50 and queue.held_bytes == 110
     queue.release_held("a")
     assert queue.held_for("a") == 0 and queue.held_bytes == 60
+
+
+async def test_discard_takes_out_a_waiting_entry_but_not_a_running_one() -> None:
+    queue = ResyncQueue()
+    await queue.enqueue("did:plc:d")
+    assert await _next(queue) == "did:plc:d"
+    queue.discard("did:plc:d")  # running: its attempt settles it
+    assert queue.pending == 1
+    queue.failed("did:plc:d", "fetch_failed", "", delay=3600.0)
+    queue.discard("did:plc:d")
+    assert queue.pending == 0 and queue.entry("did:plc:d") is None

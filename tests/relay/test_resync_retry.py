@@ -248,3 +248,29 @@ async def test_lenient_mode_never_rolls_an_account_back_to_a_repository_fetched_
         text = await _metrics(relay)
         assert metric_value(text, "relay_resyncs_total", result="repo_older_than_stored") >= 1
         assert metric_value(text, "relay_resyncs_total", result="ok") == 1
+
+
+async def test_lenient_mode_an_upstream_sync_repairs_a_desynchronized_account(relay_factory: Any) -> None:
+    """Lenient mode: the account is desynchronized and its resync waits an hour after failing;
+    the host sends a ``#sync`` of the account's current commit: it is accepted, the account is
+    synced, and it leaves the resync queue (no longer listed, no attempt made)."""
+    async with _one_account(relay_factory, seed=66, lenient_sync_validation=True, resync_retry_base="1h",
+                            resync_retry_max="1h") as (fleet, relay, consumer):
+        service, account, host = relay.service, fleet.accounts[0], fleet.hosts[0]
+        did = account.did
+        host.tampered_repos.add(did)
+        await service.lanes.mark_for_resync(did, host.hostname)
+        await until(lambda: _attempts(service, did) == 1, "the first attempt to fail")
+        res = account.repo.resign()
+        fleet._queue(host, "#sync", {"did": did, "blocks": account.repo.commit_car(), "rev": res.rev,
+                                     "time": "2026-11-26T00:00:00.000Z"}, did, rev=res.rev,
+                     commit=res.commit_cid.encode())
+        fleet._flush_now()
+        await consumer.wait_for(lambda evs: any(e.t == "#sync" and e.did == did for e in evs))
+        [sync] = [e for e in consumer.events if e.t == "#sync"]
+        assert sync.rev == res.rev
+        await until(lambda: service.resync.queue.pending == 0, "the account to leave the queue")
+        assert (await _desynchronized(relay))["count"] == 0
+        stored = await service.store.get_account(did)
+        assert stored is not None and stored.sync_state == "synced" and stored.rev == res.rev
+        assert metric_value(await _metrics(relay), "relay_resyncs_total", result="ok") == 0
