@@ -22,6 +22,7 @@ the admin API and the dashboard alike; each ``RelayService`` has one failure tab
 | DELETE | /admin/domain-bans/{domain} | lift a ban |
 | POST | /admin/accounts/{did}/takedown · /reverse-takedown | emits ``#account`` |
 | GET | /admin/accounts/{did} | stored account state |
+| GET | /admin/desynchronized | ``?limit`` accounts waiting for a resync, longest first: since when, failed attempts, last failure, next retry |
 | GET | /admin/consumers | connected subscribeRepos consumers |
 | GET/POST | /admin/crawling | ``{enabled}`` public requestCrawl on/off |
 | GET | /admin/audit | recent admin actions |
@@ -254,6 +255,20 @@ async def get_account(request: Request, service: RelayService) -> Response:
     return JSONResponse(_account_view(state))
 
 
+async def desynchronized(request: Request, service: RelayService) -> Response:
+    """The resync queue (``relay.resync_queue``): each account with when it was marked
+    desynchronized, its state (``queued``, ``running``, ``waiting``), failed attempts, the last
+    failure's reason and message, and when the next attempt starts (epoch seconds, like the host
+    views' times; null unless waiting). ``count`` is the whole queue's size."""
+    assert service.resync is not None, "admin API without a resync manager"
+    limit = int_param(request, "limit", default=1000, minimum=1, maximum=10_000)
+    queue = service.resync.queue
+    entries = queue.entries()
+    return JSONResponse({"count": len(entries), "accounts": [
+        {"did": e.did, "since": e.since, "state": e.state, "attempts": e.attempts, "lastFailure": e.last_failure,
+         "lastError": e.last_error, "nextRetry": e.next_retry} for e in entries[:limit]]})
+
+
 async def takedown(request: Request, service: RelayService) -> Response:
     state = await service.set_local_status(request.path_params["did"], "takendown")
     return JSONResponse(_account_view(state))
@@ -294,6 +309,7 @@ def admin_routes() -> list[BaseRoute]:
         Route("/admin/domain-bans", _admin(domain_bans), methods=["GET", "POST"]),
         Route("/admin/domain-bans/{domain}", _admin(remove_domain_ban), methods=["DELETE"]),
         Route("/admin/accounts/{did}", _admin(get_account), methods=["GET"]),
+        Route("/admin/desynchronized", _admin(desynchronized), methods=["GET"]),
         Route("/admin/accounts/{did}/takedown", _admin(takedown), methods=["POST"]),
         Route("/admin/accounts/{did}/reverse-takedown", _admin(reverse_takedown), methods=["POST"]),
         Route("/admin/consumers", _admin(consumers), methods=["GET"]),

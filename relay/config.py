@@ -118,6 +118,18 @@ SETTINGS: tuple[Setting, ...] = (
             "processes verifying commits in parallel (0 = in the event loop)", "int"),
     Setting("resync_workers", "RELAY_RESYNC_WORKERS", "--resync-workers", "4",
             "parallel repository resyncs", "int"),
+    Setting("resync_retry_base", "RELAY_RESYNC_RETRY_BASE", "--resync-retry-base", "2s",
+            "a failed resync is retried after this delay, doubled after each further failure (each delay "
+            "jittered within its upper half); retries never stop, and start at once when the account's host "
+            "sends something new for it", "duration"),
+    Setting("resync_retry_max", "RELAY_RESYNC_RETRY_MAX", "--resync-retry-max", "5m",
+            "the longest delay between two resync attempts of one account", "duration"),
+    Setting("resync_held_bytes_per_account", "RELAY_RESYNC_HELD_BYTES_PER_ACCOUNT",
+            "--resync-held-bytes-per-account", "4194304",
+            "frames of an account being resynchronised are held (then judged after its #sync) up to this "
+            "many bytes; past it the oldest are dropped (resync_buffer_full): the #sync covers them", "int"),
+    Setting("resync_held_bytes_total", "RELAY_RESYNC_HELD_BYTES_TOTAL", "--resync-held-bytes-total", "268435456",
+            "bytes of held frames over all accounts being resynchronised (same rule)", "int"),
     Setting("repair_interval", "RELAY_REPAIR_INTERVAL", "--repair-interval", "5s",
             "how often Spark repairs queued in the outbox are applied", "duration"),
     Setting("repair_settle", "RELAY_REPAIR_SETTLE", "--repair-settle", "10s",
@@ -258,6 +270,10 @@ class RelayConfig:
     crawling_enabled: bool = True
     validation_workers: int = 2
     resync_workers: int = 4
+    resync_retry_base: float = 2.0
+    resync_retry_max: float = 300.0
+    resync_held_bytes_per_account: int = 4 * 1024 * 1024
+    resync_held_bytes_total: int = 256 * 1024 * 1024
     repair_interval: float = 5.0
     repair_settle: float = 10.0
     identity_rate: int = 200
@@ -329,6 +345,9 @@ class RelayConfig:
             raise ConfigError("bad_duration", "RELAY_CONSUMER_MAX_LAG: must be more than 0")
         if config.consumer_max_queue_bytes < 1024 * 1024:
             raise ConfigError("bad_int", "RELAY_CONSUMER_MAX_QUEUE_BYTES: must be at least 1048576")
+        if config.resync_retry_base <= 0 or config.resync_retry_max < config.resync_retry_base:
+            raise ConfigError("bad_duration", "RELAY_RESYNC_RETRY_BASE must be more than 0 and at most "
+                              "RELAY_RESYNC_RETRY_MAX")
         if config.log_level not in ("debug", "info", "warning", "error"):
             raise ConfigError("bad_log_level", f"RELAY_LOG_LEVEL: unknown level {config.log_level!r}")
         return config

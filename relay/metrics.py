@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import (
     REGISTRY,
@@ -178,6 +178,18 @@ class RelayMetrics:
             self.registry.register(collector)
         collector.accounts = dict(accounts)
 
+    def watch_resyncs(self, source: ResyncSource) -> None:
+        """Export the resync queue's state, read at scrape time from ``source``:
+        ``relay_desynchronized_accounts{age}`` (accounts waiting for a resync by how long they have
+        been desynchronized: ``under_1m``, ``under_10m``, ``under_1h``, ``under_1d``, ``older``), ``relay_resync_held_bytes`` (frames
+        held for them) and ``relay_resync_kicks_total`` (waiting retries brought forward because
+        the account's host sent something new). Calling it again replaces the source."""
+        collector = getattr(self, "_resync_collector", None)
+        if collector is None:
+            collector = self._resync_collector = _ResyncCollector(source)
+            self.registry.register(collector)
+        collector.source = source
+
     def render(self) -> bytes:
         """Text exposition of this relay's registry plus the process default registry. Safe in a
         worker thread (see the module docstring)."""
@@ -239,3 +251,32 @@ class _HostAccountsCollector:
                 limit.add_metric([host], most)
         yield count
         yield limit
+
+class ResyncSource(Protocol):
+    """What ``RelayMetrics.watch_resyncs`` reads (``relay.resync_queue.ResyncQueue``)."""
+
+    kicks: int
+
+    @property
+    def held_bytes(self) -> int: ...
+
+    def by_age(self) -> dict[str, int]: ...
+
+
+class _ResyncCollector:
+    """See ``RelayMetrics.watch_resyncs``."""
+
+    def __init__(self, source: ResyncSource) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        ages = GaugeMetricFamily("relay_desynchronized_accounts",
+                                 "Accounts waiting for a resync, by how long they have been desynchronized "
+                                 "(under_1m, under_10m, under_1h, under_1d, older)", labels=["age"])
+        for label, count in self.source.by_age().items():
+            ages.add_metric([label], count)
+        yield ages
+        yield GaugeMetricFamily("relay_resync_held_bytes", "Bytes of frames held for accounts being resynchronised",
+                                value=self.source.held_bytes)
+        yield CounterMetricFamily("relay_resync_kicks", "Waiting resync retries started early because the "
+                                  "account's host sent something new for it", value=self.source.kicks)

@@ -211,7 +211,9 @@ class RelayService:
         policy = HostPolicy(config)
         self.pool = ValidationPool(config.validation_workers)
         await self.pool.start()
-        resync_queue = ResyncQueue(on_change=self.metrics.resync_queue.set)
+        resync_queue = ResyncQueue(on_change=self.metrics.resync_queue.set,
+                                   held_per_account=config.resync_held_bytes_per_account,
+                                   held_total=config.resync_held_bytes_total)
         self.admission = admission = Admission(store=self.store, identity=self.identity, policy=policy,
                                                default_account_limit=config.default_account_limit)
         self.lanes = AccountLanes(store=self.store, sequencer=self.sequencer, pool=self.pool, admission=admission,
@@ -224,7 +226,8 @@ class RelayService:
                                    max_in_flight_bytes=buffer, max_in_flight_bytes_per_host=max(1, buffer // 8))
         self.resync = ResyncManager(store=self.store, identity=self.identity, safe=self.safe,
                                     metrics=self.metrics, queue=resync_queue, lanes=self.lanes,
-                                    workers=config.resync_workers)
+                                    workers=config.resync_workers, retry_base=config.resync_retry_base,
+                                    retry_max=config.resync_retry_max)
         self.hosts = HostManager(store=self.store, config=config, metrics=self.metrics, guard=self.guard,
                                  safe=self.safe, policy=policy, start_host=self.upstreams.start_host,
                                  stop_host=self.upstreams.stop_host, limit_raised=self._limit_raised)
