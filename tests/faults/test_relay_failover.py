@@ -101,6 +101,7 @@ async def test_failover_between_two_upstream_relays_loses_and_duplicates_nothing
     # the second copies were dropped and counted (commits by rev, #identity/#account by body)
     # each second copy was dropped and counted as an ignore (commits and #sync by rev,
     # #identity/#account by their body), never a reject, a desync or an event
+    # (kind "host" counts the upstream connections themselves: the killed relay's dropped socket)
     verdicts = {line.rsplit(" ", 1)[0] for line in text.splitlines() if line.startswith("relay_verdicts_total{")}
-    assert {v.split('kind="')[1].split('"')[0] for v in verdicts} == {"accept", "ignore"}
+    assert {v.split('kind="')[1].split('"')[0] for v in verdicts} - {"host"} == {"accept", "ignore"}
     assert metric_value(text, "relay_verdicts_total", kind="ignore") >= len(valid)
