@@ -12,14 +12,14 @@ host (``observed_at``):
 * ``add``     — reconcile found an account the relay did not know (its DID names this host).
 
 The running relay drains the rows (``drain_repair_outbox``) and applies each one in its account's
-lane (``relay.lanes.AccountLanes.apply_repair``), where ``decide_repair`` compares it with the lane's
+lane (``relay.ingest.lanes.AccountLanes.apply_repair``), where ``decide_repair`` compares it with the lane's
 durable state (the lane waits until nothing is in flight, so durable *is* the relay's head):
 
 * a repair not newer than what the relay has accepted since the job looked is discarded
   (``stale``), so a job never rolls an account back and never duplicates what the live stream
   already delivered;
 * a row is applied only once the relay has *caught up* with the row's host past ``observed_at``
-  (``ready``, from ``relay.upstreams.Upstreams.caught_up``): a job run while the relay is behind
+  (``ready``, from ``relay.ingest.hostruns.Upstreams.caught_up``): a job run while the relay is behind
   waits for the relay to read what the host sent before the job looked, and is then stale unless
   the relay really missed it. Without that rule a ``#sync`` would move the account past commits
   still on their way, and the relay would drop them as "not newer".

@@ -2,7 +2,7 @@
 
 A stateless service. It judges each frame against exactly the state it is given and keeps no
 account state of its own: per-account order and the in-flight head belong to the account's lane
-(``relay.lanes``), which asks for one verdict at a time per account. Judgements of different
+(``relay.ingest.lanes``), which asks for one verdict at a time per account. Judgements of different
 accounts run concurrently and leave in batches (one IPC round trip each) to ``workers`` child
 processes (:class:`firehose.workers.WorkerPool`, fed through pipes by the event loop itself);
 ``workers=0`` validates inline on the event loop (tests, tiny deployments). A worker that dies

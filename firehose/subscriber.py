@@ -6,7 +6,7 @@ Contract:
   (``#commit #sync #identity #account``), in order; awaiting it is the backpressure. A frame
   handed to ``on_frame`` belongs to the owner from then on: it is acknowledged (:meth:`ack`) once
   stored, or the owner replaces this subscriber with a new one from the acked cursor
-  (``relay.upstreams`` does, when one of its events is not stored).
+  (``relay.ingest.hostruns`` does, when one of its events is not stored).
 * The durable cursor advances **only** through :meth:`HostSubscriber.ack`, which the sequencer
   calls after the event is durably sequenced. A crash therefore replays, never skips. Reconnects
   ask from the durable cursor, except the one reconnect that skips a message over the transport
@@ -207,7 +207,7 @@ class HostSubscriber:
     async def _reset(self, reason: Reason) -> None:
         """The host's stream restarted: reset the cursor to 0 (its new stream from the start). The
         owner's ``on_cursor_reset`` runs first and must return only once no ``ack`` for the old
-        stream can follow (``relay.upstreams`` waits for the run's in-flight frames to settle)."""
+        stream can follow (``relay.ingest.hostruns`` waits for the run's in-flight frames to settle)."""
         old = self._acked
         self.resets += 1
         self._skip_to = None

@@ -256,7 +256,7 @@ async def get_account(request: Request, service: RelayService) -> Response:
 
 
 async def desynchronized(request: Request, service: RelayService) -> Response:
-    """The resync queue (``relay.resync_queue``): each account with when it was marked
+    """The resync queue (``relay.ingest.resync_queue``): each account with when it was marked
     desynchronized, its state (``queued``, ``running``, ``waiting``), failed attempts, the last
     failure's reason and message, and when the next attempt starts (epoch seconds, like the host
     views' times; null unless waiting). ``count`` is the whole queue's size."""

@@ -30,7 +30,7 @@ trusted are unlimited; others get their own ``account_limit`` or ``RELAY_DEFAULT
 
 Relay upstreams: an operator may add a host as a relay (``add_host(relay=True)``; probed with
 ``listHosts`` instead of ``describeServer``; never through public ``requestCrawl``). A relay carries
-the accounts of many PDSes (which ones it may speak for: ``relay.admission``), so it has no account
+the accounts of many PDSes (which ones it may speak for: ``relay.ingest.admission``), so it has no account
 or event rate limit. Lenient validation of sync 1.0 commits is set per host (``set_validation``:
 on, off, or as ``RELAY_LENIENT_SYNC_VALIDATION`` says), stored with the host.
 """

@@ -253,7 +253,7 @@ class _HostAccountsCollector:
         yield limit
 
 class ResyncSource(Protocol):
-    """What ``RelayMetrics.watch_resyncs`` reads (``relay.resync_queue.ResyncQueue``)."""
+    """What ``RelayMetrics.watch_resyncs`` reads (``relay.ingest.resync_queue.ResyncQueue``)."""
 
     kicks: int
 

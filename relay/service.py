@@ -39,7 +39,6 @@ from firehose.bus import EventBus, InProcessBus, RedisStreamBus, RedisTimeouts, 
 from firehose.pipeline import ValidationPool
 from firehose.publisher import BusPublisher, classify_bus_error
 from firehose.state import AccountState, SequencedEvent
-from relay.admission import Admission
 from relay.config import RelayConfig, parse_nameservers
 from relay.consumers import ConsumerRegistry, ConsumerTracking
 from relay.fdlimit import hosts_allowed, raise_open_file_limit
@@ -52,16 +51,17 @@ from relay.identity import (
     dns_txt_lookup,
 )
 from relay.identity_store import PersistedIdentities
+from relay.ingest.admission import Admission
+from relay.ingest.hostruns import Upstreams
+from relay.ingest.lanes import AccountLanes
+from relay.ingest.resync import ResyncManager
+from relay.ingest.resync_queue import ResyncQueue
 from relay.jetstream_server import JetstreamServer, jetstream_server
 from relay.jsonlog import fields
-from relay.lanes import AccountLanes
 from relay.metrics import RelayMetrics
 from relay.redis_guard import FailFastRedis
 from relay.repo_proxy import RepoProxy
-from relay.resync import ResyncManager
-from relay.resync_queue import ResyncQueue
 from relay.ssrf import AddressGuard, Resolver, SafeClient
-from relay.upstreams import Upstreams
 
 log = logging.getLogger("relay.service")
 

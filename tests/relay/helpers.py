@@ -19,7 +19,7 @@ from firehose.state import Fence, PendingEvent, SequencedEvent
 from firehose.subscriber import UpstreamFrame
 from firehose.uvicorn_batch import BatchingWebSocketsProtocol
 from relay.config import RelayConfig
-from relay.lanes import Work
+from relay.ingest.lanes import Work
 from relay.service import RelayService
 from relay.sim.host import SimHost
 from relay.ssrf import Resolver

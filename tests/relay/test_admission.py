@@ -9,10 +9,10 @@ import random
 
 from backfill.store import open_store
 from backfill.types import HostState
-from relay.admission import HOST_TTL, Admission
 from relay.config import RelayConfig
 from relay.hosts import HostPolicy
 from relay.identity import IdentityResolver, MemoryIdentityCache
+from relay.ingest.admission import HOST_TTL, Admission
 from relay.sim.ident import SigningKey, did_document, plc_did
 from relay.sim.plc import SimPLC
 from relay.ssrf import AddressGuard, SafeClient

@@ -1,4 +1,4 @@
-"""The account lane: the single owner of an account's in-flight head (``relay.lanes``).
+"""The account lane: the single owner of an account's in-flight head (``relay.ingest.lanes``).
 
 The decisive case is a failed write: the store refuses the batch holding account A's commit N
 while commit N+1, chained on N, has already been judged against the in-flight N. The lane must

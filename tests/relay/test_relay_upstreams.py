@@ -17,8 +17,8 @@ import httpx
 from backfill.types import HostState
 from firehose.state import AccountState, PendingEvent, SequencedEvent
 from firehose.subscriber import UpstreamFrame
-from relay.admission import Admission
-from relay.lanes import Work
+from relay.ingest.admission import Admission
+from relay.ingest.lanes import Work
 from relay.sim import SimConfig, SimFleet
 from relay.sim.ident import did_document
 from tests.relay.e2e import (

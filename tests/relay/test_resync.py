@@ -14,7 +14,7 @@ from backfill.collections import counts_from_paths
 from mst.car import read_car
 from mst.cid import cid_for_cbor
 from mst.commit import decode_commit
-from relay.resync import ResyncFailed
+from relay.ingest.resync import ResyncFailed
 from relay.sim.ident import SigningKey
 from relay.sim.repo import Write
 from tests.relay.e2e import commits_of, one_account
@@ -85,9 +85,9 @@ async def test_a_resync_verifies_against_the_key_the_directory_names_now(relay_f
         account.repo.apply_writes([*fleet._mix.next_writes(account.repo.record_paths()), new])
         rev, paths = account.repo.rev, account.repo.record_paths()
         assert "app.example.resync" not in await service.store.collection_counts(did)
-        with caplog.at_level(logging.INFO, logger="relay.resync"):
+        with caplog.at_level(logging.INFO, logger="relay.ingest.resync"):
             await service.resync.resync_one(did)
-        [line] = [r for r in caplog.records if r.name == "relay.resync"]
+        [line] = [r for r in caplog.records if r.name == "relay.ingest.resync"]
         assert (line.getMessage(), line.fields) == ("resynced", {"did": did, "rev": rev, "records": len(paths)})
         assert await service.store.collection_counts(did) == counts_from_paths(paths)  # stored with the #sync
         await consumer.wait_for(lambda evs: any(e.t == "#sync" for e in evs))

@@ -1,4 +1,4 @@
-"""``relay.resync_queue.ResyncQueue`` on its own: entries live until a resync succeeds, a kick
+"""``relay.ingest.resync_queue.ResyncQueue`` on its own: entries live until a resync succeeds, a kick
 brings a waiting retry forward (not before its floor), an account marked again while its resync
 runs is queued once more, ages fall in the gauge's buckets, and the held-bytes ledger."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from relay.resync_queue import ResyncQueue
+from relay.ingest.resync_queue import ResyncQueue
 
 
 class Clock:

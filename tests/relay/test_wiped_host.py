@@ -84,7 +84,7 @@ async def test_wiped_host_is_followed_again_and_its_accounts_resynced(
         resets = metric_value(text, "relay_host_cursor_resets_total", host=host.hostname)
         assert resets == 1 and metric_value(text, "relay_host_cursor_resets_total", reason="future_cursor") == 1
         assert metric_value(text, "relay_verdicts_total", kind="desync", reason="since_mismatch") >= len(desynced)
-        warned = [r for r in caplog.records if r.name == "relay.upstreams" and r.levelno == logging.WARNING
+        warned = [r for r in caplog.records if r.name == "relay.ingest.hostruns" and r.levelno == logging.WARNING
                   and "cursor reset" in r.getMessage()]
         assert warned
     finally:

@@ -103,17 +103,17 @@ def tamper(acct: Any) -> None:
 
 async def apply_outbox(url: str, plc_url: str) -> tuple[Any, list[Any]]:
     """Apply the repair outbox as a running relay does: each row in its account's lane
-    (``relay.lanes.AccountLanes.apply_repair``), through the real sequencer. No host is followed
+    (``relay.ingest.lanes.AccountLanes.apply_repair``), through the real sequencer. No host is followed
     here, so every row is ready at once. Returns the drain result and the events it stored."""
     from backfill.outbox import drain_repair_outbox
     from backfill.sequencer import Sequencer
     from firehose.pipeline import ValidationPool
-    from relay.admission import Admission
     from relay.config import RelayConfig
     from relay.hosts import HostPolicy
     from relay.identity import IdentityResolver
-    from relay.lanes import AccountLanes
-    from relay.resync_queue import ResyncQueue
+    from relay.ingest.admission import Admission
+    from relay.ingest.lanes import AccountLanes
+    from relay.ingest.resync_queue import ResyncQueue
     from relay.ssrf import AddressGuard, SafeClient
 
     async def publish(events: list[Any]) -> None:

@@ -1,7 +1,7 @@
 """Host subscriptions: one run per followed host, from its durable cursor.
 
 A run is a ``firehose.subscriber.HostSubscriber`` plus a window of the frames it has read and not
-yet finished. Each frame is dispatched at once into its account's lane (``relay.lanes``); when the
+yet finished. Each frame is dispatched at once into its account's lane (``relay.ingest.lanes``); when the
 lane has judged it, its event (if any) goes to the sequencer straight away. Frames of one account
 are judged, sequenced and stored in upstream order; frames of different accounts finish in any
 order, so one account waiting for slow work (a DID lookup, a handle check, a key refresh, a resync
@@ -46,15 +46,15 @@ from firehose.reasons import Reason
 from firehose.state import Fence, PendingEvent, SequencedEvent
 from firehose.subscriber import HostSubscriber, SubscriberConfig, UpstreamFrame
 from mst.syntax import is_valid_did
-from relay.admission import Admission
 from relay.config import RelayConfig
 from relay.hosts import HostPolicy, host_base_url
+from relay.ingest.admission import Admission
+from relay.ingest.lanes import AccountLanes, Count, Work
 from relay.jsonlog import fields
-from relay.lanes import AccountLanes, Count, Work
 from relay.metrics import RelayMetrics
 from relay.ssrf import AddressGuard, split_host_port
 
-log = logging.getLogger("relay.upstreams")
+log = logging.getLogger("relay.ingest.hostruns")
 
 UNTRUSTED_RATE_LIMITS = [(500.0, 1.0), (500_000.0, 3600.0), (5_000_000.0, 86400.0)]
 KINDS = ("#commit", "#sync", "#identity", "#account")
@@ -127,7 +127,7 @@ class _HostRun:
     done_time: str | None = None
     followed_since: float = 0.0  # when the relay began following the host (HostState.created_at)
     lenient: bool = False  # judge sync 1.0 commits leniently (the host's setting, else the relay's)
-    relay: bool = False  # the host is another relay (see relay.admission)
+    relay: bool = False  # the host is another relay (see relay.ingest.admission)
     last_read: int | None = None  # upstream seq of the last frame read
 
     def __post_init__(self) -> None:

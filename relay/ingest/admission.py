@@ -21,7 +21,7 @@ accounts admitted whose first event is still on its way (reserved once per DID, 
 frames it sends; ``released`` when the frame came to nothing). So a frame that is rejected never
 counts, and an account is never counted twice. Checked and reserved with no ``await`` in between,
 since lanes admit accounts concurrently. Host settings and domain bans
-used by the relay rule are cached for ``host_ttl`` seconds; ``relay.upstreams`` calls
+used by the relay rule are cached for ``host_ttl`` seconds; ``relay.ingest.hostruns`` calls
 ``host_changed`` whenever a host is started or stopped (added, blocked, changed), so operator
 changes to known hosts apply at once (a new domain ban on a host never seen: within ``host_ttl``).
 Host rows (limit, trust, status) are also what a burst of never-seen accounts reads: one query per
@@ -44,7 +44,7 @@ from relay.hosts import HostPolicy, matches_domain
 from relay.identity import Identity, IdentityResolver
 from relay.jsonlog import fields
 
-log = logging.getLogger("relay.admission")
+log = logging.getLogger("relay.ingest.admission")
 
 #: seconds a host row read for admission is reused
 HOST_TTL = 1.0

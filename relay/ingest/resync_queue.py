@@ -1,7 +1,7 @@
 """The accounts waiting for a resync, and the frames held for them.
 
 Filled by the account lanes (a broken chain, a held account released, a restart's desynchronized
-accounts), drained by ``relay.resync.ResyncManager``'s workers. Every DID in the queue has one
+accounts), drained by ``relay.ingest.resync.ResyncManager``'s workers. Every DID in the queue has one
 ``Pending`` entry until a resync of it succeeds: ``queued`` (waiting for a worker), ``running``
 or ``waiting`` (a failed attempt's backoff timer runs). Nothing gives up: a failed attempt is
 retried after the delay the manager chooses, and ``kick(did)`` (the account's host sent something

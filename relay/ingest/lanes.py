@@ -15,7 +15,7 @@ A lane holds, for one DID:
 
 Frames of one account are judged one at a time; different accounts are judged concurrently (the
 verdicts come from ``firehose.pipeline.ValidationPool``'s worker processes). The host run
-(``relay.upstreams``) hands the accepted events to the sequencer in upstream order and reports each
+(``relay.ingest.hostruns``) hands the accepted events to the sequencer in upstream order and reports each
 outcome back through ``settled``:
 
 * stored → ``durable`` becomes that event's state;
@@ -60,13 +60,13 @@ from mst import cbor
 from mst.syntax import is_valid_tid
 from mst.tid import tid_to_micros
 from relay.accounts import account_event_body, now_iso
-from relay.admission import Admission
 from relay.batched import BatchedLookup
 from relay.identity import IdentityError, IdentityResolver
+from relay.ingest.admission import Admission
+from relay.ingest.resync_queue import ResyncQueue
 from relay.jsonlog import fields
-from relay.resync_queue import ResyncQueue
 
-log = logging.getLogger("relay.lanes")
+log = logging.getLogger("relay.ingest.lanes")
 
 #: Seconds of clock skew allowed between a host's TIDs and the relay (``_missed_history``).
 UNSEEN_HISTORY_MARGIN = 300.0
@@ -103,7 +103,7 @@ _Op = Callable[["_Lane"], Awaitable[Any]]
 
 
 def _not_speaker(work: Work) -> Reason:
-    """Why a host may not speak for the account (``relay.admission``)."""
+    """Why a host may not speak for the account (``relay.ingest.admission``)."""
     return Reason.RELAY_NOT_AUTHORITATIVE if work.relay else Reason.WRONG_HOST
 
 
@@ -501,7 +501,7 @@ class AccountLanes:
             # The verdict's state is a fresh object (unpickled from a worker, or built by the
             # validator) that nothing else holds: completed in place rather than copied.
             new_state = verdict.new_state
-            new_state.host = state.host or work.hostname  # the binding (relay.admission)
+            new_state.host = state.host or work.hostname  # the binding (relay.ingest.admission)
             new_state.upstream_status = state.upstream_status
             new_state.local_status = state.local_status
             new_state.updated_at = self.clock()

@@ -34,14 +34,14 @@ from firehose.state import AccountState
 from mst.errors import ReasonError
 from relay.accounts import now_iso
 from relay.identity import IdentityError, IdentityResolver
+from relay.ingest.lanes import AccountLanes
+from relay.ingest.resync_queue import ResyncQueue
 from relay.jsonlog import fields
-from relay.lanes import AccountLanes
 from relay.metrics import RelayMetrics
 from relay.repo_proxy import RepoFetchError, fetch_repo_car
-from relay.resync_queue import ResyncQueue
 from relay.ssrf import SafeClient
 
-log = logging.getLogger("relay.resync")
+log = logging.getLogger("relay.ingest.resync")
 
 MAX_REPO_BYTES = 512 * 1024 * 1024
 
