@@ -154,6 +154,16 @@ SETTINGS: tuple[Setting, ...] = (
             "67108864", "bytes of live events the relay queues for one consumer (at most 10,000 events) "
             "before it gets ConsumerTooSlow", "int"),
     Setting("log_level", "RELAY_LOG_LEVEL", "--log-level", "info", "debug, info, warning or error"),
+    Setting("status_heal_interval", "RELAY_STATUS_HEAL_INTERVAL", "--status-heal-interval", "24h",
+            "account-status self-healing: every host's listRepos is read fully once per interval and each account's "
+            "status compared with the relay's; a divergence is repaired with an #account (0 = off)", "duration"),
+    Setting("status_heal_suspect_delay", "RELAY_STATUS_HEAL_SUSPECT_DELAY", "--status-heal-suspect-delay", "5m",
+            "an account that looks inconsistent (a commit while held inactive) is checked with getRepoStatus this "
+            "soon, and a host whose stream reconnected is listed again, each at most once per this delay",
+            "duration"),
+    Setting("status_heal_timeout", "RELAY_STATUS_HEAL_TIMEOUT", "--status-heal-timeout", "10s",
+            "each listRepos / getRepoStatus request of the self-healing; a host that does not answer is retried "
+            "later (never read as having deleted its accounts)", "duration"),
 )
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -239,6 +249,9 @@ class RelayConfig:
     consumer_max_lag: float = 15.0
     consumer_max_queue_bytes: int = 64 * 1024 * 1024
     log_level: str = "info"
+    status_heal_interval: float = 24 * 3600.0
+    status_heal_suspect_delay: float = 300.0
+    status_heal_timeout: float = 10.0
 
     @property
     def host(self) -> str:

@@ -81,6 +81,18 @@ class RelayMetrics:
                                  ["event"], registry=r)
         self.jetstream_messages = Counter("relay_jetstream_messages_total", "JSON stream messages sent",
                                           ["compressed"], registry=r)
+        self.heal_checked = Counter("relay_status_heal_checked_total",
+                                    "Account statuses compared with their host's answer (list: listRepos pages, "
+                                    "status: getRepoStatus)", ["source"], registry=r)
+        self.heal_divergences = Counter("relay_status_heal_divergences_total",
+                                        "Account statuses found to differ from the host's, by the host's status",
+                                        ["kind"], registry=r)
+        self.heal_repairs = Counter("relay_status_heal_repairs_total",
+                                    "Status divergences handed to the account's lane, by the host's status and "
+                                    "outcome (applied, stale, ...)", ["kind", "outcome"], registry=r)
+        self.heal_host_failures = Counter("relay_status_heal_host_failures_total",
+                                          "Status checks a host could not answer (skipped and retried)",
+                                          ["reason"], registry=r)
 
     def child(self, metric: Any, *values: str) -> Any:
         """``metric.labels(*values)``, kept once per label tuple: ``labels()`` costs a lock and a
