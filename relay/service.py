@@ -57,7 +57,7 @@ from relay.repo_proxy import RepoProxy
 from relay.resync import ResyncManager
 from relay.resync_queue import ResyncQueue
 from relay.ssrf import AddressGuard, Resolver, SafeClient
-from relay.status_heal import HealPace, StatusHealer, WatchedLanes
+from relay.status_heal import HealPace, StatusHealer, SuspectQueue, WatchedLanes
 from relay.upstreams import Upstreams
 
 log = logging.getLogger("relay.service")
@@ -197,7 +197,8 @@ class RelayService:
         resync_queue = ResyncQueue(on_change=self.metrics.resync_queue.set)
         self.admission = admission = Admission(store=self.store, identity=self.identity, policy=policy,
                                                default_account_limit=config.default_account_limit)
-        self.lanes = lanes = WatchedLanes(store=self.store, sequencer=self.sequencer, pool=self.pool, admission=admission,
+        suspects = SuspectQueue(config.status_heal_suspect_delay, limit=100_000 if config.status_heal_interval else 0)
+        self.lanes = WatchedLanes(suspects=suspects, store=self.store, sequencer=self.sequencer, pool=self.pool, admission=admission,
                                   identity=self.identity, resync=resync_queue, count=self._count,
                                   handle_wait=config.handle_wait, history_margin=config.host_clock_skew)
         buffer = max(1, config.ingest_buffer_mb) * 1024 * 1024
@@ -221,8 +222,7 @@ class RelayService:
                 store=self.store, lanes=self.lanes, upstreams=self.upstreams, safe=self.safe, identity=self.identity,
                 metrics=self.metrics, insecure=config.allow_insecure_hosts,
                 pace=HealPace(interval=config.status_heal_interval, suspect_delay=config.status_heal_suspect_delay,
-                              timeout=config.status_heal_timeout, settle=config.repair_settle))
-            lanes.healer = self.healer
+                              timeout=config.status_heal_timeout, settle=config.repair_settle), suspects=suspects)
             self._tasks.append(asyncio.create_task(self.healer.run(), name="status-heal"))
         self._running()
         log.info("relay started", extra=fields(role=self.role, mst=native.STATUS, **config.describe()))

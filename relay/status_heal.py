@@ -16,7 +16,7 @@ reconcile's mass runs:
   fresh) still names this host, or the DID itself is gone;
 * **suspects** — an account that looks inconsistent is checked with ``getRepoStatus`` within
   ``suspect_delay`` (once per ``suspect_delay`` at most): a ``#commit`` arriving for an account the
-  relay holds inactive (``note_commit``, from ``WatchedLanes``); and after a host's stream
+  relay holds inactive (``SuspectQueue.note_commit``, from ``WatchedLanes``); and after a host's stream
   reconnects, the whole host is swept again (an ``#account`` may have been missed during the gap),
   at most once per ``suspect_delay``.
 
@@ -140,12 +140,54 @@ def names_host(pds: str | None, hostname: str) -> bool:
     return netloc.rsplit(":", 1)[0] == hostname.lower() and netloc.endswith((":443", ":80"))
 
 
+class SuspectQueue:
+    """Accounts to check soon (``did -> host``), each at most once per ``delay`` seconds; filled by
+    ``WatchedLanes``, drained by ``StatusHealer``. At most ``limit`` wait (0: none are kept, the
+    self-healing is off)."""
+
+    def __init__(self, delay: float, clock: Callable[[], float] = time.time, limit: int = 100_000) -> None:
+        self.delay = delay
+        self.clock = clock
+        self.limit = limit
+        #: did -> (host, due time)
+        self._waiting: dict[str, tuple[str, float]] = {}
+        #: did -> when it was last handed out (bounded)
+        self._checked: BoundedLRU[str, float] = BoundedLRU(max(1, limit))
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def note_commit(self, did: str, hostname: str, held: AccountState | None) -> None:
+        """A ``#commit`` arrived from ``hostname`` for ``did``, which the relay holds as ``held``:
+        an account held inactive upstream (on that host) that commits is a suspect."""
+        if held is None or held.upstream_status == "active" or held.host != hostname:
+            return
+        self.add(did, hostname)
+
+    def add(self, did: str, hostname: str) -> None:
+        if did in self._waiting or len(self._waiting) >= self.limit:
+            return
+        now = self.clock()
+        last = self._checked.peek(did)
+        self._waiting[did] = (hostname, now if last is None else max(now, last + self.delay))
+
+    def due(self) -> list[tuple[str, str]]:
+        """Take the suspects whose check is due: ``(did, host)``."""
+        now = self.clock()
+        out = [(did, host) for did, (host, at) in self._waiting.items() if at <= now]
+        for did, _ in out:
+            del self._waiting[did]
+            self._checked.put(did, now)
+        return out
+
+
 class StatusHealer:
     """See the module docstring. ``run()`` is the background task; ``sweep_host`` and
     ``check_account`` do one check each (tests and operators)."""
 
     def __init__(self, *, store: Store, lanes: AccountLanes, upstreams: Upstreams, safe: SafeClient,
-                 identity: IdentityResolver, metrics: RelayMetrics, pace: HealPace, insecure: bool = False,
+                 identity: IdentityResolver, metrics: RelayMetrics, pace: HealPace, suspects: SuspectQueue,
+                 insecure: bool = False,
                  clock: Callable[[], float] = time.time, tick: float = 1.0) -> None:
         self.store = store
         self.lanes = lanes
@@ -163,29 +205,14 @@ class StatusHealer:
         self._last_sweep: dict[str, float] = {}
         #: hostname -> whether its stream was connected at the last step (a reconnect is False then True)
         self.seen_connected: dict[str, bool] = {}
-        #: did -> (host, due time) of suspects waiting for their check
-        self._suspects: dict[str, tuple[str, float]] = {}
-        #: did -> when it was last checked as a suspect (bounded)
-        self._checked: BoundedLRU[str, float] = BoundedLRU(100_000)
+        self.suspects = suspects
         #: sweeps finished, per host (tests synchronise on it)
         self.sweeps: dict[str, int] = {}
 
     # -- signals ---------------------------------------------------------------------------------
-    def note_commit(self, did: str, hostname: str, held: AccountState | None) -> None:
-        """A ``#commit`` arrived from ``hostname`` for ``did``, which the relay holds as ``held``:
-        an account held inactive upstream that commits is a suspect."""
-        if held is None or held.upstream_status == "active" or held.host != hostname:
-            return
-        self.suspect(did, hostname)
-
     def suspect(self, did: str, hostname: str) -> None:
         """Check ``did`` on ``hostname`` within ``suspect_delay`` (not twice within it)."""
-        if did in self._suspects:
-            return
-        now = self.clock()
-        last = self._checked.peek(did)
-        due = now if last is None else max(now, last + self.pace.suspect_delay)
-        self._suspects[did] = (hostname, due)
+        self.suspects.add(did, hostname)
 
     # -- the loop --------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -214,14 +241,11 @@ class StatusHealer:
             self.seen_connected[name] = connected
             if self._due[name] <= self.clock():
                 await self.sweep_host(name)
-        for did, (hostname, due) in list(self._suspects.items()):
-            if due <= self.clock():
-                del self._suspects[did]
-                self._checked.put(did, self.clock())
-                try:
-                    await self.check_account(did, hostname)
-                except HostUnavailable:
-                    pass  # counted; a suspect again
+        for did, hostname in self.suspects.due():
+            try:
+                await self.check_account(did, hostname)
+            except HostUnavailable:
+                pass  # counted; a suspect again
 
     async def _first_due(self, hostname: str, now: float) -> float:
         """One interval after the host's last full sweep (kept in the store's settings, so a restart
@@ -391,13 +415,14 @@ class StatusHealer:
 
 
 class WatchedLanes(AccountLanes):
-    """``AccountLanes`` that tell a ``StatusHealer`` about a ``#commit`` arriving for an account
-    held inactive upstream (set ``healer`` once it exists)."""
+    """``AccountLanes`` that put an account in ``suspects`` when a ``#commit`` arrives for it while
+    the relay holds it inactive upstream (known from the lane in memory)."""
 
-    healer: StatusHealer | None = None
+    def __init__(self, *, suspects: SuspectQueue, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.suspects = suspects
 
     def submit(self, work: Work) -> None:
-        healer = self.healer
-        if healer is not None and work.kind == "#commit":
-            healer.note_commit(work.did, work.hostname, self.state(work.did))
+        if work.kind == "#commit":
+            self.suspects.note_commit(work.did, work.hostname, self.state(work.did))
         super().submit(work)

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import http.server
 import json
 import socket
 import sqlite3
+import threading
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -201,6 +204,28 @@ async def refusal(bootstrap: Bootstrap) -> BootstrapError:
     raise AssertionError(f"not refused ({batches} batches)")
 
 
+async def snapshot_over_http(directory: Path, relay_url: str) -> int:
+    """Rows of the snapshot read from ``directory`` served by ``http.server``, up to the live batch."""
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(directory))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    rows = 0
+    try:
+        async def read() -> None:
+            nonlocal rows
+            async for batch in Bootstrap(f"http://127.0.0.1:{server.server_address[1]}", relay_url):
+                if batch.live:
+                    return
+                rows += len(batch.changes)
+
+        await asyncio.wait_for(read(), 20)
+    finally:
+        server.shutdown()
+        server.server_close()
+    return rows
+
+
 async def test_a_tampered_file_or_an_old_cutover_is_refused(spark_session: Any, relay_schema: str,
                                                             tmp_path: Path) -> None:
     """A record file that does not match the manifest's checksum is refused before any of its rows
@@ -230,6 +255,9 @@ async def test_a_tampered_file_or_an_old_cutover_is_refused(spark_session: Any, 
             assert refused.reason == "checksum_mismatch"
             data[len(data) // 2] ^= 0xFF
             victim.write_bytes(bytes(data))
+            # the same export served by a plain static file server
+            rows = await snapshot_over_http(out, url)
+            assert rows == manifest["records"]
             # the relay's window moves past the cutover
             await fleet.generate(10)
             async with Consumer(ws_url, cursor=0) as consumer:
