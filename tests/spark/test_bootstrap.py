@@ -139,11 +139,13 @@ async def test_export_then_live_ends_equal_to_the_network(spark_session: Any, re
                                           retries=1, backoff_s=0.05, host_rate=500.0))
         manifest = await asyncio.to_thread(run_export, spark_session, cfg, AccountFilter(), str(out), WANTED)
         assert manifest["records"] > 0 and manifest["files"]
-        applied: list[tuple[str, str]] = []  # (did, rev) of every stream change applied
+        # (did, rev, collection, rkey) of every change a stream commit brought (not whole-repo fetches)
+        applied: list[tuple[str, str, str, str]] = []
 
         def seen(_index: Any, batch: Batch) -> bool:
-            applied.extend((c.did, c.rev) for c in batch.changes if batch.seq is not None and not batch.live
-                           and c.kind in ("put", "delete") and c.rev is not None)
+            if batch.seq is not None and not any(c.kind == "reset" for c in batch.changes):
+                applied.extend((c.did, c.rev, c.collection, c.rkey) for c in batch.changes
+                               if c.kind in ("put", "delete") and c.rev is not None)
             return False
 
         stats: dict[str, int] = {}
@@ -154,6 +156,16 @@ async def test_export_then_live_ends_equal_to_the_network(spark_session: Any, re
             await stack.aclose()  # the relay goes away while the index follows it ...
             await fleet.generate(10)
             await stack.enter_async_context(relay_on(relay_schema, port, fleet.plc_url))  # ... and comes back
+            # then the fold itself stops, and starts again from the position the index holds
+            reached = index_seq(index_path)
+            await until(lambda: index_seq(index_path) > reached + 20, "the index to follow the restarted relay",
+                        timeout=60)
+            folding.cancel()
+            await asyncio.gather(folding, return_exceptions=True)
+            await fleet.generate(10)
+            resumed: dict[str, int] = {}
+            folding = asyncio.create_task(run_bootstrap(str(out), url, str(index_path), WANTED, stop=seen,
+                                                        stats=resumed))
         await fleet.generate(20)
         committing.cancel()
         await asyncio.gather(committing, return_exceptions=True)
@@ -175,9 +187,12 @@ async def test_export_then_live_ends_equal_to_the_network(spark_session: Any, re
         import pyarrow.parquet as pq
 
         exported = dict(zip(*pq.read_table(out / "records" / "_repos.parquet").to_pydict().values(), strict=True))
-        assert all(rev > exported.get(did, "") for did, rev in applied), "a change the snapshot holds came again"
+        assert all(rev > exported.get(did, "") for did, rev, _, _ in applied), "a change the snapshot holds came again"
         assert stats["snapshot_rows"] == manifest["records"] and stats["duplicates_skipped"] > 0, stats
         assert stats["events"] > 40
+        if restart:
+            assert resumed["snapshot_rows"] == 0 and resumed["events"] > 0, resumed
+        assert len(applied) == len(set(applied)), "a stream change applied twice"
     finally:
         for task in (committing, folding):
             if task is not None:
