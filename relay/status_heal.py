@@ -302,6 +302,7 @@ class StatusHealer:
         """List ``hostname`` fully, compare, repair; then ask about the accounts it did not list.
         Returns False (and schedules a retry) when the host could not answer."""
         listed: set[str] = set()
+        held_here = 0  # listed accounts the relay holds on this host
         cursor = ""
         try:
             for _ in range(MAX_PAGES):
@@ -316,6 +317,7 @@ class StatusHealer:
                            and e["did"] not in listed]
                 listed.update(e["did"] for e in entries)
                 stored = await self.store.get_accounts([e["did"] for e in entries])
+                held_here += sum(1 for a in stored.values() if a.host == hostname)
                 self.metrics.child(self.metrics.heal_checked, "list").inc(len(entries))
                 repairs = [divergence(hostname, e["did"], hosting_status(e), stored.get(e["did"]), observed_at)
                            for e in entries]
@@ -324,7 +326,7 @@ class StatusHealer:
                 if not entries or not isinstance(next_cursor, str) or not next_cursor or next_cursor == cursor:
                     break
                 cursor = next_cursor
-            for did in await self._unlisted(hostname, listed):
+            for did in await self._unlisted(hostname, listed, held_here):
                 await self.check_account(did, hostname)
         except HostUnavailable as exc:
             self._failed(hostname, exc.reason)
@@ -336,10 +338,12 @@ class StatusHealer:
         self.sweeps[hostname] = self.sweeps.get(hostname, 0) + 1
         return True
 
-    async def _unlisted(self, hostname: str, listed: set[str]) -> list[str]:
+    async def _unlisted(self, hostname: str, listed: set[str], held_here: int) -> list[str]:
         """Accounts the relay holds on ``hostname`` (not as deleted) that its listing left out.
-        The account table is scanned only when the relay holds more accounts there than were listed."""
-        if await self.store.count_accounts(hostname) <= len(listed):
+        The account table is scanned only when the relay holds more accounts there than the
+        ``held_here`` it found in the listing (accounts kept as deleted count: once a host has
+        deleted accounts, each sweep of it scans the table)."""
+        if await self.store.count_accounts(hostname) <= held_here:
             return []
         out: list[str] = []
         after: str | None = None
