@@ -159,7 +159,8 @@ SETTINGS: tuple[Setting, ...] = (
             "status compared with the relay's; a divergence is repaired with an #account (0 = off)", "duration"),
     Setting("status_heal_suspect_delay", "RELAY_STATUS_HEAL_SUSPECT_DELAY", "--status-heal-suspect-delay", "5m",
             "an account that looks inconsistent (a commit while held inactive) is checked with getRepoStatus this "
-            "soon, and a host whose stream reconnected is listed again, each at most once per this delay",
+            "soon, at most once per this delay; a host whose stream reconnected is listed again soon, at most once "
+            "per the larger of this delay and a 24th of RELAY_STATUS_HEAL_INTERVAL",
             "duration"),
     Setting("status_heal_timeout", "RELAY_STATUS_HEAL_TIMEOUT", "--status-heal-timeout", "10s",
             "each listRepos / getRepoStatus request of the self-healing; a host that does not answer is retried "

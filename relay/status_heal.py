@@ -18,7 +18,7 @@ reconcile's mass runs:
   ``suspect_delay`` (once per ``suspect_delay`` at most): a ``#commit`` arriving for an account the
   relay holds inactive (``SuspectQueue.note_commit``, from ``WatchedLanes``); and after a host's stream
   reconnects, the whole host is swept again (an ``#account`` may have been missed during the gap),
-  at most once per ``suspect_delay``.
+  at most once per ``HealPace.resweep_gap`` (an hour at the default pace).
 
 A divergence becomes a ``backfill.outbox.Repair`` of kind ``#account`` (``base_status``: what the
 relay held; ``observed_at``: when the host answered) applied with ``AccountLanes.apply_repair``
@@ -88,7 +88,7 @@ class HealPace:
 
     #: every host is listed fully once per interval
     interval: float = 24 * 3600.0
-    #: a suspect account (or a reconnected host) is checked this soon, and not again sooner
+    #: a suspect account is checked this soon, and not again sooner
     suspect_delay: float = 300.0
     #: accounts per listRepos page (the lexicon's maximum is 1000)
     page_size: int = 1000
@@ -96,6 +96,13 @@ class HealPace:
     timeout: float = 10.0
     #: the margin of ``Upstreams.caught_up`` (the relay's ``repair_settle``)
     settle: float = 10.0
+
+    @property
+    def resweep_gap(self) -> float:
+        """A host whose stream reconnects is swept again, at most once per this long (a 24th of
+        the interval, at least ``suspect_delay``): a host reconnecting all the time costs at most
+        25 sweeps a day instead of one."""
+        return max(self.suspect_delay, self.interval / 24)
 
 
 def hosting_status(answer: dict[str, Any]) -> str:
@@ -237,7 +244,7 @@ class StatusHealer:
             connected = self.upstreams.connected(name)
             if connected and self.seen_connected.get(name) is False:  # a reconnect: #account may be missed
                 last = self._last_sweep.get(name, float("-inf"))
-                self._due[name] = min(self._due[name], max(now + self.pace.settle, last + self.pace.suspect_delay))
+                self._due[name] = min(self._due[name], max(now + self.pace.settle, last + self.pace.resweep_gap))
             self.seen_connected[name] = connected
             if self._due[name] <= self.clock():
                 await self.sweep_host(name)

@@ -158,6 +158,7 @@ async def test_a_drift_while_the_relay_is_disconnected_is_healed_after_the_recon
             events = account_events(consumer, mark)
             assert list(events) == [acct.did]
             assert [(b["active"], b.get("status")) for b in events[acct.did]] == [(False, "takendown")]
-            assert healer.sweeps.get(host.hostname) == 1
+            await until(lambda: healer.sweeps.get(host.hostname) == 1, "the sweep the reconnect started to finish")
+            assert relay.service.metrics.heal_repairs.labels("takendown", "applied")._value.get() == 1
     finally:
         await fleet.stop()
