@@ -8,7 +8,11 @@
 #             `sparkImage`)
 #   docker build -t atproto-relay --target runtime .
 #   docker build -t atproto-relay-spark --target spark .
-ARG DEBIAN=debian:bookworm-slim
+# Reproducible inputs: the base image by digest (its multi-platform index, so amd64 and arm64 build
+# alike) and every Python package at the version in constraints.txt. Refresh the digest with
+#   docker buildx imagetools inspect debian:bookworm-slim   (the "Digest:" line)
+# and the constraints with `.venv/bin/python -m tests.ops.constraints > constraints.txt`.
+ARG DEBIAN=debian:bookworm-slim@sha256:e899040a73d36e2b36fa33216943539d9957cba8172b858097c2cabcdb20a3e2
 
 FROM ${DEBIAN} AS base
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
@@ -23,20 +27,27 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends gcc libc6-dev python3.11-dev \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
-COPY pyproject.toml README.md ./
+# Dependencies first, in a layer that changes only with pyproject.toml or constraints.txt: the
+# project's requirements (and the `native` extra, for the mst build) read from pyproject.toml, at the
+# pinned versions; pyspark (and pyarrow) only in the spark stage. Behind a TLS-intercepting proxy,
+# pass its CA bundle: --secret id=pip-ca,src=/etc/ssl/certs/ca-certificates.crt
+COPY pyproject.toml constraints.txt ./
+RUN --mount=type=secret,id=pip-ca \
+    if [ -s /run/secrets/pip-ca ]; then export PIP_CERT=/run/secrets/pip-ca; fi \
+ && python3.11 -m venv /opt/relay \
+ && /opt/relay/bin/pip install --no-cache-dir -c constraints.txt --upgrade pip \
+ && python3.11 -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; print("\n".join(p["dependencies"] + p["optional-dependencies"]["native"]))' > requirements.txt \
+ && /opt/relay/bin/pip install --no-cache-dir -c constraints.txt -r requirements.txt
+COPY README.md ./
 COPY mst ./mst
 COPY firehose ./firehose
 COPY backfill ./backfill
 COPY relay ./relay
 COPY spark ./spark
 COPY migrations ./migrations
-# the project (not editable) and its dependencies; pyspark (and pyarrow) only in the spark stage. Behind a
-# TLS-intercepting proxy, pass its CA bundle: --secret id=pip-ca,src=/etc/ssl/certs/ca-certificates.crt
-RUN --mount=type=secret,id=pip-ca \
-    if [ -s /run/secrets/pip-ca ]; then export PIP_CERT=/run/secrets/pip-ca; fi \
- && python3.11 -m venv /opt/relay \
- && /opt/relay/bin/pip install --no-cache-dir --upgrade pip \
- && /opt/relay/bin/pip install --no-cache-dir ".[native]"
+# the project itself (not editable), built with the pinned setuptools; its dependencies are already there
+RUN /opt/relay/bin/pip install --no-cache-dir --no-deps --no-build-isolation . \
+ && /opt/relay/bin/pip check
 # compile mst.node / mst.invert / mst.car into site-packages/.native (checked against the sources'
 # SHA-256 at import), then drop the compiler toolchain's Python side
 RUN relay native build \
@@ -52,18 +63,27 @@ COPY --from=build /opt/relay /opt/relay
 USER 10001:10001
 WORKDIR /tmp
 EXPOSE 2470
+# /_health answers 200 in every phase once the port is open (Kubernetes uses its own probes)
+HEALTHCHECK --interval=30s --timeout=5s --start-period=30s --retries=3 \
+  CMD ["/opt/relay/bin/python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:2470/_health', timeout=4)"]
 # `relay serve` (SQLite under ./data) unless the chart says ingest / fanout
 ENTRYPOINT ["relay"]
 CMD ["serve", "--bind", "0.0.0.0:2470", "--database-url", "/tmp/data/relay.sqlite"]
 
 FROM runtime AS spark
 USER 0
+# default-jre-headless: Java 17 on bookworm, and /usr/lib/jvm/default-java on every architecture
 RUN apt-get update \
- && apt-get install -y --no-install-recommends openjdk-17-jre-headless libpostgresql-jdbc-java procps \
+ && apt-get install -y --no-install-recommends default-jre-headless libpostgresql-jdbc-java procps \
  && rm -rf /var/lib/apt/lists/*
+COPY pyproject.toml constraints.txt /tmp/build/
 RUN --mount=type=secret,id=pip-ca \
     if [ -s /run/secrets/pip-ca ]; then export PIP_CERT=/run/secrets/pip-ca; fi \
- && /opt/relay/bin/pip install --no-cache-dir "pyspark>=3.5" "pyarrow>=15"
-ENV JAVA_HOME=/usr/lib/jvm/java-17-openjdk-amd64
+ && /opt/relay/bin/python -c 'import tomllib; p = tomllib.load(open("/tmp/build/pyproject.toml", "rb"))["project"]; print("\n".join(p["optional-dependencies"]["spark"]))' > /tmp/build/spark.txt \
+ && /opt/relay/bin/pip install --no-cache-dir -c /tmp/build/constraints.txt -r /tmp/build/spark.txt \
+ && rm -rf /tmp/build
+ENV JAVA_HOME=/usr/lib/jvm/default-java
+# a batch job, not a server
+HEALTHCHECK NONE
 USER 10001:10001
 CMD ["spark", "--help"]

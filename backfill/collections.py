@@ -5,11 +5,18 @@ Pure bookkeeping here; the stores write it (table ``repo_collections`` of migrat
 sequencer's batch transaction:
 
 * every sequenced ``#commit`` adds its ops: a ``create`` +1, a ``delete`` -1; after a ``create``
-  or an ``update`` the count is at least 1 (a record is known to exist). An account *enters* a collection with its first record
-  there and *leaves* it when the count falls to 0 (the row is deleted). Counts never go below 0:
-  an account first seen mid-history only knows the records it has seen created;
+  or an ``update`` the count is at least 1 (a record is known to exist). An account *enters* a
+  collection with its first record there;
 * an event carrying ``PendingEvent.collections`` (a ``#sync`` of a resync: counts from a walk of the
-  whole verified repository) replaces the account's counts.
+  whole verified repository) replaces the account's counts, and so do Spark jobs that walked the
+  repository (``spark.collections``); from then on the account's counts are *exact* (table
+  ``repo_collections_exact``, migration 0097): every op since was counted;
+* an account *leaves* a collection when its count falls to 0 (the row is deleted) — only if its
+  counts are exact. Otherwise they are lower bounds (an account first seen mid-history only knows
+  the records it has seen created, and a delete may name a record the relay never counted), so a
+  delete never takes an existing row below 1: the account may stay listed after deleting its last
+  record there, until a walk makes its counts exact, but is never dropped while it still holds
+  records. Counts never go below 0.
 
 Per batch, :class:`CollectionChanges` folds everything into one reset per account (applied first)
 and one ``(collection, did, delta, floor)`` row per pair (``records = max(floor, records + delta)``).

@@ -533,12 +533,14 @@ class PostgresStore(Store):
 _SQL_REPOS_BY_COLLECTION = (
     "SELECT did FROM repo_collections WHERE collection = $1 AND did > $2 AND active ORDER BY did LIMIT $3"
 )
-# records = max(floor, records + delta): update the rows that exist, insert the others (the single
-# writer makes the two halves race-free)
+# records = max(floor, records + delta), at least 1 for a row of an account whose counts are not
+# exact (backfill.collections): update the rows that exist, insert the others (the single writer
+# makes the two halves race-free)
 _SQL_COLLECTION_DELTAS = """
 WITH d AS (SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[], $4::bigint[]) AS t(collection, did, delta, floor)),
 up AS (
-    UPDATE repo_collections r SET records = GREATEST(d.floor, r.records + d.delta)
+    UPDATE repo_collections r SET records = GREATEST(d.floor, r.records + d.delta,
+        CASE WHEN EXISTS (SELECT 1 FROM repo_collections_exact e WHERE e.did = d.did) THEN 0 ELSE 1 END)
     FROM d WHERE r.collection = d.collection AND r.did = d.did
     RETURNING r.collection, r.did
 )
@@ -618,6 +620,8 @@ class _PgLease(WriterLease):
             resets = batch.collection_resets
             rows = [(c, did, n) for did, counts in resets.items() for c, n in counts.items()]
             await self._conn.execute("DELETE FROM repo_collections WHERE did = ANY($1::text[])", list(resets))
+            await self._conn.execute("INSERT INTO repo_collections_exact (did) SELECT unnest($1::text[]) "
+                                     "ON CONFLICT (did) DO NOTHING", list(resets))
             if rows:
                 await self._conn.execute(
                     "INSERT INTO repo_collections (collection, did, records) "

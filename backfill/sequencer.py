@@ -10,8 +10,11 @@ each batch, in one transaction:
   (or, for a ``PendingEvent`` carrying ``body_cbor``, ``seq`` spliced into those bytes);
 * upserts the accounts' state and advances the hosts' upstream cursors.
 
-Only after the commit does it ``await publish(events)`` (the bus) and resolve the submitters'
-futures, which is the signal that the upstream cursor may advance. A re-delivered commit (an
+Right after the commit it resolves the submitters' futures (the signal that the upstream cursor
+may advance), then hands the batch to ``publish``. ``publish`` is awaited between commits, so it
+must not wait on the network: the relay passes ``firehose.publisher.BusPublisher.publish``, which
+queues the batch (bounded in bytes) for the bus and returns at once — a hung or dead bus never
+slows sequencing. A re-delivered commit (an
 event whose ``rev`` is not newer than the account's stored rev, e.g. replayed from an older
 upstream cursor after a crash) is not sequenced: its ``submit`` returns ``None`` (its host
 cursor still advances).
@@ -287,7 +290,7 @@ class Sequencer:
         return fut
 
     async def submit(self, event: PendingEvent) -> SequencedEvent | None:
-        """Sequence ``event``; returns it once durable and published, or None if ignored as a
+        """Sequence ``event``; returns it once durable (published right after), or None if ignored as a
         re-delivery. Raises if its batch could not be written (nothing of it was stored)."""
         return await (await self.enqueue(event))
 
@@ -594,18 +597,18 @@ class Sequencer:
                 del self._overlay[did]  # the database has it now
         self.stats.batches += 1
         self.stats.events += len(prepared.sequenced)
-        if prepared.sequenced:
-            try:
-                await self.publish(prepared.sequenced)
-            except Exception:  # durable already: consumers will catch up by replay
-                self.stats.publish_errors += 1
-                log.exception("publishing %d sequenced events failed", len(prepared.sequenced))
         for fut, result in prepared.results:
             if not fut.done():
                 fut.set_result(result)
         for fut, exc in prepared.errors:
             if not fut.done():
                 fut.set_exception(exc)
+        if prepared.sequenced:  # durable and confirmed already: publishing is not on that path
+            try:
+                await self.publish(prepared.sequenced)
+            except Exception:  # consumers fill the hole from the store
+                self.stats.publish_errors += 1
+                log.exception("publishing %d sequenced events failed", len(prepared.sequenced))
 
     def _fail_pending(self, exc: BaseException) -> None:
         while self._pending:

@@ -58,7 +58,8 @@ class SqliteConn:
 
 
 class Tx:
-    """``with Tx(conn, immediate=True):`` BEGIN … COMMIT/ROLLBACK on an autocommit connection."""
+    """``with Tx(conn, immediate=True):`` BEGIN … COMMIT/ROLLBACK on an autocommit connection. An
+    error inside propagates as it is, also when SQLite has already rolled the transaction back."""
 
     def __init__(self, conn: sqlite3.Connection, immediate: bool = True) -> None:
         self.conn = conn
@@ -69,7 +70,10 @@ class Tx:
         return self.conn
 
     def __exit__(self, exc_type: object, *_: object) -> None:
-        self.conn.execute("COMMIT" if exc_type is None else "ROLLBACK")
+        if exc_type is None:
+            self.conn.execute("COMMIT")
+        elif self.conn.in_transaction:  # SQLite may have rolled back already (a full disk, an I/O error)
+            self.conn.execute("ROLLBACK")
 
 
 def fetchall(conn: sqlite3.Connection, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:

@@ -566,10 +566,14 @@ def _write_collections(conn: sqlite3.Connection, batch: BatchWrite) -> None:
         conn.execute("DELETE FROM repo_collections WHERE did = ?", (did,))
         conn.executemany("INSERT INTO repo_collections (collection, did, records) VALUES (?, ?, ?)",
                          [(c, did, n) for c, n in counts.items()])
+        conn.execute("INSERT INTO repo_collections_exact (did) VALUES (?) ON CONFLICT (did) DO NOTHING", (did,))
     if batch.collection_deltas:
+        # an account whose counts are not exact keeps a collection it has a row for: the records
+        # its deletes name may be ones the relay never counted (see backfill.collections)
         conn.executemany(
             "INSERT INTO repo_collections (collection, did, records) VALUES (?1, ?2, max(?4, ?3)) "
-            "ON CONFLICT (collection, did) DO UPDATE SET records = max(?4, records + ?3)",
+            "ON CONFLICT (collection, did) DO UPDATE SET records = max(?4, records + ?3, "
+            "CASE WHEN EXISTS (SELECT 1 FROM repo_collections_exact e WHERE e.did = ?2) THEN 0 ELSE 1 END)",
             batch.collection_deltas,
         )
         conn.executemany(

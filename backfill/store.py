@@ -48,9 +48,10 @@ class BatchWrite:
     (``SequencerConflictError``) unless it is still the stored value, so seq can never be reused.
     ``events`` rows are ``(seq, did, kind, time, frame)`` in seq order. ``host_updates`` maps a
     hostname to ``(upstream cursor or None, last_seen or None, account_count delta)``.
-    ``collection_resets`` (did → complete counts; first) and ``collection_deltas``
-    (``(collection, did, delta, floor)``: ``records = max(floor, records + delta)``, rows at 0
-    removed) keep ``repo_collections`` (``backfill.collections``); written after the accounts.
+    ``collection_resets`` (did → complete counts; first; the account's counts become exact) and
+    ``collection_deltas`` (``(collection, did, delta, floor)``: ``records = max(floor, records +
+    delta)``, and at least 1 for an existing row of an account whose counts are not exact; rows
+    at 0 removed) keep ``repo_collections`` (``backfill.collections``); written after the accounts.
     ``upstream_done`` rows ``(host, upstream seq)``: frames stored above the cursor their event
     carried, which a re-read must skip (migration 0010; ``Store.upstream_done_above``).
     """

@@ -179,7 +179,7 @@ async def relay(plc_url: str, *, database_url: str | None = None, extra: list[st
     prof = ["-m", "cProfile", "-o", profile] if profile else []
     args = [sys.executable, *prof, "-m", "relay.cli", "serve", "--bind", "127.0.0.1:0", "--database-url", db,
             "--plc-url", plc_url, "--handle-resolver-url", plc_url, "--allow-insecure-hosts", "true",
-            "--default-account-limit", "10000000", "--new-hosts-per-day", "100000", "--log-level", "info",
+            "--default-account-limit", "10000000", "--new-hosts-per-day", "100000", "--crawl-requests-per-minute", "0", "--log-level", "info",
             *(extra or [])]
     logf = open(log_path, "wb")  # noqa: SIM115 - closed below
     proc = await asyncio.create_subprocess_exec(*args, cwd=ROOT, stdout=logf, stderr=logf,

@@ -3,7 +3,7 @@
 The events are real simulator ``#commit`` frames (a few thousand distinct bodies, re-sequenced)
 written straight into a dedicated schema through ``backfill``'s writer lease; the schema is kept
 between runs and reloaded only when it holds fewer events than asked for. Then ``relay serve``
-runs on that database and one consumer connects with ``cursor=1`` and reads everything.
+runs on that database and one consumer connects with ``cursor=0`` and reads everything.
 
     .venv/bin/python bench/replay.py [--quick] [--events N] [--schema bench_replay]
 """
@@ -121,7 +121,7 @@ async def run(events: int, schema: str) -> None:
         pg = pids_named("postgres")
         pg0, me0 = cpu_seconds(pg), self_cpu()
         t0 = time.perf_counter()
-        task = asyncio.create_task(subscribe(r.ws_url + "?cursor=1", on_message, stop=stop))
+        task = asyncio.create_task(subscribe(r.ws_url + "?cursor=0", on_message, stop=stop))
         seen, last_t = 0, time.monotonic()
         while not stop.is_set() and not task.done():
             # wake on the last event (not on a 0.5 s tick, which quantised the wall time)

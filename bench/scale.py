@@ -302,7 +302,7 @@ async def run(a: argparse.Namespace) -> None:
         t0 = time.monotonic()
         async with relay(fleet.plc_url, database_url=database_url) as r:
             listening = time.monotonic() - t0
-            consumer = CountingConsumer(r.ws_url, cursor=last_seq + 1).start()
+            consumer = CountingConsumer(r.ws_url, cursor=last_seq).start()
             await asyncio.wait_for(consumer.connected.wait(), 60)
             sampler = Sampler(r, consumer)
             got = await sampler.until(a.restart_commits)

@@ -1,15 +1,16 @@
-"""Train the JSON stream's zstd dictionary from simulated records; writes ``firehose/jetstream_zstd.dict``.
+"""Train the relay's own zstd dictionary from simulated records; writes ``firehose/jetstream_zstd.dict``.
 
-The relay compresses every ``/subscribe?compress=true`` message with this dictionary (and serves it
-at ``GET /subscribe/zstd-dictionary``; its zstd dictionary id is in every compressed frame). The
+The relay compresses ``/subscribe?zstdDictionary=<its id>`` messages with this dictionary (and
+serves it at ``GET /xrpc/network.bsky.jetstream.getZstdDictionary``; its zstd dictionary id is in
+every compressed frame); ``compress=true`` uses Jetstream's own dictionary instead. The
 samples are Jetstream messages exactly as ``firehose.jetstream`` writes them, for the simulator's
 write mix (``relay.sim.records.WriteMix``: likes, posts, follows, reposts, profiles, updates and
 deletes) plus identity and account messages, with random DIDs, revs and CIDs.
 
     .venv/bin/python bench/train_jetstream_dict.py [--samples 30000] [--size 65536] [--out PATH]
 
-Then compare: it prints ``RESULT`` lines with the mean message size raw, zstd without a dictionary
-and zstd with the new one, over fresh samples. Clients must use the dictionary the relay serves:
+Then compare: it prints ``RESULT`` lines with the mean message size raw, zstd without a dictionary,
+with Jetstream's dictionary and with the new one, over fresh samples (another seed). Clients must use the dictionary the relay serves:
 after regenerating, restart relays together with the clients that embed a copy.
 """
 
@@ -25,7 +26,13 @@ import zstandard
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import result  # noqa: E402
-from firehose.jetstream import DICTIONARY_PATH, ZSTD_LEVEL, _dumps, commit_message  # noqa: E402
+from firehose.jetstream import (  # noqa: E402
+    DICTIONARY_PATH,
+    LEGACY_DICTIONARY_PATH,
+    ZSTD_LEVEL,
+    _dumps,
+    commit_message,
+)
 from mst.cbor import encode  # noqa: E402
 from mst.cid import cid_for_cbor  # noqa: E402
 from relay.sim.ident import TidClock  # noqa: E402
@@ -96,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     raw = sum(map(len, fresh)) / len(fresh)
     result("json_bytes_per_message", raw)
     result("zstd_nodict_bytes_per_message", sum(len(plain.compress(m)) for m in fresh) / len(fresh))
+    legacy = zstandard.ZstdCompressor(level=ZSTD_LEVEL,
+                                      dict_data=zstandard.ZstdCompressionDict(LEGACY_DICTIONARY_PATH.read_bytes()))
+    result("zstd_jetstream_dict_bytes_per_message", sum(len(legacy.compress(m)) for m in fresh) / len(fresh))
     result("zstd_dict_bytes_per_message", sum(len(with_dict.compress(m)) for m in fresh) / len(fresh))
     return 0
 

@@ -9,13 +9,16 @@ and sends them. The two classes talk through small public methods only: a runnin
 registered (:meth:`Broadcaster.register`/``unregister``), the fan-out hands it each live batch
 (:meth:`ConsumerSession.offer`) and wakes it on close (:meth:`ConsumerSession.wake`).
 
-Cursor rules (inclusive, as the I-D states: "seq greater than or equal to the cursor"):
+Cursor rules (exclusive, as Bluesky's relay and PDS count them and as the I-D's reconnect rule
+implies: a consumer reconnects with "the last sequence number they successfully processed"):
 
 * no cursor — live only, from the moment of connection;
 * ``cursor > latest seq`` — ``FutureCursor`` error frame, then close;
+* ``cursor == latest seq`` — nothing to replay: the next event, then live;
 * ``cursor == 0`` — the whole window from the oldest stored event, then live;
-* ``cursor < oldest`` — ``#info OutdatedCursor``, then the whole window, then live;
-* otherwise — every stored event with ``seq >= cursor``, then live.
+* ``cursor < oldest - 1`` (events the consumer has not seen were trimmed) — ``#info
+  OutdatedCursor``, then the whole window, then live;
+* otherwise — every stored event with ``seq > cursor``, then live.
 
 No gap, no duplicate at the replay→live handoff: a session registers for live events
 *before* its first store read and buffers them (bounded); when a store read comes back short
@@ -311,23 +314,23 @@ class ConsumerSession:
         cursor = self.cursor
         assert cursor is not None
         latest = await b.store.latest_seq() or 0
-        if cursor > latest + 1:
+        if cursor > latest:
             b.stats.future_cursor += 1
             self.close_frame = encode_error_frame(FUTURE_CURSOR, "cursor is ahead of the stream")
             return
         oldest = await b.store.oldest_seq()
         if cursor == 0:
             last = 0
-        elif cursor == latest + 1:
-            # "from the next event on" (I-D §4.3: seq >= cursor): what a consumer that saw the
-            # latest event reconnects with; nothing to replay, it waits for the next event
+        elif cursor == latest:
+            # what a consumer that processed the latest event reconnects with: nothing to
+            # replay, it waits for the next event
             last = latest
-        elif oldest is None or cursor < oldest:
+        elif oldest is None or cursor < oldest - 1:
             b.stats.outdated_cursor += 1
             yield [_control(INFO_KIND, encode_info_frame(OUTDATED_CURSOR, "cursor is older than the backfill window"))]
             last = 0
         else:
-            last = cursor - 1
+            last = cursor  # every stored event with seq > cursor
         limit = b.replay_batch
         # The next store read runs while the current batch is being sent (at most two batches
         # in memory): the transport and the store work in parallel instead of taking turns.

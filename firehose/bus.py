@@ -12,15 +12,26 @@ position, in ``seq`` order, in batches. Frames travel as the stored bytes (never
   diagnosis only: a bus may lose entries (a failed publish, a publisher that died between its
   commit and its publish, a Redis restart, a trim), so readers must not rely on it —
   ``firehose.broadcast`` finds holes by seq contiguity and fills them from the store.
+
+Every Redis client the relay opens comes from :func:`redis_client`: explicit connect and socket
+timeouts, a health check of idle connections and no hidden retries (redis-py would otherwise retry a
+timed-out command three times: a hung Redis would hold each call for several timeouts). Callers
+retry on their own terms (``firehose.publisher``, ``firehose.broadcast``).
+
+``head()`` tells the last seq the bus holds (the publisher asks after a failed publish, which may
+or may not have reached the bus, so that nothing is published twice).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import Protocol, cast
+from dataclasses import dataclass
+from typing import Any, Protocol, cast
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from redis.typing import EncodableT, FieldT
 
 from firehose.state import SequencedEvent
@@ -99,6 +110,9 @@ class InProcessBus:
         for sub in list(self._subs):
             await sub._put(batch)
 
+    async def head(self) -> int | None:
+        return self.last_seq
+
     def subscribe(self, after_seq: int | None = None) -> _InProcessSubscription:
         sub = _InProcessSubscription(self, after_seq, self._maxsize)
         self._subs.add(sub)
@@ -107,6 +121,26 @@ class InProcessBus:
     async def close(self) -> None:
         for sub in list(self._subs):
             await sub.close()
+
+
+@dataclass(frozen=True, slots=True)
+class RedisTimeouts:
+    """Bounds on every wait of a Redis client (seconds): ``connect`` a connection, ``socket`` one
+    command's reply, ``health_check`` — an idle connection older than this is PINGed before use."""
+
+    connect: float = 2.0
+    socket: float = 2.0
+    health_check: float = 30.0
+
+
+def redis_client(url: str, timeouts: RedisTimeouts | None = None, *, decode_responses: bool = False) -> Any:
+    """A ``redis.asyncio`` client bounded by ``timeouts`` (default :class:`RedisTimeouts`), without
+    redis-py's own retries (a command that times out raises ``redis.TimeoutError`` after
+    ``timeouts.socket``, once)."""
+    t = timeouts or RedisTimeouts()
+    return aioredis.from_url(url, decode_responses=decode_responses, socket_connect_timeout=t.connect,
+                             socket_timeout=t.socket, health_check_interval=t.health_check,
+                             retry=Retry(NoBackoff(), 0))
 
 
 #: One stream entry as this bus's client returns it (``decode_responses=False``, RESP2): ``(id, fields)``.
@@ -161,7 +195,10 @@ def _decode_entry(fields: dict[bytes, bytes]) -> SequencedEvent:
 
 
 class RedisStreamBus:
-    """Redis Streams bus. Entry ID ``<seq>-0``; ``maxlen`` bounds the stream (approximate trim)."""
+    """Redis Streams bus. Entry ID ``<seq>-0``; ``maxlen`` bounds the stream (approximate trim).
+    Every command is bounded by ``timeouts`` (see :func:`redis_client`); a subscription's blocking
+    read waits at most half the socket timeout (``block_ms`` is lowered to that), so an idle stream
+    is never mistaken for a hung Redis."""
 
     def __init__(
         self,
@@ -172,11 +209,13 @@ class RedisStreamBus:
         block_ms: int = 1000,
         read_count: int = 512,
         approximate_trim: bool = True,
+        timeouts: RedisTimeouts | None = None,
     ) -> None:
-        self.redis = aioredis.from_url(url, decode_responses=False)
+        self.timeouts = timeouts or RedisTimeouts()
+        self.redis = redis_client(url, self.timeouts)
         self.stream = stream
         self.maxlen = maxlen
-        self.block_ms = block_ms
+        self.block_ms = max(1, min(block_ms, int(self.timeouts.socket * 500)))
         self.read_count = read_count
         self.approximate_trim = approximate_trim
         self._last_published: int | None = None
@@ -199,6 +238,10 @@ class RedisStreamBus:
             prev = e.seq
         await pipe.execute()
         self._last_published = prev
+
+    async def head(self) -> int | None:
+        newest = cast("list[_Entry]", await self.redis.xrevrange(self.stream, count=1))
+        return int(newest[0][0].split(b"-")[0]) if newest else None
 
     def subscribe(self, after_seq: int | None = None) -> _RedisSubscription:
         return _RedisSubscription(self, after_seq)

@@ -8,19 +8,19 @@
                 ...
             events.done(ev)               # applied: may now count towards the saved cursor
 
-* **Reconnects** with capped exponential backoff (``firehose.backoff``) from the next seq after
-  the last one received (this relay's cursors are inclusive: ``cursor = last + 1``), and drops
-  any event at or below the last one received (the overlap of relays whose cursor is exclusive,
-  or of a resend), so every event is yielded once per process.
+* **Reconnects** with capped exponential backoff (``firehose.backoff``) with the last seq
+  received as the cursor (cursors are exclusive, as every relay and PDS counts them: the stream
+  resumes at ``seq > cursor``), and drops any event at or below the last one received (a resend,
+  or a server that counts cursors inclusively), so every event is yielded once per process.
 * ``#info OutdatedCursor`` becomes an explicit ``Event(kind="gap")`` (the relay skipped ahead to
   the start of its window); an error frame ``FutureCursor`` (our cursor is ahead of the relay:
   e.g. it lost its store) becomes ``Event(kind="future_cursor")``, after which the stream goes on
   live from the relay's present (seqs may then be lower than before).
 * **Checkpoints**: handlers may run in parallel and finish in any order; :meth:`done` marks an
   event applied. The cursor saved (``cursor_store.save``, at most every ``save_interval`` seconds
-  and on close) is one past the highest seq below which *every* received event has been applied
-  — never the last one received — so a restart redelivers what was not applied (at least once;
-  handlers should be idempotent). At most ``max_in_flight`` events are un-applied at once: the
+  and on close) is the highest seq at or below which *every* received event has been applied
+  — never the last one received — so a restart (which resumes after it) redelivers what was not
+  applied (at least once; handlers should be idempotent). At most ``max_in_flight`` events are un-applied at once: the
   iterator waits (and stops reading the socket) beyond that.
 * **Verification** (optional, ``signing_key=`` an async ``did -> did:key`` lookup): each
   ``#commit``/``#sync`` is judged by ``firehose.validate`` (signature, hashes, MST inversion,
@@ -55,7 +55,7 @@ KeyLookup = Callable[[str], Awaitable[str]]
 
 
 class CursorStore(Protocol):
-    """Where the consumer keeps its resume cursor (the next seq to ask for)."""
+    """Where the consumer keeps its resume cursor (the last seq applied: the stream resumes after it)."""
 
     async def load(self) -> int | None: ...
 
@@ -142,7 +142,8 @@ class Checkpoint:
 
 class RelayConsumer:
     """See the module docstring. ``url``: the relay's base (``ws://host:port``) or the full
-    subscribeRepos URL; ``cursor``: where to start when the store has none (None: live)."""
+    subscribeRepos URL; ``cursor``: where to start when the store has none (None: live; 0: the
+    whole window; N: every event after seq N)."""
 
     def __init__(self, url: str, *, cursor_store: CursorStore | None = None, cursor: int | None = None,
                  signing_key: KeyLookup | None = None, max_in_flight: int = 1000, save_interval: float = 1.0,
@@ -178,11 +179,11 @@ class RelayConsumer:
             self._room.set()
 
     async def save(self) -> None:
-        """Save the checkpoint now (if it moved): one past the contiguous-applied watermark."""
+        """Save the checkpoint now (if it moved): the contiguous-applied watermark."""
         mark = self.checkpoint.watermark
-        if mark is not None and mark + 1 != self._saved:
-            await self.cursor_store.save(mark + 1)
-            self._saved = mark + 1
+        if mark is not None and mark != self._saved:
+            await self.cursor_store.save(mark)
+            self._saved = mark
         self._saved_at = time.monotonic()
 
     async def __aiter__(self) -> AsyncIterator[Event]:
@@ -211,7 +212,7 @@ class RelayConsumer:
                             await self._wait_for_room()
                             self.checkpoint.received(event.seq)
                             self._last = event.seq
-                            cursor = event.seq + 1
+                            cursor = event.seq
                         yield event
                         if time.monotonic() - self._saved_at >= self.save_interval:
                             await self.save()

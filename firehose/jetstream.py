@@ -6,7 +6,8 @@ one JSON object per WebSocket message, as Bluesky's Jetstream service sends them
 * ``#commit`` → one ``{"did", "time_us", "kind": "commit", "commit": {"rev", "operation",
   "collection", "rkey", "record", "cid"}}`` per op (``record``/``cid`` absent on deletes), the
   record converted to the atproto JSON data model (``$link``, ``$bytes``);
-* ``#identity`` → ``{"did", "time_us", "kind": "identity", "identity": {"did", "handle", "seq", "time"}}``;
+* ``#identity`` → ``{"did", "time_us", "kind": "identity", "identity": {"did", "handle", "seq", "time"}}``,
+  ``handle`` always a string (``handle.invalid`` when the event has none: absent or unverified);
 * ``#account`` → ``{"did", "time_us", "kind": "account", "account": {"active", "did", "seq", "time", "status"?}}``;
 * ``#sync`` has no Jetstream form and is not sent (nor the session's own ``#info``).
 
@@ -15,7 +16,10 @@ per event and never decreasing along seq (``backfill.numbering``), so it is the 
 the ops of one commit share it.
 
 :class:`JetstreamConverter` converts each event once (an LRU by seq shared by every consumer) and
-compresses each message at most once (zstd with the project's dictionary, :class:`ZstdCodec`);
+compresses each message at most once per dictionary (:class:`ZstdCodec`): Jetstream's own
+dictionary (``LEGACY_DICTIONARY_PATH``, what ``compress=true`` means to every Jetstream client) and
+the relay's ``current`` one (``DICTIONARY_PATH``, trained on simulated records; a client opts in
+by its id, as with Jetstream's newer protocol);
 :func:`select` picks, per consumer, the messages its :class:`JetstreamOptions` want.
 """
 
@@ -48,9 +52,16 @@ MAX_WANTED_DIDS = 10_000
 MAX_CLIENT_MESSAGE_BYTES = 10_000_000
 #: Largest ``payload`` of a client heartbeat echoed back.
 MAX_HEARTBEAT_PAYLOAD = 81
-#: The dictionary the relay compresses with (``bench/train_jetstream_dict.py`` regenerates it).
+#: The relay's own dictionary, trained on simulated records (``bench/train_jetstream_dict.py``
+#: regenerates it): offered by its id (``zstdDictionary=<id>``), never by ``compress=true``.
 DICTIONARY_PATH = Path(__file__).with_name("jetstream_zstd.dict")
+#: Jetstream's dictionary (id 1612007021), carried byte for byte: ``compress=true`` compresses with
+#: it, since Jetstream clients bundle it (source and licence beside it, ``jetstream_dicts/README.md``).
+LEGACY_DICTIONARY_PATH = Path(__file__).with_name("jetstream_dicts") / "legacy_subscribe.zdict"
+LEGACY_DICTIONARY_ID = 1612007021
 ZSTD_LEVEL = 3
+#: What an identity message carries for a handle that is absent or did not verify (atproto handle spec).
+INVALID_HANDLE = "handle.invalid"
 
 
 class JetstreamOptionsError(ReasonError):
@@ -142,13 +153,16 @@ def _list_field(payload: dict[str, Any], name: str) -> list[object]:
 
 
 def parse_client_message(data: str | bytes) -> ClientMessage:
-    """Parse ``{"type": ..., "payload": ...}``; raises :class:`JetstreamOptionsError`."""
+    """Parse ``{"type": ..., "payload": ...}``; raises :class:`JetstreamOptionsError` (also for
+    JSON nested deeper than the parser's recursion limit)."""
     if len(data) > MAX_CLIENT_MESSAGE_BYTES:
         raise JetstreamOptionsError(Reason.JETSTREAM_BAD_MESSAGE, "message too large")
     try:
         msg = json.loads(data)
     except ValueError:
         raise JetstreamOptionsError(Reason.JETSTREAM_BAD_MESSAGE, "message is not JSON") from None
+    except RecursionError:  # deeper than the parser goes: refused like any other bad message
+        raise JetstreamOptionsError(Reason.JETSTREAM_BAD_MESSAGE, "message is nested too deeply") from None
     if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
         raise JetstreamOptionsError(Reason.JETSTREAM_BAD_MESSAGE, "message must be an object with a type")
     kind = msg["type"]
@@ -180,7 +194,7 @@ class JetMessage:
 
     collection: str | None
     data: bytes
-    zstd: bytes | None = None
+    zstd: dict[int, bytes] | None = None  # dictionary id → the compressed message
 
 
 @dataclass(slots=True)
@@ -234,6 +248,10 @@ def _commit_messages(did: str, at_us: int, body: dict[str, Any]) -> tuple[JetMes
 def _status_message(kind: str, did: str, at_us: int, body: dict[str, Any]) -> tuple[JetMessage, ...]:
     inner = {k: v for k, v in body.items() if isinstance(v, str | int | bool) and not isinstance(v, float)}
     inner.setdefault("did", did)
+    if kind == "identity" and not isinstance(inner.get("handle"), str):
+        # Jetstream clients require a string handle; an unverified or absent one is the handle
+        # spec's "handle.invalid" (the CBOR #identity leaves it out, as the sync spec says)
+        inner["handle"] = INVALID_HANDLE
     return (JetMessage(None, _dumps({"did": did, "time_us": at_us, "kind": kind, kind: inner})),)
 
 
@@ -264,7 +282,13 @@ class ZstdCodec:
 
     @classmethod
     def default(cls) -> ZstdCodec:
+        """The relay's own dictionary (the opt-in ``current`` one)."""
         return cls(DICTIONARY_PATH.read_bytes())
+
+    @classmethod
+    def legacy(cls) -> ZstdCodec:
+        """Jetstream's dictionary (``compress=true``)."""
+        return cls(LEGACY_DICTIONARY_PATH.read_bytes())
 
     def compress(self, data: bytes) -> bytes:
         return self._compressor.compress(data)
@@ -282,10 +306,14 @@ class ConverterStats:
 
 
 class JetstreamConverter:
-    """Converts events once for all consumers (LRU by seq) and compresses messages lazily."""
+    """Converts events once for all consumers (LRU by seq) and compresses messages lazily, once
+    per dictionary. ``codec``: what ``compress=true`` uses; ``current``: the dictionary served when
+    none is asked for by id (default: ``codec``); both can be asked for by id."""
 
-    def __init__(self, codec: ZstdCodec, cache_size: int = 20_000) -> None:
+    def __init__(self, codec: ZstdCodec, current: ZstdCodec | None = None, cache_size: int = 20_000) -> None:
         self.codec = codec
+        self.current = current or codec
+        self.codecs = {c.dict_id: c for c in (codec, self.current)}
         self._cache: BoundedLRU[int, JetEvent] = BoundedLRU(cache_size)
         self.stats = ConverterStats()
 
@@ -305,10 +333,16 @@ class JetstreamConverter:
         self._cache.put(ev.seq, got)
         return got
 
-    def zstd(self, msg: JetMessage) -> bytes:
-        data = msg.zstd
+    def zstd(self, msg: JetMessage, dict_id: int | None = None) -> bytes:
+        """``msg`` compressed with the dictionary ``dict_id`` (one of :attr:`codecs`; None:
+        :attr:`codec`), made once."""
+        codec = self.codec if dict_id is None else self.codecs[dict_id]
+        done = msg.zstd
+        if done is None:
+            done = msg.zstd = {}
+        data = done.get(codec.dict_id)
         if data is None:
-            data = msg.zstd = self.codec.compress(msg.data)
+            data = done[codec.dict_id] = codec.compress(msg.data)
             self.stats.compressed += 1
         return data
 
@@ -322,8 +356,9 @@ class Selection:
 
 
 def select(converter: JetstreamConverter, events: Iterable[SequencedEvent], options: JetstreamOptions,
-           compress: bool) -> Selection:
-    """The messages ``options`` want from ``events`` (ascending seq), compressed or not."""
+           dict_id: int | None) -> Selection:
+    """The messages ``options`` want from ``events`` (ascending seq), compressed with the
+    dictionary ``dict_id`` (one of ``converter.codecs``) or, for None, not compressed."""
     out = Selection()
     dids = options.dids
     limit = options.max_message_bytes
@@ -333,7 +368,7 @@ def select(converter: JetstreamConverter, events: Iterable[SequencedEvent], opti
         for msg in converter.event(ev).messages:
             if not options.wants_collection(msg.collection):
                 continue
-            data = converter.zstd(msg) if compress else msg.data
+            data = msg.data if dict_id is None else converter.zstd(msg, dict_id)
             if limit and len(data) > limit:
                 continue
             out.messages.append(data)
@@ -342,14 +377,15 @@ def select(converter: JetstreamConverter, events: Iterable[SequencedEvent], opti
 
 
 async def seq_for_time(store: ReplayStore, at_us: int) -> int:
-    """The replay cursor (a seq, for ``Broadcaster.session``) of a time cursor: the first stored
-    event with ``time_us >= at_us`` (times never decrease along seq, so a binary search over seq,
-    one single-event read per step); ``latest + 1`` when there is none yet (live from now, no gap),
-    the oldest stored seq when ``at_us`` is older than the window."""
+    """The replay cursor (a seq, for ``Broadcaster.session``, whose cursors are exclusive) of a
+    time cursor: the seq just before the first stored event with ``time_us >= at_us`` (times never
+    decrease along seq, so a binary search over seq, one single-event read per step); ``latest``
+    when there is none yet (live from now, no gap); ``oldest - 1`` (the whole window, no
+    ``OutdatedCursor``) when ``at_us`` is older than the window."""
     latest = await store.latest_seq() or 0
     oldest = await store.oldest_seq()
     if oldest is None:
-        return latest + 1
+        return latest
     lo, hi = oldest, latest + 1
     while lo < hi:
         mid = (lo + hi) // 2
@@ -360,4 +396,4 @@ async def seq_for_time(store: ReplayStore, at_us: int) -> int:
             hi = mid
         else:
             lo = found[0].seq + 1
-    return lo
+    return lo - 1

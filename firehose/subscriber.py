@@ -3,26 +3,50 @@
 Contract:
 
 * ``on_frame(UpstreamFrame)`` is awaited for every message frame that carries a ``seq``
-  (``#commit #sync #identity #account``), in order; awaiting it is the backpressure.
-* The reconnect cursor advances **only** through :meth:`HostSubscriber.ack`, which the sequencer
-  calls after the event is durably sequenced. A crash therefore replays, never skips.
+  (``#commit #sync #identity #account``), in order; awaiting it is the backpressure. A frame
+  handed to ``on_frame`` belongs to the owner from then on: it is acknowledged (:meth:`ack`) once
+  stored, or the owner replaces this subscriber with a new one from the acked cursor
+  (``relay.upstreams`` does, when one of its events is not stored).
+* The durable cursor advances **only** through :meth:`HostSubscriber.ack`, which the sequencer
+  calls after the event is durably sequenced. A crash therefore replays, never skips. Reconnects
+  ask from the durable cursor, except the one reconnect that skips a message over the transport
+  cap (below).
 * Per connection ``seq`` must strictly increase; a frame that does not is dropped and counted
   (``seq_not_increasing``). Frames with ``seq <= acked cursor`` are re-deliveries and skipped
   (``duplicate_event``).
-* Cursor-reset policy (a wiped or restored host): a ``FutureCursor`` error, a first frame whose
-  ``seq`` is below the cursor we asked for, or more than ``max_backwards`` consecutive
-  non-increasing frames reset the cursor (``on_cursor_reset(old, reason)``, awaited before the
-  cursor changes: the owner settles what is still in flight from the old stream first, so no
-  late ``ack`` of it can move the new cursor) and the host's new stream is read from its start
-  (cursor 0: what it emitted since it restarted is not skipped) instead of idling forever.
+* Cursor-reset policy — only when the host's stream really restarted (a wiped or restored host):
+  a ``FutureCursor`` error, a first frame whose ``seq`` is below the cursor we asked for, or more
+  than ``max_backwards`` consecutive non-increasing frames reset the cursor
+  (``on_cursor_reset(old, reason)``, awaited before the cursor changes: the owner settles what is
+  still in flight from the old stream first, so no late ``ack`` of it can move the new cursor)
+  and the host's new stream is read from its start (cursor 0: what it emitted since it restarted
+  is not skipped) instead of idling forever. Nothing else resets the cursor.
+* A bad frame costs only itself. A message the codec rejects (``decode_frame``: undecodable
+  CBOR header or body, a header or body that is not a map, trailing bytes, an empty message; a
+  text message counts as ``bad_header_cbor``) is skipped alone: counted by its reason, logged with
+  the host and the ``seq`` of the frame before it, and reading goes on with the next message on
+  the same connection. Its ``seq`` cannot be read, so nothing else about it is known; the next
+  good frame's ``ack`` moves the cursor past it.
+* A message above the transport cap (``max_message_bytes``) cannot be skipped on its connection:
+  the WebSocket library closes it (1009) without handing the message over. It is counted
+  (``frame_too_large``) and the next connection asks from just past the last ``seq`` read on the
+  failed one (``L + 1``; if that connection read nothing, from just past the cursor it asked
+  for), so only the oversized message's span is skipped. This works whether the host's cursor is
+  inclusive (the spec: ``seq >= cursor``) or exclusive (common servers: ``seq > cursor``): a
+  connection whose first message is the oversized one again moves its next ask up by one, and
+  every ``seq`` skipped that way is either the oversized message's own or a ``seq`` the host
+  does not hold (the oversized message was the first one at or past the ask). The durable cursor
+  is **not** moved by this: the frames read before the oversized one may still be in flight
+  (delivered, not yet stored), and are acknowledged as they are stored. A later reconnect asks
+  from the durable cursor as always; if it meets the oversized message again (frames before it
+  were not yet all stored), it is skipped again the same way. Frames over 5 MB but under
+  ``max_message_bytes`` are delivered so validation rejects them (``frame_too_large``).
 * Rate limits are token buckets awaited before ``on_frame``: backpressure, never drops
   (``SubscriberConfig.for_host(per_second, per_hour, per_day)`` maps a host's stored limits).
 * Reconnects use capped exponential backoff with jitter; WebSocket pings keep the link alive.
-* Malformed frames drop the connection (event-stream spec: invalid framing is a hard error);
-  if the same unreadable frame fails the connection twice at the same cursor (a host replaying
-  a poison frame), the cursor is reset past it instead of retrying forever. Frames over 5 MB but
-  under ``max_message_bytes`` are delivered so validation rejects them (``frame_too_large``).
-  Unknown ``op``/``t`` are skipped and counted; ``#info`` is counted.
+* Unknown ``op``/``t`` are skipped and counted; ``#info`` is counted.
+* Every count goes to ``counters`` (by :class:`Reason` value) and, when the owner passes
+  ``on_count``, to ``on_count(reason)`` too (the relay's metrics).
 """
 
 from __future__ import annotations
@@ -63,14 +87,15 @@ class SubscriberConfig:
     max_backwards: int = 10
     #: Transport cap on one WebSocket message. Frames above the protocol's 5 MB but below this
     #: are still delivered, so validation rejects them with ``frame_too_large`` and the cursor
-    #: moves past them; a message above it fails the connection (close 1009) and, if that
-    #: happens twice at the same cursor, the cursor is reset instead of retrying forever.
+    #: moves past them; a message above it fails the connection (close 1009) and the next
+    #: connection skips just that message (see the module docstring).
     max_message_bytes: int = 16_000_000
     #: Decode with the full DRISL rules here too. Off by default: the subscriber only routes
     #: frames, and validation decodes every frame strictly (a non-strict frame becomes a typed
     #: per-frame rejection instead of a dropped connection), at a third of the parent's cost.
     strict_decode: bool = False
-
+    #: Unreadable frames logged one by one per connection; past this, one line per 1,000 (all counted).
+    log_skipped: int = 10
 
     @classmethod
     def for_host(
@@ -103,10 +128,6 @@ class _Reset(ReasonError):
     """The stream must be followed from its current position (``reason`` is a :class:`Reason` value)."""
 
 
-class _Poison(ReasonError):
-    """A frame that fails the connection (undecodable, or over the transport cap)."""
-
-
 def stream_url(host: str, cursor: int | None) -> str:
     """``ws[s]://host/xrpc/com.atproto.sync.subscribeRepos[?cursor=N]`` from a hostname or URL."""
     if "://" not in host:
@@ -134,16 +155,20 @@ class HostSubscriber:
         on_cursor_reset: Callable[[int | None, str], Awaitable[None] | None] | None = None,
         rng: random.Random | None = None,
         resolve: Callable[[str], Awaitable[str]] | None = None,
+        on_count: Callable[[str], None] | None = None,
     ) -> None:
         """``resolve(name) -> address``: the caller's destination policy, asked before every
         connection; the socket then goes to exactly that address (TLS and the Host header still
         use the name) and no proxy, so DNS cannot move the connection after the check. An
-        exception from it refuses that attempt (counted as ``connection_failed``, then backoff)."""
+        exception from it refuses that attempt (counted as ``connection_failed``, then backoff).
+        ``on_count(reason)`` is called with every reason counted in ``counters`` (the owner's
+        metrics); it must not raise or block."""
         self.host = host
         self.resolve = resolve
         self.on_frame = on_frame
         self.config = config or SubscriberConfig()
         self.on_cursor_reset = on_cursor_reset
+        self.on_count = on_count
         self._acked = cursor
         self._rng = rng or random.Random()
         self.limiter = RateLimiter(self.config.rate_limits)
@@ -155,8 +180,18 @@ class HostSubscriber:
         self.connected = asyncio.Event()
         #: ``time.monotonic()`` when the current (or last) connection opened
         self.connected_at = 0.0
-        self._poison_at: int | None = None  # cursor at which an unreadable frame failed us
         self._delivered = 0  # frames delivered on the current (or last) connection
+        #: the cursor the current (or last) connection asked for, and the last seq read on it
+        self._asked: int | None = None
+        self._last_seq: int | None = None
+        #: the cursor the next connection asks for instead of the durable one (a message over
+        #: the transport cap is being skipped); used once
+        self._skip_to: int | None = None
+
+    def _count(self, reason: str) -> None:
+        self.counters[reason] += 1
+        if self.on_count is not None:
+            self.on_count(reason)
 
     # -- cursor
     @property
@@ -169,19 +204,20 @@ class HostSubscriber:
         if self._acked is None or upstream_seq > self._acked:
             self._acked = upstream_seq
 
-    async def _reset(self, reason: Reason, resume: int | None = None) -> None:
-        """Reset the cursor to ``resume`` (0: the host's whole stream; None: live from now). The
+    async def _reset(self, reason: Reason) -> None:
+        """The host's stream restarted: reset the cursor to 0 (its new stream from the start). The
         owner's ``on_cursor_reset`` runs first and must return only once no ``ack`` for the old
         stream can follow (``relay.upstreams`` waits for the run's in-flight frames to settle)."""
         old = self._acked
         self.resets += 1
-        self.counters[reason.value] += 1
+        self._skip_to = None
+        self._count(reason.value)
         log.warning("cursor reset", extra={"host": self.host, "old_cursor": old, "reason": reason.value})
         if self.on_cursor_reset is not None:
             result = self.on_cursor_reset(old, reason.value)
             if isinstance(result, Awaitable):
                 await result
-        self._acked = resume
+        self._acked = 0
 
     def backoff_delay(self, attempt: int) -> float:
         """Capped exponential backoff with "equal jitter": in [cap/2, cap] (``firehose.backoff``)."""
@@ -200,20 +236,17 @@ class HostSubscriber:
                 reset_now = False
             except _Reset as r:
                 if not self._acked:  # nothing to reset (no cursor, or 0): a host that misbehaves anyway
-                    self.counters[r.reason] += 1
+                    self._count(r.reason)
                     reset_now = False
                 else:  # a wiped or restored host: read its new stream from the start
-                    await self._reset(Reason(r.reason), resume=0)
+                    await self._reset(Reason(r.reason))
                     reset_now = True
-            except _Poison as p:
-                reset_now = await self._poisoned(p.reason)
             except (OSError, ConnectionClosed, InvalidHandshake, InvalidStatus, TimeoutError) as exc:
                 reset_now = False
                 if isinstance(exc, ConnectionClosed) and exc.sent is not None and exc.sent.code == 1009:
-                    self.counters[Reason.FRAME_TOO_LARGE.value] += 1
-                    reset_now = await self._poisoned(Reason.FRAME_TOO_LARGE.value)
+                    self._skip_oversized()
                 else:
-                    self.counters[Reason.CONNECTION_FAILED.value] += 1
+                    self._count(Reason.CONNECTION_FAILED.value)
                 log.info("upstream connection ended", extra={"host": self.host, "error": type(exc).__name__})
             if self._stopping.is_set():
                 return
@@ -228,21 +261,38 @@ class HostSubscriber:
             except TimeoutError:
                 pass
 
-    async def _poisoned(self, reason: str) -> bool:
-        """A frame we cannot read failed the connection. The first time, reconnect (it may have
-        been a transient corruption); the second time at the same cursor the host would replay
-        it forever, so reset the cursor past it. Returns True when the cursor was reset."""
-        if self._poison_at is not None and self._poison_at == self._acked:
-            self._poison_at = None
-            await self._reset(Reason(reason))
-            return True
-        self._poison_at = self._acked
-        return False
+    def _skip_oversized(self) -> None:
+        """The connection was closed with 1009: a message above ``max_message_bytes`` follows
+        the last seq read on it (or, if it read nothing, the cursor it asked for). Ask the next
+        connection from just past that point, so only that message is skipped; the durable
+        cursor stays where the acks put it (see the module docstring)."""
+        self._count(Reason.FRAME_TOO_LARGE.value)
+        before = self._last_seq if self._last_seq is not None else self._asked
+        if before is None:
+            self._skip_to = None  # we asked for the live stream: asking for it again skips it
+        else:
+            self._skip_to = max(before + 1, self._acked or 0)
+        log.warning("upstream message over the transport cap skipped",
+                    extra={"host": self.host, "after_seq": before, "next_cursor": self._skip_to,
+                           "reason": Reason.FRAME_TOO_LARGE.value})
+
+    def _skip_unreadable(self, reason: str, skipped: int) -> None:
+        """Count and log (the first ``log_skipped`` per connection, then one in 1,000) a message
+        that cannot be read; reading goes on with the next one."""
+        self._count(reason)
+        if skipped <= self.config.log_skipped or skipped % 1000 == 0:
+            before = self._last_seq if self._last_seq is not None else self._asked
+            log.warning("unreadable upstream frame skipped",
+                        extra={"host": self.host, "after_seq": before, "reason": reason,
+                               "skipped_on_connection": skipped})
 
     async def _connect_once(self) -> int:
-        asked = self._acked
+        asked = self._acked if self._skip_to is None else self._skip_to
+        self._skip_to = None
+        self._asked, self._last_seq = asked, None
         url = stream_url(self.host, asked)
         delivered = self._delivered = 0
+        skipped = 0
         pin: dict[str, object] = {}
         if self.resolve is not None:
             parts = urlsplit(url)
@@ -276,21 +326,23 @@ class HostSubscriber:
             try:
                 async for raw in ws:
                     if isinstance(raw, str):
-                        self.counters[Reason.BAD_HEADER_CBOR.value] += 1
-                        raise _Poison(Reason.BAD_HEADER_CBOR.value)
+                        skipped += 1
+                        self._skip_unreadable(Reason.BAD_HEADER_CBOR.value, skipped)
+                        continue
                     try:
                         frame = decode_frame(
                             raw, max_bytes=self.config.max_message_bytes, strict=self.config.strict_decode
                         )
-                    except FrameError as exc:  # hard error: drop the connection
-                        self.counters[exc.reason] += 1
-                        raise _Poison(exc.reason) from None
+                    except FrameError as exc:  # this message alone is lost: go on with the next
+                        skipped += 1
+                        self._skip_unreadable(exc.reason, skipped)
+                        continue
                     ignored = frame.ignored_reason
                     if ignored is not None:
-                        self.counters[ignored] += 1
+                        self._count(ignored)
                         continue
                     if frame.is_error:
-                        self.counters[Reason.ERROR_FRAME.value] += 1
+                        self._count(Reason.ERROR_FRAME.value)
                         if frame.error == "FutureCursor":
                             raise _Reset(Reason.FUTURE_CURSOR)
                         log.info("upstream error frame", extra={"host": self.host, "error": frame.error})
@@ -298,25 +350,25 @@ class HostSubscriber:
                     if frame.t == "#info":
                         name = frame.body.get("name")
                         known = name == "OutdatedCursor"
-                        self.counters[(Reason.INFO_OUTDATED_CURSOR if known else Reason.INFO_OTHER).value] += 1
+                        self._count((Reason.INFO_OUTDATED_CURSOR if known else Reason.INFO_OTHER).value)
                         continue
                     seq = frame.body.get("seq")
                     if type(seq) is not int or seq < 1:
-                        self.counters[Reason.MISSING_SEQ.value] += 1
+                        self._count(Reason.MISSING_SEQ.value)
                         continue
                     if last_seq is None and asked is not None and seq < asked:
-                        await self._reset(Reason.SEQ_WENT_BACKWARDS, resume=0)
+                        await self._reset(Reason.SEQ_WENT_BACKWARDS)
                         asked = None
                     elif last_seq is not None and seq <= last_seq:
-                        self.counters[Reason.SEQ_NOT_INCREASING.value] += 1
+                        self._count(Reason.SEQ_NOT_INCREASING.value)
                         backwards += 1
                         if backwards > self.config.max_backwards:
                             raise _Reset(Reason.SEQ_WENT_BACKWARDS)
                         continue
                     backwards = 0
-                    last_seq = seq
+                    last_seq = self._last_seq = seq
                     if self._acked is not None and seq <= self._acked:
-                        self.counters[Reason.DUPLICATE_EVENT.value] += 1
+                        self._count(Reason.DUPLICATE_EVENT.value)
                         continue
                     await self.limiter.acquire()
                     await self.on_frame(UpstreamFrame(self.host, seq, frame, bytes(raw)))

@@ -2,7 +2,13 @@
 
 The token is compared in constant time (``hmac.compare_digest``). Without a configured token the
 whole admin API answers 404 ``AdminDisabled``. A missing token answers 401 ``AuthRequired``, a
-wrong one 403 ``InvalidToken``. Bodies are JSON; errors are ``{error, message}``.
+wrong one 403 ``InvalidToken``. Failed authentications are limited per client address
+(``RELAY_ADMIN_AUTH_FAILURES_PER_MINUTE``, a token bucket): once a client has spent them, every
+admin request from it, and every dashboard request carrying a token — with the right one or not,
+so guessing gains nothing — is answered 429 ``RateLimitExceeded`` with ``Retry-After`` until it may try again (counted
+``relay_admin_requests_total{result="rate_limited"}``). :func:`authenticate` is that check, for
+the admin API and the dashboard alike; each ``RelayService`` has one failure table
+(:func:`auth_limiter`, made on first use). Bodies are JSON; errors are ``{error, message}``.
 
 | method | path | body / effect |
 | --- | --- | --- |
@@ -16,6 +22,7 @@ wrong one 403 ``InvalidToken``. Bodies are JSON; errors are ``{error, message}``
 | DELETE | /admin/domain-bans/{domain} | lift a ban |
 | POST | /admin/accounts/{did}/takedown · /reverse-takedown | emits ``#account`` |
 | GET | /admin/accounts/{did} | stored account state |
+| GET | /admin/desynchronized | ``?limit`` accounts waiting for a resync, longest first: since when, failed attempts, last failure, next retry |
 | GET | /admin/consumers | connected subscribeRepos consumers |
 | GET/POST | /admin/crawling | ``{enabled}`` public requestCrawl on/off |
 | GET | /admin/audit | recent admin actions |
@@ -24,6 +31,8 @@ wrong one 403 ``InvalidToken``. Bodies are JSON; errors are ``{error, message}``
 from __future__ import annotations
 
 import hmac
+import logging
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +40,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
+from relay.client_limits import ClientRateLimiter, RateLimited
 from relay.hosts import CrawlRefused
+from relay.jsonlog import fields
 from relay.xrpc import XrpcError, int_param, invalid, json_object
 
 if TYPE_CHECKING:
@@ -39,6 +50,8 @@ if TYPE_CHECKING:
     from firehose.state import AccountState
     from relay.hosts import HostManager
     from relay.service import RelayService
+
+log = logging.getLogger("relay.admin")
 
 #: An admin endpoint: the request (already authorized) and the service it administers.
 AdminHandler = Callable[[Request, "RelayService"], Awaitable[Response]]
@@ -69,10 +82,36 @@ def check_token(configured: str, header: str | None) -> str:
     return "wrong"
 
 
-def _authorize(request: Request) -> None:
-    service = _service(request)
+_auth_limiters: weakref.WeakKeyDictionary[RelayService, ClientRateLimiter] = weakref.WeakKeyDictionary()
+
+
+def auth_limiter(service: RelayService) -> ClientRateLimiter:
+    """``service``'s table of failed admin authentications per client address."""
+    found = _auth_limiters.get(service)
+    if found is None:
+        found = _auth_limiters[service] = ClientRateLimiter(service.config.admin_auth_failures_per_minute)
+    return found
+
+
+def authenticate(service: RelayService, request: Request) -> str:
+    """``check_token`` for ``request``, counted in ``relay_admin_requests_total{result}``, under the
+    per-client failure limit: raises ``RateLimited`` while the client has no failures left, and a
+    ``missing`` or ``wrong`` result spends one of them."""
+    limiter = auth_limiter(service)
+    client = request.client.host if request.client else "unknown"
+    if service.config.admin_token and (wait := limiter.wait(client)):
+        service.metrics.admin_requests.labels(result="rate_limited").inc()
+        raise RateLimited(wait, "too many failed admin authentications from this address")
     result = check_token(service.config.admin_token, request.headers.get("authorization"))
     service.metrics.admin_requests.labels(result=result).inc()
+    if result in ("missing", "wrong"):
+        limiter.take(client)
+        log.warning("admin authentication failed", extra=fields(client=client, result=result))
+    return result
+
+
+def _authorize(request: Request) -> None:
+    result = authenticate(_service(request), request)
     if result == "disabled":
         raise XrpcError(404, "AdminDisabled", "the admin API is off (set RELAY_ADMIN_TOKEN)")
     if result == "missing":
@@ -216,6 +255,20 @@ async def get_account(request: Request, service: RelayService) -> Response:
     return JSONResponse(_account_view(state))
 
 
+async def desynchronized(request: Request, service: RelayService) -> Response:
+    """The resync queue (``relay.resync_queue``): each account with when it was marked
+    desynchronized, its state (``queued``, ``running``, ``waiting``), failed attempts, the last
+    failure's reason and message, and when the next attempt starts (epoch seconds, like the host
+    views' times; null unless waiting). ``count`` is the whole queue's size."""
+    assert service.resync is not None, "admin API without a resync manager"
+    limit = int_param(request, "limit", default=1000, minimum=1, maximum=10_000)
+    queue = service.resync.queue
+    entries = queue.entries()
+    return JSONResponse({"count": len(entries), "accounts": [
+        {"did": e.did, "since": e.since, "state": e.state, "attempts": e.attempts, "lastFailure": e.last_failure,
+         "lastError": e.last_error, "nextRetry": e.next_retry} for e in entries[:limit]]})
+
+
 async def takedown(request: Request, service: RelayService) -> Response:
     state = await service.set_local_status(request.path_params["did"], "takendown")
     return JSONResponse(_account_view(state))
@@ -256,6 +309,7 @@ def admin_routes() -> list[BaseRoute]:
         Route("/admin/domain-bans", _admin(domain_bans), methods=["GET", "POST"]),
         Route("/admin/domain-bans/{domain}", _admin(remove_domain_ban), methods=["DELETE"]),
         Route("/admin/accounts/{did}", _admin(get_account), methods=["GET"]),
+        Route("/admin/desynchronized", _admin(desynchronized), methods=["GET"]),
         Route("/admin/accounts/{did}/takedown", _admin(takedown), methods=["POST"]),
         Route("/admin/accounts/{did}/reverse-takedown", _admin(reverse_takedown), methods=["POST"]),
         Route("/admin/consumers", _admin(consumers), methods=["GET"]),

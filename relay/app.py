@@ -116,9 +116,12 @@ async def list_repos(request: Request) -> Response:
 
 
 async def list_repos_by_collection(request: Request) -> Response:
-    """Active accounts with at least one record in ``collection`` (``backfill.collections``)."""
+    """Active accounts with at least one record in ``collection`` (``backfill.collections``).
+    A query: any method but GET/HEAD is ``405 MethodNotAllowed``."""
     from mst.syntax import is_valid_nsid
 
+    if request.method not in ("GET", "HEAD"):
+        raise XrpcError(405, "MethodNotAllowed", "listReposByCollection is a query: use GET")
     collection = param(request, "collection", required=True) or ""
     if not is_valid_nsid(collection):
         raise invalid("parameter 'collection' is not a valid NSID")
@@ -238,9 +241,12 @@ async def ready(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
+    """Prometheus exposition. The gauges read from the store are refreshed first; the text is
+    built in a worker thread (``RelayMetrics.render_off_loop``), so a scrape of thousands of
+    hosts' series does not stall ingest or delivery."""
     service = _service(request)
     await service.refresh_gauges()
-    return Response(service.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    return Response(await service.metrics.render_off_loop(), media_type=CONTENT_TYPE_LATEST)
 
 
 async def not_implemented(request: Request) -> Response:
@@ -290,7 +296,7 @@ def build_app(service: RelayService) -> Starlette:
         _xrpc_route("listHosts", list_hosts),
         _xrpc_route("getHostStatus", get_host_status),
         _xrpc_route("listRepos", list_repos),
-        _xrpc_route("listReposByCollection", list_repos_by_collection),
+        _xrpc_route("listReposByCollection", list_repos_by_collection, ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE")),
         _xrpc_route("getRepoStatus", get_repo_status),
         _xrpc_route("getLatestCommit", get_latest_commit),
         _xrpc_route("getRepo", get_repo),

@@ -97,6 +97,18 @@ SETTINGS: tuple[Setting, ...] = (
             "latency, never events", "int"),
     Setting("redis_stream", "RELAY_REDIS_STREAM", "--redis-stream", "relay:events",
             "Redis Streams key of the event bus (ingest and fan-out must agree)"),
+    Setting("redis_timeout", "RELAY_REDIS_TIMEOUT", "--redis-timeout", "2s",
+            "scale-out: longest wait for one Redis reply (every client: bus, identity cache, readiness); "
+            "a hung Redis raises after this, once (no hidden retries)", "duration"),
+    Setting("redis_connect_timeout", "RELAY_REDIS_CONNECT_TIMEOUT", "--redis-connect-timeout", "2s",
+            "scale-out: longest wait for a new Redis connection", "duration"),
+    Setting("redis_health_check", "RELAY_REDIS_HEALTH_CHECK", "--redis-health-check", "30s",
+            "scale-out: a Redis connection idle this long is PINGed before it is used again", "duration"),
+    Setting("bus_publish_max_bytes", "RELAY_BUS_PUBLISH_MAX_BYTES", "--bus-publish-max-bytes", "67108864",
+            "committed events waiting for the bus, in bytes (frames + ~200 per event): sequencing never waits "
+            "for the bus; past this the oldest are not published (fan-outs read them from the database)", "int"),
+    Setting("bus_publish_timeout", "RELAY_BUS_PUBLISH_TIMEOUT", "--bus-publish-timeout", "5s",
+            "longest wait for one publish to the bus; a failed publish is retried with backoff", "duration"),
     Setting("new_hosts_per_day", "RELAY_NEW_HOSTS_PER_DAY", "--new-hosts-per-day", "50",
             "limit on hosts added through public requestCrawl in any 24 h (counted in the database)", "int"),
     Setting("crawling_enabled", "RELAY_CRAWLING", "--crawling", "true",
@@ -106,6 +118,18 @@ SETTINGS: tuple[Setting, ...] = (
             "processes verifying commits in parallel (0 = in the event loop)", "int"),
     Setting("resync_workers", "RELAY_RESYNC_WORKERS", "--resync-workers", "4",
             "parallel repository resyncs", "int"),
+    Setting("resync_retry_base", "RELAY_RESYNC_RETRY_BASE", "--resync-retry-base", "2s",
+            "a failed resync is retried after this delay, doubled after each further failure (each delay "
+            "jittered within its upper half); retries never stop, and start at once when the account's host "
+            "sends something new for it", "duration"),
+    Setting("resync_retry_max", "RELAY_RESYNC_RETRY_MAX", "--resync-retry-max", "5m",
+            "the longest delay between two resync attempts of one account", "duration"),
+    Setting("resync_held_bytes_per_account", "RELAY_RESYNC_HELD_BYTES_PER_ACCOUNT",
+            "--resync-held-bytes-per-account", "4194304",
+            "frames of an account being resynchronised are held (then judged after its #sync) up to this "
+            "many bytes; past it the oldest are dropped (resync_buffer_full): the #sync covers them", "int"),
+    Setting("resync_held_bytes_total", "RELAY_RESYNC_HELD_BYTES_TOTAL", "--resync-held-bytes-total", "268435456",
+            "bytes of held frames over all accounts being resynchronised (same rule)", "int"),
     Setting("repair_interval", "RELAY_REPAIR_INTERVAL", "--repair-interval", "5s",
             "how often Spark repairs queued in the outbox are applied", "duration"),
     Setting("repair_settle", "RELAY_REPAIR_SETTLE", "--repair-settle", "10s",
@@ -153,6 +177,24 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("consumer_max_queue_bytes", "RELAY_CONSUMER_MAX_QUEUE_BYTES", "--consumer-max-queue-bytes",
             "67108864", "bytes of live events the relay queues for one consumer (at most 10,000 events) "
             "before it gets ConsumerTooSlow", "int"),
+    Setting("http_header_timeout", "RELAY_HTTP_HEADER_TIMEOUT", "--http-header-timeout", "10s",
+            "main port: a connection whose request headers (a WebSocket upgrade request included) have not all "
+            "arrived this long after it opened, or after its previous response, is answered 408 and closed "
+            "(0 = no limit)", "duration"),
+    Setting("max_connections", "RELAY_MAX_CONNECTIONS", "--max-connections", "10000",
+            "main port: open connections (HTTP and WebSocket); past it a new connection is answered 503 with "
+            "Retry-After and closed (0 = no limit; each one is a file descriptor)", "int"),
+    Setting("max_websockets", "RELAY_MAX_WEBSOCKETS", "--max-websockets", "5000",
+            "main port: open WebSockets (subscribeRepos, /subscribe); past it an upgrade is answered 503 with "
+            "Retry-After (0 = no limit)", "int"),
+    Setting("crawl_requests_per_minute", "RELAY_CRAWL_REQUESTS_PER_MINUTE", "--crawl-requests-per-minute", "10",
+            "requestCrawl calls one client address may make per minute (bursts up to the same number); more are "
+            "answered 429 with Retry-After (0 = no limit)", "int"),
+    Setting("admin_auth_failures_per_minute", "RELAY_ADMIN_AUTH_FAILURES_PER_MINUTE",
+            "--admin-auth-failures-per-minute", "10",
+            "admin requests with a missing or wrong token one client address may make per minute; past it every "
+            "admin request from that address is answered 429 with Retry-After until it may try again "
+            "(0 = no limit)", "int"),
     Setting("log_level", "RELAY_LOG_LEVEL", "--log-level", "info", "debug, info, warning or error"),
     Setting("status_heal_interval", "RELAY_STATUS_HEAL_INTERVAL", "--status-heal-interval", "24h",
             "account-status self-healing: every host's listRepos is read fully once per interval and each account's "
@@ -230,10 +272,19 @@ class RelayConfig:
     redis_url: str = ""
     bus_max_entries: int = 200_000
     redis_stream: str = "relay:events"
+    redis_timeout: float = 2.0
+    redis_connect_timeout: float = 2.0
+    redis_health_check: float = 30.0
+    bus_publish_max_bytes: int = 64 * 1024 * 1024
+    bus_publish_timeout: float = 5.0
     new_hosts_per_day: int = 50
     crawling_enabled: bool = True
     validation_workers: int = 2
     resync_workers: int = 4
+    resync_retry_base: float = 2.0
+    resync_retry_max: float = 300.0
+    resync_held_bytes_per_account: int = 4 * 1024 * 1024
+    resync_held_bytes_total: int = 256 * 1024 * 1024
     repair_interval: float = 5.0
     repair_settle: float = 10.0
     identity_rate: int = 200
@@ -249,6 +300,11 @@ class RelayConfig:
     getrepo_cache_mb: int = 64
     consumer_max_lag: float = 15.0
     consumer_max_queue_bytes: int = 64 * 1024 * 1024
+    http_header_timeout: float = 10.0
+    max_connections: int = 10_000
+    max_websockets: int = 5000
+    crawl_requests_per_minute: int = 10
+    admin_auth_failures_per_minute: int = 10
     log_level: str = "info"
     status_heal_interval: float = 24 * 3600.0
     status_heal_suspect_delay: float = 300.0
@@ -293,10 +349,19 @@ class RelayConfig:
             raise ConfigError("bad_redis_stream", "RELAY_REDIS_STREAM must not be empty")
         if not re.match(r"^https?://[^/]", config.plc_url):
             raise ConfigError("bad_plc_url", f"RELAY_PLC_URL: expected http(s)://host…, got {config.plc_url!r}")
+        for name, env in (("redis_timeout", "RELAY_REDIS_TIMEOUT"), ("redis_connect_timeout", "RELAY_REDIS_CONNECT_TIMEOUT"),
+                          ("redis_health_check", "RELAY_REDIS_HEALTH_CHECK"), ("bus_publish_timeout", "RELAY_BUS_PUBLISH_TIMEOUT")):
+            if getattr(config, name) <= 0:
+                raise ConfigError("bad_duration", f"{env}: must be more than 0")
+        if config.bus_publish_max_bytes < 1024 * 1024:
+            raise ConfigError("bad_int", "RELAY_BUS_PUBLISH_MAX_BYTES: must be at least 1048576")
         if config.consumer_max_lag <= 0:
             raise ConfigError("bad_duration", "RELAY_CONSUMER_MAX_LAG: must be more than 0")
         if config.consumer_max_queue_bytes < 1024 * 1024:
             raise ConfigError("bad_int", "RELAY_CONSUMER_MAX_QUEUE_BYTES: must be at least 1048576")
+        if config.resync_retry_base <= 0 or config.resync_retry_max < config.resync_retry_base:
+            raise ConfigError("bad_duration", "RELAY_RESYNC_RETRY_BASE must be more than 0 and at most "
+                              "RELAY_RESYNC_RETRY_MAX")
         if config.log_level not in ("debug", "info", "warning", "error"):
             raise ConfigError("bad_log_level", f"RELAY_LOG_LEVEL: unknown level {config.log_level!r}")
         return config

@@ -26,7 +26,8 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from relay.admin import check_token
+from relay.admin import authenticate
+from relay.client_limits import RateLimited
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -62,11 +63,9 @@ def _by(found: dict[str, list[tuple[dict[str, str], float]]], name: str, label: 
 def _admin(request: Request, service: RelayService) -> bool | None:
     """True with the right admin token, False without one (or with the admin API off), None for
     a wrong one."""
-    header = request.headers.get("authorization")
-    if not header:
+    if not request.headers.get("authorization"):
         return False
-    result = check_token(service.config.admin_token, header)
-    service.metrics.admin_requests.labels(result=result).inc()
+    result = authenticate(service, request)  # RateLimited once the client's failures are spent
     if result in ("wrong", "missing"):
         return None
     return result == "ok"
@@ -143,7 +142,10 @@ async def page(request: Request) -> Response:
 
 async def data(request: Request) -> Response:
     service: RelayService = request.app.state.service
-    admin = _admin(request, service)
+    try:
+        admin = _admin(request, service)
+    except RateLimited as exc:
+        return exc.response()
     if admin is None:
         return JSONResponse({"error": "InvalidToken", "message": "wrong admin token"}, status_code=403)
     body = await snapshot(service, admin=admin)

@@ -1,10 +1,19 @@
 """Upstream hosts: requestCrawl admission, admin host operations, statuses and account limits.
 
 Admission of a public ``requestCrawl`` (in this order; each refusal has a snake_case reason):
-crawling enabled → hostname syntax (``relay.ssrf.normalize_hostname``) → domain bans (every
-parent suffix) → already known (banned → ``HostBanned``; otherwise resubscribe) → new-hosts-per-day
-limit → every resolved address public (unless insecure) → ``describeServer`` probe (SSRF-checked,
-redirects re-checked) → stored as ``active`` and a subscriber is started.
+the client's rate limit (``crawl_client_wait``, checked by ``relay.request_guard`` before the
+body is read: 429 with Retry-After) → crawling enabled → hostname syntax
+(``relay.ssrf.normalize_hostname``) → domain bans (every parent suffix) → already known (banned →
+``HostBanned``; otherwise resubscribe) → new-hosts-per-day limit → every resolved address public
+(unless insecure) → ``describeServer`` probe (SSRF-checked, redirects re-checked) → stored as
+``active`` and a subscriber is started.
+
+The new-hosts-per-day limit is exact under concurrency: a request reserves its place (under a
+lock: hosts recorded in the last 24 h plus places reserved < the limit) before it resolves and
+probes the host; the place is released when the probe fails, and turned into a recorded
+admission (under the same lock, so no count sees it twice) when the host is stored. Only this
+process admits hosts (the ingest holding the writer lease), so the in-memory reservations are
+the whole picture.
 
 Host statuses and their transitions (``com.atproto.sync.defs#hostStatus``):
 
@@ -28,6 +37,7 @@ on, off, or as ``RELAY_LENIENT_SYNC_VALIDATION`` says), stored with the host.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -38,6 +48,7 @@ import httpx
 from backfill.store import Store
 from backfill.types import HostState
 from mst.errors import ReasonError
+from relay.client_limits import ClientRateLimiter
 from relay.config import RelayConfig
 from relay.jsonlog import fields
 from relay.metrics import RelayMetrics
@@ -123,6 +134,11 @@ class HostManager:
         self.crawling_enabled = config.crawling_enabled
         #: where ``crawling_enabled`` came from: "config" or "admin" (see :meth:`load_settings`)
         self.crawling_source = "config"
+        #: requestCrawl calls per client address (``crawl_client_wait``)
+        self.crawl_clients = ClientRateLimiter(config.crawl_requests_per_minute)
+        #: new-host places reserved by public requestCrawls still probing (see the module docstring)
+        self._reserved = 0
+        self._admissions = asyncio.Lock()
 
     async def load_settings(self) -> None:
         """Restore the public-crawling switch. An admin's ``/admin/subs/setEnabled`` survives
@@ -159,6 +175,16 @@ class HostManager:
         await self.store.record_admin_action(time.time(), action, target, text)
 
     # -- admission ------------------------------------------------------------------------
+    def crawl_client_wait(self, client: str) -> float:
+        """Spend one of ``client``'s requestCrawl tokens: 0.0, or the seconds it must wait (the
+        call is then refused, counted ``rate_limited`` and logged)."""
+        wait = self.crawl_clients.take(client)
+        if wait:
+            self.metrics.crawl_requests.labels(result="rate_limited").inc()
+            log.info("requestCrawl refused", extra=fields(client=client, reason="rate_limited",
+                                                          retry_after=round(wait, 1)))
+        return wait
+
     async def request_crawl(self, raw_hostname: str) -> HostState:
         """Public ``requestCrawl``. Raises ``CrawlRefused``."""
         try:
@@ -211,25 +237,40 @@ class HostManager:
                 await self.start_host(existing)
             return existing
         if public:
-            admitted = await self.store.count_crawl_admissions(time.time() - 86400)
-            if admitted >= self.config.new_hosts_per_day:
-                raise CrawlRefused("new_host_limit", "too many new hosts today; try again later")
-        name, _ = split_host_port(hostname)
+            await self._reserve_new_host()
         try:
-            await self.guard.check_host(name)
-        except SSRFError as exc:
-            raise CrawlRefused(exc.reason, str(exc)) from None
-        await self._probe(hostname, relay=relay)
-        host = HostState(hostname=hostname, status="active", account_limit=account_limit, trusted=trusted,
-                         created_at=time.time(), relay=relay)
-        await self.store.upsert_host(host)
+            name, _ = split_host_port(hostname)
+            try:
+                await self.guard.check_host(name)
+            except SSRFError as exc:
+                raise CrawlRefused(exc.reason, str(exc)) from None
+            await self._probe(hostname, relay=relay)
+            host = HostState(hostname=hostname, status="active", account_limit=account_limit, trusted=trusted,
+                             created_at=time.time(), relay=relay)
+            await self.store.upsert_host(host)
+        except BaseException:
+            if public:
+                self._reserved -= 1  # the place is free again
+            raise
         if public:
-            await self.store.record_crawl_admission(hostname, time.time())
+            async with self._admissions:  # reserved -> recorded, never counted twice
+                try:
+                    await self.store.record_crawl_admission(hostname, time.time())
+                finally:
+                    self._reserved -= 1
         log.info("host added", extra=fields(hostname=hostname, public=public, relay=relay))
         stored = await self.store.get_host(hostname) or host
         if self.start_host is not None:
             await self.start_host(stored)
         return stored
+
+    async def _reserve_new_host(self) -> None:
+        """Reserve one of today's new-host places, or refuse (``new_host_limit``)."""
+        async with self._admissions:
+            admitted = await self.store.count_crawl_admissions(time.time() - 86400)
+            if admitted + self._reserved >= self.config.new_hosts_per_day:
+                raise CrawlRefused("new_host_limit", "too many new hosts today; try again later")
+            self._reserved += 1
 
     async def _probe(self, hostname: str, *, relay: bool = False) -> None:
         """``describeServer`` must answer 200 with a JSON object naming the server's DID; a relay
@@ -265,6 +306,7 @@ class HostManager:
         await self.store.set_host_status(host.hostname, "banned")
         if self.stop_host is not None:
             await self.stop_host(host.hostname)
+        self.metrics.forget_host(host.hostname)
         await self.record_action("block_host", host.hostname)
         return await self._require(host.hostname)
 
@@ -359,13 +401,17 @@ class HostManager:
 
     async def refresh_status_gauge(self) -> None:
         counts = dict.fromkeys(HOST_STATUSES, 0)
+        accounts: dict[str, tuple[int, int | None]] = {}
         after: str | None = None
         while True:
             page = await self.store.list_hosts(after=after, limit=500)
             for host in page:
                 counts[host.status] = counts.get(host.status, 0) + 1
+                if host.status != "banned":
+                    accounts[host.hostname] = (host.account_count, self.account_limit(host))
             if len(page) < 500:
                 break
             after = page[-1].hostname
         for status, n in counts.items():
             self.metrics.hosts.labels(status=status).set(n)
+        self.metrics.set_host_accounts(accounts)

@@ -10,8 +10,12 @@ are converted once for everyone
 Query parameters (as Jetstream): ``wantedCollections`` and ``wantedDids`` (repeatable),
 ``maxMessageSizeBytes``, ``cursor`` (unix microseconds: replay every stored event with
 ``time_us >= cursor``, then live), ``compress=true`` (or a ``Socket-Encoding: zstd`` header: binary
-zstd frames with the dictionary served at ``GET /subscribe/zstd-dictionary``), ``requireHello=true``
-(nothing is sent until the first ``options_update``). Client text messages: ``options_update``
+zstd frames made with Jetstream's own dictionary, id 1612007021, the one Jetstream clients bundle;
+also served at ``GET /subscribe/zstd-dictionary``), ``zstdDictionary=<id>`` (binary zstd frames made
+with the dictionary of that id, as Jetstream's newer protocol opts in: the relay's own, fetched by
+id from ``GET /xrpc/network.bsky.jetstream.getZstdDictionary?id=<id>``, which serves the current
+one without ``id``; an unknown id is refused before the upgrade, ``400 UnknownZstdDictionary``
+naming the current id), ``requireHello=true`` (nothing is sent until the first ``options_update``). Client text messages: ``options_update``
 (replaces the filters from the next batch on), ``heartbeat`` (answered ``{"kind": "heartbeat",
 "payload"}``); anything else is ignored; an invalid message closes the connection (1008, with the
 reason). Bad parameters are refused before the upgrade: ``400 {"error": "InvalidRequest"}``.
@@ -26,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route, WebSocketRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocket, WebSocketDisconnect
@@ -54,6 +58,8 @@ log = logging.getLogger("relay.jetstream")
 
 SUBSCRIBE_PATH = "/subscribe"
 DICTIONARY_PATH = "/subscribe/zstd-dictionary"
+#: Jetstream's dictionary-by-id endpoint (lexicon ``network.bsky.jetstream.getZstdDictionary``).
+GET_DICTIONARY_PATH = "/xrpc/network.bsky.jetstream.getZstdDictionary"
 #: The largest cursor accepted (unix microseconds fit an int64).
 MAX_CURSOR = 2**63 - 1
 
@@ -74,7 +80,7 @@ class _Connection:
     """The live, replaceable part of one consumer's state (the reader task updates it)."""
 
     options: JetstreamOptions
-    compress: bool
+    dict_id: int | None  # the zstd dictionary messages are compressed with (None: plain text)
     sent: int = 0
 
 
@@ -111,13 +117,45 @@ class JetstreamServer:
             WebSocketRoute(SUBSCRIBE_PATH, app),
             Route(SUBSCRIBE_PATH, upgrade_required, methods=["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE"]),
             Route(DICTIONARY_PATH, self._dictionary, methods=["GET", "HEAD"]),
+            Route(GET_DICTIONARY_PATH, self._dictionary_by_id, methods=["GET", "HEAD"]),
         ]
 
     async def _dictionary(self, request: Request) -> Response:
-        codec = self.converter.codec
-        return Response(codec.dictionary, media_type="application/octet-stream",
-                        headers={"X-Zstd-Dictionary-Id": str(codec.dict_id),
-                                 "Cache-Control": "public, max-age=3600"})
+        """The dictionary of ``compress=true``."""
+        return _dictionary_response(self.converter.codec)
+
+    async def _dictionary_by_id(self, request: Request) -> Response:
+        """A dictionary by its zstd id (``?id``; omitted: the current one): ``400 InvalidRequest``
+        for an id that is not a positive integer, ``400 DictionaryNotFound`` for an unknown one."""
+        raw = request.query_params.get("id")
+        if raw is None or raw == "":
+            return _dictionary_response(self.converter.current)
+        if not raw.isascii() or not raw.isdigit() or len(raw) > 10 or int(raw) < 1:
+            self._count("dictionary_refused_bad_id")
+            return JSONResponse({"error": "InvalidRequest", "message": "id must be a positive integer"},
+                                status_code=400)
+        codec = self.converter.codecs.get(int(raw))
+        if codec is None:
+            self._count("dictionary_refused_not_found")
+            return JSONResponse({"error": "DictionaryNotFound",
+                                 "message": f"no dictionary {raw}; current: {self.converter.current.dict_id}"},
+                                status_code=400)
+        return _dictionary_response(codec, immutable=True)
+
+    def _dict_id(self, ws: WebSocket) -> int | None:
+        """The dictionary a connection asks for: ``zstdDictionary=<id>``, else Jetstream's for
+        ``compress=true`` or ``Socket-Encoding: zstd``, else None (plain text). Raises
+        ``_UnknownDictionary`` for an id the relay does not have."""
+        raw = ws.query_params.get("zstdDictionary")
+        if raw:
+            wanted = int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 10 else None
+            if wanted is None or wanted not in self.converter.codecs:
+                raise _UnknownDictionary(f"unknown zstdDictionary {raw[:20]!r}; current: "
+                                         f"{self.converter.current.dict_id}")
+            return wanted
+        if ws.query_params.get("compress") == "true" or "zstd" in ws.headers.get("socket-encoding", ""):
+            return self.converter.codec.dict_id
+        return None
 
     async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
         ws = WebSocket(scope, receive, send)
@@ -130,14 +168,19 @@ class JetstreamServer:
             self._count(f"refused_{exc.reason}")
             await deny_websocket(ws, 400, "InvalidRequest", exc.message)
             return
+        try:
+            dict_id = self._dict_id(ws)
+        except _UnknownDictionary as exc:
+            self._count("refused_unknown_zstd_dictionary")
+            await deny_websocket(ws, 400, "UnknownZstdDictionary", str(exc))
+            return
         if self.broadcaster.at_capacity:
             self._count("refused_at_capacity")
             await deny_websocket(ws, 429, "RateLimitExceeded", "too many consumers")
             return
-        compress = q.get("compress") == "true" or "zstd" in ws.headers.get("socket-encoding", "")
         await ws.accept()
         self._count("connected")
-        conn = _Connection(options, compress)
+        conn = _Connection(options, dict_id)
         hello = asyncio.Event()
         if q.get("requireHello") != "true":
             hello.set()
@@ -174,14 +217,15 @@ class JetstreamServer:
             for ev in events:
                 if ev.kind == ERROR_KIND:  # the session ended itself (cannot happen for a time cursor)
                     raise WebSocketDisconnect(1011)
-            picked = select(self.converter, events, conn.options, conn.compress)
+            picked = select(self.converter, events, conn.options, conn.dict_id)
             if not picked.messages:
                 return
             conn.sent += len(picked.messages)
-            self._count_messages(conn.compress, len(picked.messages))
+            compressed = conn.dict_id is not None
+            self._count_messages(compressed, len(picked.messages))
             if batch_ext:
-                await send({"type": SEND_BATCH, "frames": picked.messages, "text": not conn.compress})
-            elif conn.compress:
+                await send({"type": SEND_BATCH, "frames": picked.messages, "text": not compressed})
+            elif compressed:
                 for data in picked.messages:
                     await send({"type": "websocket.send", "bytes": data})
             else:
@@ -244,9 +288,21 @@ class JetstreamServer:
                 await send({"type": "websocket.send", "text": heartbeat_message(parsed.payload).decode()})
 
 
+class _UnknownDictionary(Exception):
+    """``zstdDictionary`` names no dictionary the relay has."""
+
+
+def _dictionary_response(codec: ZstdCodec, *, immutable: bool = False) -> Response:
+    """The raw zstd dictionary, its id in ``X-Zstd-Dictionary-Id`` (and in every frame made with it)."""
+    cache = "public, max-age=31536000, immutable" if immutable else "public, max-age=3600"
+    return Response(codec.dictionary, media_type="application/octet-stream",
+                    headers={"X-Zstd-Dictionary-Id": str(codec.dict_id), "Cache-Control": cache})
+
+
 def jetstream_server(broadcaster: Broadcaster, metrics: RelayMetrics, consumers: ConsumerRegistry) -> JetstreamServer:
-    """The relay's JSON stream: the shipped dictionary, the relay's metrics and consumer registry."""
-    converter = JetstreamConverter(ZstdCodec.default())
+    """The relay's JSON stream: Jetstream's dictionary for ``compress=true``, the relay's own as
+    the current opt-in one, the relay's metrics and consumer registry."""
+    converter = JetstreamConverter(ZstdCodec.legacy(), ZstdCodec.default())
 
     def count(event: str) -> None:
         metrics.child(metrics.jetstream, event).inc()

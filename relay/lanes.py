@@ -68,10 +68,10 @@ from relay.resync_queue import ResyncQueue
 
 log = logging.getLogger("relay.lanes")
 
-#: Frames buffered per account while it is being resynchronized (older ones are covered by it).
-MAX_BUFFER_PER_ACCOUNT = 1000
 #: Seconds of clock skew allowed between a host's TIDs and the relay (``_missed_history``).
 UNSEEN_HISTORY_MARGIN = 300.0
+#: What a held frame costs beyond its bytes (its ``Work``), in the resync queue's held-bytes ledger.
+HELD_FRAME_OVERHEAD = 512
 #: ``PendingEvent.body`` of a pre-encoded event (the sequencer does not read it); never mutated.
 _NO_BODY: dict[str, Any] = {}
 
@@ -420,8 +420,7 @@ class AccountLanes:
             return None
         work.signing_key = ident.signing_key
         if state.sync_state in ("desynchronized", "resyncing"):
-            self._hold(lane, work)
-            return None
+            return await self._hold(lane, work, state, ident.signing_key)
         if verdict is None:
             verdict = await self._judge(work, state, ident.signing_key)
         elif self._missed_history(work, self.history_margin):
@@ -429,9 +428,12 @@ class AccountLanes:
             # before this one were never read. Resync the account (one #sync covers them).
             self.count("desync", Reason.UNSEEN_HISTORY)
             await self._mark_desynchronized(lane, work.hostname, state)
-            self._hold(lane, work)
-            return None
+            assert lane.durable is not None
+            return await self._hold(lane, work, lane.durable, ident.signing_key)
         event = await self._apply(lane, work, state, verdict)
+        if event is None and verdict.kind == "desync" and work.lenient and lane.head is not None \
+                and lane.head.sync_state == "desynchronized":  # lenient: passes as it verifies (``_hold``)
+            return await self._hold(lane, work, lane.head, ident.signing_key)
         if event is not None:
             self._advance(lane, event, event.account)
         return event
@@ -447,12 +449,49 @@ class AccountLanes:
             return False
         return tid_to_micros(since) / 1e6 > work.followed_since + margin
 
-    def _hold(self, lane: _Lane, work: Work) -> None:
-        if len(lane.buffer) < MAX_BUFFER_PER_ACCOUNT:
-            lane.buffer.append(work)
-            self.count("buffer", Reason.RESYNC_PENDING)
-        else:
+    async def _hold(self, lane: _Lane, work: Work, state: AccountState, key: str) -> PendingEvent | None:
+        """A ``#commit``/``#sync`` of an account being resynchronised (``state``); its resync is kicked
+        (the host is speaking for it), unless the frame is an accepted ``#sync``. Strict: held in the lane, judged after the resync's ``#sync``;
+        the oldest held frames are dropped (``resync_buffer_full``, covered by the ``#sync``) to stay
+        under the resync queue's held-bytes bounds. Lenient (as Bluesky's Go relay): judged now
+        against the account's key, chained to ``state`` when it chains, else on its own (operation
+        inversion against its own ``prevData`` where it has one); an accepted ``#commit`` passes
+        (also counted ``pass``/``resync_in_progress``) and the account stays desynchronized, an
+        accepted ``#sync`` resets it as always and takes it out of the resync queue."""
+        did = lane.did
+        if work.lenient:
+            base = dataclasses.replace(state, sync_state="synced")
+            verdict = await self._judge(work, base, key)
+            if verdict.kind == "desync":  # the chain broke (again): the commit judged on its own
+                verdict = await self._judge(work, dataclasses.replace(base, rev=None, commit_cid=None,
+                                                                      data_cid=None), key)
+            event = await self._apply(lane, work, state, verdict)
+            if event is None or event.account is None:
+                self.resync.kick(did)
+                return None
+            if work.kind == "#sync":  # accepted: the account is reset (``_apply`` dropped what was held)
+                self.resync.release_held(did)
+                self.resync.discard(did)
+            else:  # passes; the account stays desynchronized
+                event.account.sync_state = state.sync_state
+                self.count("pass", Reason.RESYNC_IN_PROGRESS)
+                self.resync.kick(did)
+            self._advance(lane, event, event.account)
+            return event
+        self.resync.kick(did)
+        if not lane.buffer:
+            self.resync.release_held(did)
+        size = len(work.uf.raw) + HELD_FRAME_OVERHEAD
+        while not self.resync.fits(did, size):
             self.count("ignore", Reason.RESYNC_BUFFER_FULL)
+            if not lane.buffer or size > self.resync.held_per_account:  # drop this one (alone)
+                return None
+            oldest = lane.buffer.pop(0)
+            self.resync.release_held(did, len(oldest.uf.raw) + HELD_FRAME_OVERHEAD)
+        lane.buffer.append(work)
+        self.resync.add_held(did, size)
+        self.count("buffer", Reason.RESYNC_PENDING)
+        return None
 
     async def _apply(self, lane: _Lane, work: Work, state: AccountState, verdict: Verdict) -> PendingEvent | None:
         """The event an accepted verdict becomes (its ``account`` is the new head; the caller puts
@@ -644,25 +683,31 @@ class AccountLanes:
         await self.run_op(did, op)
 
     async def finish_resync(self, did: str, new_state: AccountState, sync_body: dict[str, Any],
-                            collections: dict[str, int] | None = None) -> None:
+                            collections: dict[str, int] | None = None) -> bool:
         """Emit the ``#sync`` of a completed resync (verified repository at ``new_state``), then
         judge the frames buffered meanwhile, in order, against it. Skipped (counted) when the
         account is synced by now at that rev or later (e.g. a Spark repair got there first).
+        Refused (False: fetch again) when the lane already stored a newer rev while the account
+        was desynchronized (lenient mode passes commits meanwhile): the relay never goes back.
         ``collections``: the repository's record counts per collection, stored with the ``#sync``."""
 
-        async def op(lane: _Lane) -> None:
+        async def op(lane: _Lane) -> bool:
             current = lane.durable
             state = new_state
             if current is not None:
-                if (current.sync_state == "synced" and current.rev is not None and state.rev is not None
-                        and state.rev <= current.rev):
-                    self.count("ignore", Reason.COVERED_BY_RESYNC)
-                    return
+                if current.rev is not None and state.rev is not None:
+                    if current.sync_state == "synced" and state.rev <= current.rev:
+                        self.count("ignore", Reason.COVERED_BY_RESYNC)
+                        return True
+                    if state.rev < current.rev:
+                        return False
                 state = dataclasses.replace(state, upstream_status=current.upstream_status,
                                             local_status=current.local_status)
             await self._install(lane, dataclasses.replace(state, sync_state="synced"), sync_body, collections)
+            return True
 
-        await self.run_op(did, op)
+        done: bool = await self.run_op(did, op)
+        return done
 
     async def _install(self, lane: _Lane, state: AccountState, sync_body: dict[str, Any] | None,
                        collections: dict[str, int] | None = None) -> int | None:
@@ -679,6 +724,7 @@ class AccountLanes:
             await self.sequencer.write_account(state)
             self._set_durable(lane, state)
         buffered, lane.buffer = lane.buffer, []
+        self.resync.release_held(lane.did)
         for work in buffered:
             rev = str(work.uf.frame.body.get("rev", ""))
             if lane.head is not None and lane.head.rev is not None and rev <= lane.head.rev:
@@ -695,6 +741,7 @@ class AccountLanes:
                 await self.submit_own(lane, event)
             elif verdict.kind == "desync":
                 lane.buffer = buffered[buffered.index(work) + 1:] + lane.buffer
+                self.resync.add_held(lane.did, sum(len(w.uf.raw) + HELD_FRAME_OVERHEAD for w in lane.buffer))
                 break  # marked again; a new resync is queued
         return seq
 

@@ -3,22 +3,44 @@
 Each ``RelayMetrics`` owns a private ``CollectorRegistry`` so that several relays can live in one
 process (tests). ``/metrics`` renders this registry followed by the process-wide default one
 (where other packages may register their own collectors).
+
+Cost per host stays small and goes away with the host: the per-host series (``PER_HOST``) are
+removed by :meth:`RelayMetrics.forget_host` when a host is banned, and no ``*_created`` copies
+are exported (``prometheus_client.disable_created_metrics``, process-wide). :meth:`render` is
+safe to call from another thread while the event loop updates the metrics (prometheus_client
+locks every value and label map); ``/metrics`` renders in a worker thread so a scrape of many
+series never stalls ingest or delivery.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from prometheus_client.metrics_core import CounterMetricFamily
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily
 
 #: Fields of ``firehose.broadcast.BroadcastStats`` exported as ``relay_broadcast_events_total{event}``.
 BROADCAST_EVENTS = ("too_slow", "lagged", "future_cursor", "outdated_cursor", "replay_overflows", "bus_gaps_filled",
                     "bus_errors")
 
+#: Fields of ``firehose.publisher.PublisherStats`` exported as ``relay_bus_publish_events_total{result}``.
+PUBLISH_RESULTS = ("published", "dropped")
+
 __all__ = ["CONTENT_TYPE_LATEST", "RelayMetrics"]
+
+disable_created_metrics()  # type: ignore[no-untyped-call]  # a *_created series per labelled child doubles every per-host family
 
 
 class RelayMetrics:
@@ -27,6 +49,10 @@ class RelayMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        self._render_lock: asyncio.Lock | None = None
+        #: metrics whose first label is a host (by ``id``), and the ``child`` keys of each host
+        self._per_host: dict[int, Any] = {}
+        self._by_host: dict[str, set[tuple[int, tuple[str, ...]]]] = {}
         self.events_in = Counter("relay_events_in_total", "Frames received from upstream hosts",
                                  ["host", "type"], registry=r)
         self.verdicts = Counter("relay_verdicts_total", "Judgements on upstream events",
@@ -51,6 +77,10 @@ class RelayMetrics:
         self.sequencer_state = Gauge("relay_sequencer_state",
                                      "1 for the sequencer's current state (running, retrying, failed, waiting, stopped)",
                                      ["state"], registry=r)
+        self.ready = Gauge("relay_ready", "1 if /_ready answered 200 at the last check, else 0", registry=r)
+        self.bus_up = Gauge("relay_bus_up", "0 if the Redis bus did not answer the last readiness PING "
+                            "(scale-out), else 1 (always 1 without Redis)", registry=r)
+        self.bus_up.set(1)
         self.since_sequenced = Gauge("relay_seconds_since_last_sequenced",
                                      "Seconds since the sequencer last committed a batch", registry=r)
         self.resyncs = Counter("relay_resyncs_total", "Finished resyncs", ["result"], registry=r)
@@ -65,7 +95,7 @@ class RelayMetrics:
                                      ["result"], registry=r)
         self.host_resets = Counter("relay_host_cursor_resets_total",
                                    "Upstream cursors reset: the host's stream went backwards or it answered "
-                                   "FutureCursor (wiped or restored), or a frame it keeps replaying is unreadable",
+                                   "FutureCursor (wiped or restored)",
                                    ["host", "reason"], registry=r)
         self.getrepo = Counter("relay_getrepo_total", "getRepo requests by how they were answered",
                                ["result"], registry=r)
@@ -93,6 +123,25 @@ class RelayMetrics:
         self.heal_host_failures = Counter("relay_status_heal_host_failures_total",
                                           "Status checks a host could not answer (skipped and retried)",
                                           ["reason"], registry=r)
+        self._per_host = {id(m): m for m in (self.events_in, self.host_resets)}
+
+    def forget_host(self, hostname: str) -> None:
+        """Remove every series labelled with ``hostname`` (the host was banned or removed): a
+        relay that has seen thousands of hosts exports only those it still follows. Cheap: the
+        series made through :meth:`child` are indexed by host; ``relay_host_cursor_resets_total``
+        (rare, made with ``labels()``) is searched among its own few samples. Call it after the
+        host's run has stopped (a later increment would bring the series back from zero)."""
+        for key in self._by_host.pop(hostname, ()):
+            metric = self._children.pop(key, None)
+            if metric is not None:
+                with contextlib.suppress(KeyError):
+                    self._per_host[key[0]].remove(*key[1])
+        resets = {(s.labels["host"], s.labels["reason"])
+                  for family in self.host_resets.collect() for s in family.samples
+                  if s.labels.get("host") == hostname}
+        for labels in resets:
+            with contextlib.suppress(KeyError):
+                self.host_resets.remove(*labels)
 
     def child(self, metric: Any, *values: str) -> Any:
         """``metric.labels(*values)``, kept once per label tuple: ``labels()`` costs a lock and a
@@ -101,6 +150,8 @@ class RelayMetrics:
         found = self._children.get(key)
         if found is None:
             found = self._children[key] = metric.labels(*values)
+            if key[0] in self._per_host:  # its first label is a host: indexed for forget_host
+                self._by_host.setdefault(values[0], set()).add(key)
         return found
 
     def watch_broadcast(self, stats: Callable[[], Any]) -> None:
@@ -112,8 +163,48 @@ class RelayMetrics:
             self.registry.register(collector)
         collector.stats = stats
 
+    def watch_publisher(self, stats: Callable[[], Any]) -> None:
+        """Export the bus publisher's counters (read at scrape time from ``stats()``)."""
+        collector = getattr(self, "_publisher_collector", None)
+        if collector is None:
+            collector = self._publisher_collector = _PublisherCollector(stats)
+            self.registry.register(collector)
+        collector.stats = stats
+
+    async def render_off_loop(self) -> bytes:
+        """:meth:`render` in a worker thread, one at a time (concurrent scrapes queue here): the
+        event loop keeps serving while a large exposition is built."""
+        lock = self._render_lock
+        if lock is None:
+            lock = self._render_lock = asyncio.Lock()
+        async with lock:
+            return await asyncio.to_thread(self.render)
+
+    def set_host_accounts(self, accounts: dict[str, tuple[int, int | None]]) -> None:
+        """Replace the per-host account gauges: ``{hostname: (accounts, limit or None)}``. Only
+        the hosts of the last call are exported (a removed host's series go with it);
+        ``relay_host_account_limit`` only for hosts that have a limit."""
+        collector = getattr(self, "_host_accounts", None)
+        if collector is None:
+            collector = self._host_accounts = _HostAccountsCollector()
+            self.registry.register(collector)
+        collector.accounts = dict(accounts)
+
+    def watch_resyncs(self, source: ResyncSource) -> None:
+        """Export the resync queue's state, read at scrape time from ``source``:
+        ``relay_desynchronized_accounts{age}`` (accounts waiting for a resync by how long they have
+        been desynchronized: ``under_1m``, ``under_10m``, ``under_1h``, ``under_1d``, ``older``), ``relay_resync_held_bytes`` (frames
+        held for them) and ``relay_resync_kicks_total`` (waiting retries brought forward because
+        the account's host sent something new). Calling it again replaces the source."""
+        collector = getattr(self, "_resync_collector", None)
+        if collector is None:
+            collector = self._resync_collector = _ResyncCollector(source)
+            self.registry.register(collector)
+        collector.source = source
+
     def render(self) -> bytes:
-        """Text exposition of this relay's registry plus the process default registry."""
+        """Text exposition of this relay's registry plus the process default registry. Safe in a
+        worker thread (see the module docstring)."""
         return generate_latest(self.registry) + generate_latest(REGISTRY)
 
 
@@ -132,3 +223,72 @@ class _BroadcastCollector:
             family.add_metric([event], getattr(stats, event, 0) if stats is not None else 0)
         yield family
 
+
+
+class _PublisherCollector:
+    """``relay_bus_publish_events_total{result}`` (published, or dropped from a full queue — the
+    fan-outs read those from the store), ``relay_bus_publish_errors_total`` (failed or timed-out
+    bus calls, each retried) and ``relay_bus_publish_queue_bytes``."""
+
+    def __init__(self, stats: Callable[[], Any]) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        stats = self.stats()
+        events = CounterMetricFamily("relay_bus_publish_events", "Committed events handed to the bus, by result",
+                                     labels=["result"])
+        for result in PUBLISH_RESULTS:
+            events.add_metric([result], getattr(stats, result, 0) if stats is not None else 0)
+        yield events
+        yield CounterMetricFamily("relay_bus_publish_errors", "Bus publish calls that failed or timed out (retried)",
+                                  value=getattr(stats, "errors", 0) if stats is not None else 0)
+        yield GaugeMetricFamily("relay_bus_publish_queue_bytes", "Committed events waiting for the bus, in bytes",
+                                value=getattr(stats, "queued_bytes", 0) if stats is not None else 0)
+
+class _HostAccountsCollector:
+    """``relay_host_accounts{host}`` and ``relay_host_account_limit{host}`` from the last
+    snapshot given to ``RelayMetrics.set_host_accounts`` (the alert on hosts near their limit)."""
+
+    def __init__(self) -> None:
+        self.accounts: dict[str, tuple[int, int | None]] = {}
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        count = GaugeMetricFamily("relay_host_accounts", "Accounts the relay holds for each upstream host",
+                                  labels=["host"])
+        limit = GaugeMetricFamily("relay_host_account_limit", "Account limit of each upstream host that has one",
+                                  labels=["host"])
+        for host, (n, most) in sorted(self.accounts.items()):
+            count.add_metric([host], n)
+            if most is not None:
+                limit.add_metric([host], most)
+        yield count
+        yield limit
+
+class ResyncSource(Protocol):
+    """What ``RelayMetrics.watch_resyncs`` reads (``relay.resync_queue.ResyncQueue``)."""
+
+    kicks: int
+
+    @property
+    def held_bytes(self) -> int: ...
+
+    def by_age(self) -> dict[str, int]: ...
+
+
+class _ResyncCollector:
+    """See ``RelayMetrics.watch_resyncs``."""
+
+    def __init__(self, source: ResyncSource) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        ages = GaugeMetricFamily("relay_desynchronized_accounts",
+                                 "Accounts waiting for a resync, by how long they have been desynchronized "
+                                 "(under_1m, under_10m, under_1h, under_1d, older)", labels=["age"])
+        for label, count in self.source.by_age().items():
+            ages.add_metric([label], count)
+        yield ages
+        yield GaugeMetricFamily("relay_resync_held_bytes", "Bytes of frames held for accounts being resynchronised",
+                                value=self.source.held_bytes)
+        yield CounterMetricFamily("relay_resync_kicks", "Waiting resync retries started early because the "
+                                  "account's host sent something new for it", value=self.source.kicks)

@@ -9,7 +9,10 @@ upgrades pass through):
   PayloadTooLarge`` at once, without reading it; a body sent without a length (chunked) is
   counted as it is read and the read fails with the same 413 once it passes ``max_body``. So no
   handler ever holds more than ``max_body`` bytes of a body, and a body nobody reads is never
-  buffered (uvicorn stops reading the socket until the app asks for more).
+  buffered (uvicorn stops reading the socket until the app asks for more);
+* a ``requestCrawl`` from a client address that has used up its calls
+  (``RELAY_CRAWL_REQUESTS_PER_MINUTE``, ``HostManager.crawl_client_wait``) is answered ``429
+  RateLimitExceeded`` with ``Retry-After``, before its body is read.
 
 Every answer is an XRPC error body ``{"error", "message"}``. What the client still sends of a
 refused body is read and discarded by uvicorn (never held), until its keep-alive timeout.
@@ -17,12 +20,16 @@ refused body is read and discarded by uvicorn (never held), until its keep-alive
 
 from __future__ import annotations
 
+from typing import Any
+
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from relay.client_limits import RateLimited, client_address
 from relay.xrpc import XrpcError
 
 #: Request bodies (XRPC procedures and the admin API take small JSON objects): at most 64 KiB.
 MAX_BODY_BYTES = 64 * 1024
+CRAWL_PATH = "/xrpc/com.atproto.sync.requestCrawl"
 
 
 class BodyTooLarge(XrpcError):
@@ -58,6 +65,11 @@ class RequestGuard:
                 or b"\x00" in scope.get("query_string", b""):
             await _answer(send, XrpcError(400, "InvalidRequest", "NUL characters are not allowed in a request"))
             return
+        if scope.get("path") == CRAWL_PATH and (hosts := _host_manager(scope)) is not None:
+            wait = hosts.crawl_client_wait(client_address(scope))
+            if wait:
+                await _answer(send, RateLimited(wait, "too many requestCrawl calls from this address"))
+                return
         length = _content_length(scope)
         if length is not None and length < 0:
             await _answer(send, XrpcError(400, "InvalidRequest", "malformed Content-Length"))
@@ -78,6 +90,14 @@ class RequestGuard:
             return message
 
         await self.app(scope, capped_receive, send)
+
+
+def _host_manager(scope: Scope) -> Any:
+    """The ``relay.hosts.HostManager`` of the app serving ``scope`` (Starlette puts itself in
+    ``scope["app"]``; the relay's app keeps its service in ``state``), or None (no requestCrawl)."""
+    app = scope.get("app")
+    service = getattr(getattr(app, "state", None), "service", None)
+    return getattr(service, "hosts", None)
 
 
 async def _answer(send: Send, error: XrpcError) -> None:

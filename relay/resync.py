@@ -8,15 +8,24 @@ state and the ``#sync`` body (a CAR holding only the signed commit block) to
 ``AccountLanes.finish_resync`` (in the account's lane), which sequences it and judges the
 commits buffered meanwhile.
 
-Failures are counted under ``relay_resyncs_total{result=<reason>}`` and retried with backoff
-(up to ``max_attempts``); the account stays ``desynchronized`` until a resync succeeds (or a valid
-upstream ``#sync`` arrives). ``getRepoStatus`` reports ``desynchronized`` meanwhile.
+Failures are counted under ``relay_resyncs_total{result=<reason>}`` and retried for as long as
+they fail: capped exponential backoff with jitter (``retry_base`` doubling up to ``retry_max``,
+each delay uniform in its upper half), brought forward when the account's host sends anything
+new for it (``ResyncQueue.kick``). The account stays ``desynchronized`` until a resync succeeds
+(or a Spark repair clears it, or, in lenient mode, a valid upstream ``#sync`` arrives);
+``getRepoStatus`` reports ``desynchronized`` meanwhile.
+An entry whose account is no longer desynchronized when its turn comes (repaired otherwise)
+leaves the queue without a fetch (``relay_resyncs_total{result="not_needed"}``).
+
+``relay_desynchronized_accounts{age}`` counts the queue's accounts by how long they have been
+desynchronized, ``relay_resync_held_bytes`` the bytes held for them (``relay.metrics``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 
 from backfill.collections import counts_from_paths
 from backfill.store import Store
@@ -48,7 +57,9 @@ class ResyncManager:
 
     def __init__(self, *, store: Store, identity: IdentityResolver, safe: SafeClient, metrics: RelayMetrics,
                  queue: ResyncQueue, lanes: AccountLanes, workers: int = 4,
-                 max_attempts: int = 5, retry_base: float = 2.0, max_repo_bytes: int = MAX_REPO_BYTES) -> None:
+                 retry_base: float = 2.0, retry_max: float = 300.0, max_repo_bytes: int = MAX_REPO_BYTES,
+                 rng: random.Random | None = None) -> None:
+        """``retry_base``/``retry_max``: the first retry's delay and the cap of the doubling delays."""
         self.store = store
         self.identity = identity
         self.safe = safe
@@ -56,19 +67,22 @@ class ResyncManager:
         self.queue = queue
         self.lanes = lanes
         self.workers = max(1, workers)
-        self.max_attempts = max_attempts
         self.retry_base = retry_base
+        self.retry_max = retry_max
         self.max_repo_bytes = max_repo_bytes
+        self.rng = rng or random.Random()
         self._tasks: list[asyncio.Task[None]] = []
+        metrics.watch_resyncs(queue)
 
     async def start(self) -> None:
         """Start the workers and requeue accounts left desynchronized by a previous run."""
         self._tasks = [asyncio.create_task(self._worker(), name=f"resync-{i}") for i in range(self.workers)]
         for sync_state in ("desynchronized", "resyncing"):
             for state in await self.store.accounts_by_sync_state(sync_state, limit=100_000):
-                await self.queue.enqueue(state.did)
+                await self.queue.enqueue(state.did, since=state.updated_at or None)
 
     async def close(self) -> None:
+        self.queue.close()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -92,29 +106,39 @@ class ResyncManager:
 
     async def _worker(self) -> None:
         while True:
-            did, attempt = await self.queue.get()
+            did = await self.queue.get()
             try:
-                await self.resync_one(did)
-                self.metrics.resyncs.labels(result="ok").inc()
-                self.queue.done(did)
-            except ResyncFailed as exc:
-                self.metrics.resyncs.labels(result=exc.reason).inc()
-                log.info("resync failed", extra=fields(did=did, reason=exc.reason, attempt=attempt,
-                                                       error=str(exc)))
-                if attempt + 1 < self.max_attempts:
-                    asyncio.get_running_loop().call_later(backoff_delay(attempt, self.retry_base), self._retry,
-                                                          did, attempt + 1)
-                else:
-                    self.queue.done(did)
+                result = await self._attempt(did)
             except asyncio.CancelledError:
                 raise
-            except Exception:
-                self.metrics.resyncs.labels(result="internal_error").inc()
+            except ResyncFailed as exc:
+                self._failed(did, exc.reason, exc.message)
+                continue
+            except Exception as exc:
                 log.exception("resync crashed", extra=fields(did=did))
-                self.queue.done(did)
+                self._failed(did, "internal_error", f"{type(exc).__name__}: {exc}")
+                continue
+            self.metrics.resyncs.labels(result=result).inc()
+            self.queue.succeeded(did)
 
-    def _retry(self, did: str, attempt: int) -> None:
-        asyncio.ensure_future(self.queue.enqueue(did, attempt))
+    async def _attempt(self, did: str) -> str:
+        """One attempt for a queued account: ``ok``, or ``not_needed`` when it is no longer
+        desynchronized (repaired by an upstream ``#sync`` or a Spark run, or taken out of the store)."""
+        stored = await self.store.get_account(did)
+        if stored is None or stored.sync_state not in ("desynchronized", "resyncing"):
+            return "not_needed"
+        await self.resync_one(did)
+        return "ok"
+
+    def _failed(self, did: str, reason: str, error: str) -> None:
+        """Count a failed attempt and schedule the next one (capped exponential backoff, jittered)."""
+        self.metrics.resyncs.labels(result=reason).inc()
+        entry = self.queue.entry(did)
+        attempt = entry.attempts if entry is not None else 0
+        delay = backoff_delay(attempt, self.retry_base, self.retry_max, rng=self.rng)
+        self.queue.failed(did, reason, error, delay)
+        log.info("resync failed", extra=fields(did=did, reason=reason, attempt=attempt, error=error,
+                                               retry_in=round(delay, 3)))
 
     async def resync_one(self, did: str) -> None:
         """Fetch, verify and install the current repository of ``did``: from the PDS its DID
@@ -143,11 +167,15 @@ class ResyncManager:
         stored = await self.store.get_account(did)
         if stored is not None and stored.rev and commit.rev < stored.rev:
             raise ResyncFailed("repo_older_than_stored", f"PDS rev {commit.rev} < stored {stored.rev}")
+        head = self.lanes.state(did)  # newer still in memory (lenient mode passes commits meanwhile)
+        if head is not None and head.rev and commit.rev < head.rev:
+            raise ResyncFailed("repo_older_than_stored", f"PDS rev {commit.rev} < stored {head.rev}")
         commit_cid = verified.commit_cid
         sync_car = write_car([commit_cid], [(commit_cid, bytes(verified.blocks[commit_cid]))])
         # synced (the default); ``updated_at`` is set when it is written
         new_state = AccountState(did=did, host=ident.pds_hostname, rev=commit.rev, commit_cid=commit_cid.encode(),
                                  data_cid=commit.data.encode())
         body = {"did": did, "rev": commit.rev, "blocks": sync_car, "time": now_iso()}
-        await self.lanes.finish_resync(did, new_state, body, counts_from_paths(verified.records))
+        if not await self.lanes.finish_resync(did, new_state, body, counts_from_paths(verified.records)):
+            raise ResyncFailed("repo_older_than_stored", f"PDS rev {commit.rev} < the rev passed meanwhile")
         log.info("resynced", extra=fields(did=did, rev=commit.rev, records=len(verified.records)))

@@ -5,6 +5,8 @@ applied at start. Every setting is an environment variable with a matching flag 
 The port opens first: one JSON log line ``{"msg": "listening", "url": …}`` gives the bound address
 (useful with port 0) while the service is still starting (``/_health`` answers ``state:
 starting``, then ``standby`` or ``running``); ``{"msg": "serving"}`` follows once it runs.
+The main port's connections are bounded by ``relay.connection_limits`` (header timeout,
+connection and WebSocket caps: :func:`build_server`).
 """
 
 from __future__ import annotations
@@ -18,10 +20,16 @@ import signal
 import socket
 import sys
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from relay.config import ConfigError, RelayConfig, add_arguments
 from relay.jsonlog import fields, setup_logging
+
+if TYPE_CHECKING:
+    import uvicorn
+    from prometheus_client import CollectorRegistry
+
+    from relay.connection_limits import ConnectionLimits
 
 log = logging.getLogger("relay.serve")
 
@@ -68,20 +76,21 @@ def tune_gc() -> tuple[int, int, int]:
     return gc.get_threshold()
 
 
-async def run(config: RelayConfig, role: str) -> None:
-    """Open the port first (probes, metrics and dashboard answer from then on: a standby ingest
-    waiting for the writer lease is alive, not ready), then start the service; serve until
-    SIGINT/SIGTERM. A start that fails ends the process (the error propagates)."""
+def build_server(app: Any, config: RelayConfig,
+                 registry: CollectorRegistry | None = None) -> tuple[uvicorn.Server, ConnectionLimits]:
+    """The uvicorn server (and its limits) of the main port for ``app``: uvicorn's sans-I/O WebSocket protocol with
+    batched subscribeRepos sends, and the connection limits of ``relay.connection_limits`` (header
+    timeout, connection and WebSocket caps; exported to the metrics ``registry`` when given)."""
     import uvicorn
 
-    from firehose.uvicorn_batch import BatchingWebSocketsProtocol
-    from relay.gate import ServiceGate
-    from relay.service import RelayService
+    from relay.connection_limits import ConnectionLimits, export
 
-    service = RelayService(config, role=role)
-    sock = _bind_socket(config.host, config.port)
-    # uvicorn's sans-I/O WebSocket protocol, plus batched sends for subscribeRepos (one write per batch)
-    server = uvicorn.Server(uvicorn.Config(ServiceGate(service), lifespan="off", ws=BatchingWebSocketsProtocol,
+    limits = ConnectionLimits(header_timeout=config.http_header_timeout, max_connections=config.max_connections,
+                              max_websockets=config.max_websockets)
+    if registry is not None:
+        export(limits, registry)
+    http, ws = limits.protocols()
+    server = uvicorn.Server(uvicorn.Config(app, lifespan="off", http=http, ws=ws,
                                            # per-connection compression encodes every frame once per
                                            # consumer: off unless RELAY_WS_DEFLATE (BENCHMARKS.md)
                                            ws_per_message_deflate=config.ws_deflate,
@@ -92,6 +101,19 @@ async def run(config: RelayConfig, role: str) -> None:
                                            ws_ping_interval=20.0, ws_ping_timeout=config.consumer_max_lag + 20.0,
                                            timeout_graceful_shutdown=5))
     server.config.setup_event_loop = lambda: None  # type: ignore[method-assign]
+    return server, limits
+
+
+async def run(config: RelayConfig, role: str) -> None:
+    """Open the port first (probes, metrics and dashboard answer from then on: a standby ingest
+    waiting for the writer lease is alive, not ready), then start the service; serve until
+    SIGINT/SIGTERM. A start that fails ends the process (the error propagates)."""
+    from relay.gate import ServiceGate
+    from relay.service import RelayService
+
+    service = RelayService(config, role=role)
+    sock = _bind_socket(config.host, config.port)
+    server, _ = build_server(ServiceGate(service), config, service.metrics.registry)
     host, port = sock.getsockname()[:2]
     starting = asyncio.create_task(service.start(), name="service-start")
 

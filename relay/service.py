@@ -30,16 +30,19 @@ from typing import Any
 from starlette.applications import Starlette
 from starlette.routing import BaseRoute, Route, WebSocketRoute
 
+from backfill.failure import describe_store_error
 from backfill.outbox import DrainResult, drain_repair_outbox
 from backfill.sequencer import Publish, Sequencer
 from backfill.store import Store, open_store
 from firehose.broadcast import Broadcaster
-from firehose.bus import EventBus, InProcessBus, RedisStreamBus
+from firehose.bus import EventBus, InProcessBus, RedisStreamBus, RedisTimeouts, redis_client
 from firehose.pipeline import ValidationPool
+from firehose.publisher import BusPublisher, classify_bus_error
 from firehose.state import AccountState, SequencedEvent
 from relay.admission import Admission
 from relay.config import RelayConfig, parse_nameservers
 from relay.consumers import ConsumerRegistry, ConsumerTracking
+from relay.fdlimit import hosts_allowed, raise_open_file_limit
 from relay.hosts import HostManager, HostPolicy
 from relay.identity import (
     IdentityCache,
@@ -53,6 +56,7 @@ from relay.jetstream_server import JetstreamServer, jetstream_server
 from relay.jsonlog import fields
 from relay.lanes import AccountLanes
 from relay.metrics import RelayMetrics
+from relay.redis_guard import FailFastRedis
 from relay.repo_proxy import RepoProxy
 from relay.resync import ResyncManager
 from relay.resync_queue import ResyncQueue
@@ -114,6 +118,11 @@ class RelayService:
         self.store: Store = None  # type: ignore[assignment]
         self.bus: EventBus = None  # type: ignore[assignment]
         self.sequencer: Sequencer | None = None
+        #: hands committed batches to the bus off the durable path (not in a fan-out process)
+        self.publisher: BusPublisher | None = None
+        #: set once a write to the store has succeeded since start (readiness waits for it)
+        self.store_written = asyncio.Event()
+        self._write_error: BaseException | None = None
         self.broadcaster: Broadcaster = None  # type: ignore[assignment]
         self.jetstream: JetstreamServer | None = None
         self.identity: IdentityResolver = None  # type: ignore[assignment]
@@ -146,18 +155,23 @@ class RelayService:
         from mst import native
 
         self.metrics.mst_compiled.set(1 if native.active() else 0)
+        files = raise_open_file_limit()
+        log.info("open-file limit" + (" raised" if files.raised else ""),
+                 extra=fields(before=files.before, limit=files.soft, hard=files.hard,
+                              hosts_allowed=hosts_allowed(files.soft)))
         self.store = self._given_store or await open_store(config.database_url, schema=self.store_schema)
         applied = await self.store.migrate()
         if applied:
             log.info("migrations applied", extra=fields(versions=applied))
         cache: IdentityCache
         if config.redis_url:
-            import redis.asyncio as aioredis
-
-            # bounded waits: a Redis that hangs must not hang readiness or identity lookups
-            self._redis = aioredis.from_url(config.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
-            self.bus = RedisStreamBus(config.redis_url, stream=self.bus_stream, maxlen=max(1, config.bus_max_entries))
-            cache = RedisIdentityCache(self._redis)
+            # bounded waits: a Redis that hangs must not hang ingest, readiness or identity lookups
+            timeouts = RedisTimeouts(connect=config.redis_connect_timeout, socket=config.redis_timeout,
+                                     health_check=config.redis_health_check)
+            self._redis = redis_client(config.redis_url, timeouts)
+            self.bus = RedisStreamBus(config.redis_url, stream=self.bus_stream, maxlen=max(1, config.bus_max_entries),
+                                      timeouts=timeouts)
+            cache = RedisIdentityCache(FailFastRedis(self._redis))  # a hung Redis: one timeout per cool-off
         else:
             self.bus = InProcessBus()
             cache = MemoryIdentityCache()
@@ -178,12 +192,18 @@ class RelayService:
         self.jetstream = jetstream_server(self.broadcaster, self.metrics, self.consumers)
         self.metrics.watch_broadcast(lambda: self.broadcaster.stats if self.broadcaster is not None else None)
         if self.role != "fanout":
+            self.publisher = BusPublisher(self.bus, max_bytes=config.bus_publish_max_bytes,
+                                          timeout=config.bus_publish_timeout)
+            self.publisher.start()
+            self.metrics.watch_publisher(lambda: self.publisher.stats if self.publisher is not None else None)
             publish: Publish = self._publish
             exit_at = os.environ.get(EXIT_BEFORE_PUBLISH)
             if exit_at:
                 publish = exit_before_publish(publish, int(exit_at))
             self.sequencer = Sequencer(self.store, publish, wait_for_lock=self.role == "ingest")
             await self.sequencer.start()
+            if not await self._write_check():  # first try inline: a healthy start is ready at once
+                self._tasks.append(asyncio.create_task(self._prove_writable(), name="store-write-check"))
         await self.broadcaster.start()
         if config.firehose_bind:
             await self._start_firehose_listener(config.firehose_bind)
@@ -194,7 +214,9 @@ class RelayService:
         policy = HostPolicy(config)
         self.pool = ValidationPool(config.validation_workers)
         await self.pool.start()
-        resync_queue = ResyncQueue(on_change=self.metrics.resync_queue.set)
+        resync_queue = ResyncQueue(on_change=self.metrics.resync_queue.set,
+                                   held_per_account=config.resync_held_bytes_per_account,
+                                   held_total=config.resync_held_bytes_total)
         self.admission = admission = Admission(store=self.store, identity=self.identity, policy=policy,
                                                default_account_limit=config.default_account_limit)
         suspects = SuspectQueue(config.status_heal_suspect_delay, limit=100_000 if config.status_heal_interval else 0)
@@ -208,7 +230,8 @@ class RelayService:
                                    max_in_flight_bytes=buffer, max_in_flight_bytes_per_host=max(1, buffer // 8))
         self.resync = ResyncManager(store=self.store, identity=self.identity, safe=self.safe,
                                     metrics=self.metrics, queue=resync_queue, lanes=self.lanes,
-                                    workers=config.resync_workers)
+                                    workers=config.resync_workers, retry_base=config.resync_retry_base,
+                                    retry_max=config.resync_retry_max)
         self.hosts = HostManager(store=self.store, config=config, metrics=self.metrics, guard=self.guard,
                                  safe=self.safe, policy=policy, start_host=self.upstreams.start_host,
                                  stop_host=self.upstreams.stop_host, limit_raised=self._limit_raised)
@@ -263,11 +286,42 @@ class RelayService:
 
     async def _publish(self, events: list[SequencedEvent]) -> None:
         """The sequencer's publish: count every committed event by type — upstream ones, the
-        lanes' operations (takedowns, resync ``#sync``) and Spark repairs alike — then hand the
-        batch to the bus."""
+        lanes' operations (takedowns, resync ``#sync``) and Spark repairs alike — then queue the
+        batch for the bus (``BusPublisher``: returns at once, whatever the bus does)."""
         for event in events:
             self.metrics.child(self.metrics.events_out, event.kind).inc()
-        await self.bus.publish(events)
+        assert self.publisher is not None
+        self.publisher.offer(events)
+
+    async def _write_check(self, timeout: float = 5.0) -> bool:
+        """Write to the store once (a setting: when this process last proved it can write).
+        Sets ``store_written`` on success; notes (and logs, once) the error otherwise."""
+        try:
+            await asyncio.wait_for(self.store.set_setting("last_write_check", repr(time.time())), timeout)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if self._write_error is None:
+                log.warning("the store cannot be written; not ready until a write succeeds",
+                            extra=fields(error=describe_store_error(exc)))
+            self._write_error = exc
+            return False
+        if self._write_error is not None:
+            log.warning("the store takes writes again")
+        self._write_error = None
+        self.store_written.set()
+        return True
+
+    async def _prove_writable(self, retry_max: float = 5.0) -> None:
+        """Repeat the write check with capped backoff until it succeeds: until then readiness
+        says the store is not writable (a relay started on a read-only database must not look
+        ready). A batch the sequencer commits proves it as well."""
+        attempt = 0
+        while not self.store_written.is_set():
+            attempt += 1
+            await asyncio.sleep(min(retry_max, 0.1 * 2 ** min(attempt, 10)))
+            if not self.store_written.is_set():
+                await self._write_check()
 
     def _count(self, kind: str, reason: str) -> None:
         self.metrics.child(self.metrics.verdicts, kind, reason).inc()
@@ -337,6 +391,8 @@ class RelayService:
         if self.sequencer is not None:
             with contextlib.suppress(Exception):
                 await self.sequencer.close()
+        if self.publisher is not None:
+            await self.publisher.close()
         if self.firehose_server is not None:
             self.firehose_server.close()
             with contextlib.suppress(Exception):
@@ -375,10 +431,15 @@ class RelayService:
         return out
 
     async def readiness(self) -> list[str]:
-        """Why this process should not receive traffic now (empty: ready). Checks the store
-        (a read within 2 s), the sequencer (``running``; not ``retrying``/``failed``) and, in
-        scale-out, the Redis bus (a PING within 2 s). Also refreshes the matching gauges (and
-        ``relay_current_seq`` from the same store read)."""
+        """Why this process should not receive traffic now (empty: ready). Each reason is
+        ``what: cause (Type: message)``, the cause one word an operator can act on
+        (``backfill.failure.classify_store_error``: ``disk_full``, ``read_only``,
+        ``store_unreachable``, ``writer_lease_lost``…; ``firehose.publisher.classify_bus_error``:
+        ``bus_hung``, ``bus_unreachable``…). Checks the store (a read within 2 s), that a write has
+        succeeded since start (``store_not_writable`` until then), the sequencer (``running``; not
+        ``retrying``/``failed``) and, in scale-out, the Redis bus (a PING within 2 s, and the
+        publisher's current outage). Also refreshes the matching gauges (and ``relay_current_seq``
+        from the same store read)."""
         reasons: list[str] = []
         phase = self.phase
         if phase == "standby":
@@ -393,7 +454,7 @@ class RelayService:
             self.metrics.store_up.set(1)
         except Exception as exc:
             self.metrics.store_up.set(0)
-            reasons.append(f"store_unavailable: {type(exc).__name__}")
+            reasons.append(f"store_unavailable: {describe_store_error(exc)}")
         sequencer = self.sequencer
         if sequencer is not None:
             for state in SEQUENCER_STATES:
@@ -401,18 +462,36 @@ class RelayService:
             self.metrics.since_sequenced.set(max(0.0, time.monotonic() - sequencer.last_commit_at))
             if sequencer.state not in ("running", "waiting"):  # waiting: the standby reason above
                 detail = sequencer.failure or sequencer.unavailable
-                reasons.append(f"sequencer_{sequencer.state}" + (f": {type(detail).__name__}" if detail else ""))
-        if self._redis is not None:
+                reasons.append(f"sequencer_{sequencer.state}" + (f": {describe_store_error(detail)}" if detail else ""))
+            elif sequencer.state == "running" and not self._written():
+                error = self._write_error
+                reasons.append("store_not_writable: " + (describe_store_error(error) if error is not None
+                                                         else "no write has succeeded yet"))
+        publisher = self.publisher
+        if publisher is not None and publisher.failing is not None:
+            error = publisher.failing
+            self.metrics.bus_up.set(0)
+            reasons.append(f"bus_unavailable: {classify_bus_error(error)} ({type(error).__name__}: "
+                           f"{str(error)[:160]}; publishing held, ingest goes on)")
+        elif self._redis is not None:
             try:
                 await asyncio.wait_for(self._redis.ping(), 2.0)
+                self.metrics.bus_up.set(1)
             except Exception as exc:
-                reasons.append(f"bus_unavailable: {type(exc).__name__}")
+                self.metrics.bus_up.set(0)
+                reasons.append(f"bus_unavailable: {classify_bus_error(exc)} ({type(exc).__name__})")
         return reasons
+
+    def _written(self) -> bool:
+        """A write to the store has succeeded since start (the check, or a committed batch)."""
+        if not self.store_written.is_set() and self.sequencer is not None and self.sequencer.stats.batches:
+            self.store_written.set()
+        return self.store_written.is_set()
 
     async def refresh_gauges(self) -> None:
         """Before a scrape: readiness (store, sequencer, bus, current seq) and host statuses. The
         resync queue gauge is kept current by the queue itself."""
-        await self.readiness()
+        self.metrics.ready.set(0 if await self.readiness() else 1)
         if self.hosts is not None:
             with contextlib.suppress(Exception):
                 await self.hosts.refresh_status_gauge()

@@ -208,6 +208,7 @@ class Upstreams:
         """A subscriber and the fence all its events share."""
         fence = Fence()
         subscriber = HostSubscriber(url, self._on_frame(hostname, fence), cursor=cursor, config=config,
+                                    on_count=lambda reason: self.count("host", reason),
                                     on_cursor_reset=self._on_reset(hostname), resolve=self.guard.connect_address)
         return subscriber, fence
 
@@ -322,8 +323,16 @@ class Upstreams:
     async def watch_hosts(self, *, idle_after: float = 1800.0, offline_after: int = 5) -> None:
         """Derive idle/offline/active host statuses from the subscribers (call periodically)."""
         now = time.monotonic()
+        stored: dict[str, HostState] = {}
+        after: str | None = None
+        while True:  # one query per 500 hosts, not one per host
+            page = await self.store.list_hosts(after=after, limit=500)
+            stored.update((h.hostname, h) for h in page)
+            if len(page) < 500:
+                break
+            after = page[-1].hostname
         for hostname, run in list(self._runs.items()):
-            host = await self.store.get_host(hostname)
+            host = stored.get(hostname)
             if host is None or host.status in ("banned", "throttled"):
                 continue
             sub = run.subscriber
@@ -410,8 +419,7 @@ class Upstreams:
             late write or ack moves the cursor past the reset), its durable cursor restarts at 0.
             Its accounts keep their stored state: a restored repository's next commit does not
             chain to it and is resynchronised."""
-            await self.settle_read(hostname)
-            self.count("host", reason)
+            await self.settle_read(hostname)  # (the subscriber counted it: on_count)
             self.metrics.host_resets.labels(host=hostname, reason=reason).inc()
             await self.store.set_host_cursor(hostname, 0)
             run = self._runs.get(hostname)

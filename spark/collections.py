@@ -2,7 +2,8 @@
 repositories, in a Spark job's own write transaction.
 
 The relay keeps the counts inline from the ops it sequences (``backfill.collections``); a job that
-has walked a repository replaces them with the truth. The replacement is a compare-and-set on the
+has walked a repository replaces them with the truth and marks them exact (table
+``repo_collections_exact``: from then on the relay's deltas keep them exact). The replacement is a compare-and-set on the
 account's stored ``rev``: it happens only while the relay still holds the account at exactly the
 revision the job verified (the job's own write of a repaired account's state, earlier in the same
 transaction, counts). On PostgreSQL the account row is locked first (``FOR UPDATE``): the
@@ -64,5 +65,15 @@ def rebuild_collections(db: JobDB, snapshots: Sequence[RepoCollections]) -> int:
         db.execute("DELETE FROM repo_collections WHERE did = ?", snap.did)
         db.executemany("INSERT INTO repo_collections (collection, did, records) VALUES (?, ?, ?)",
                        [(c, snap.did, n) for c, n in sorted(snap.counts.items()) if n > 0])
+        db.execute("INSERT INTO repo_collections_exact (did) VALUES (?) ON CONFLICT (did) DO NOTHING", snap.did)
         done += 1
     return done
+
+
+def inexact_dids(db: JobDB, dids: Sequence[str]) -> set[str]:
+    """Those of ``dids`` whose stored counts are not exact (no walk installed them yet)."""
+    if not dids:
+        return set()
+    marks = ",".join("?" * len(dids))
+    exact = {row["did"] for row in db.fetch(f"SELECT did FROM repo_collections_exact WHERE did IN ({marks})", *dids)}
+    return set(dids) - exact

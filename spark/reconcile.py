@@ -18,6 +18,16 @@ accounts (outcome per account, written to ``spark_job_results``):
 * ``invalid_entry`` → a malformed entry (reason ``bad_did``/``bad_head``/``bad_rev``; ignored);
 * ``ok`` otherwise. A host that cannot be listed yields one ``host_failed`` entry in the summary.
 
+Collection counts (``listReposByCollection``): every ``ok`` account whose counts are not exact yet
+(``spark.collections.inexact_dids``: no walk of its whole repository installed them) is fetched
+and verified (``spark.repo_check.fetch_verified``) and its counts rebuilt from the walk, with the
+compare-and-set on the stored rev (``spark.collections.rebuild_collections``); the other outcomes
+need no walk here (a diverged or added account is resynced by the relay, whose ``#sync`` installs
+its counts). So after one run every account the relay holds at its host's rev has exact counts,
+and the relay keeps them exact from then on. The summary's ``collections`` says per host how many
+were ``counted``, ``skipped`` (the account moved past the walked rev meanwhile: the next run) or
+``failed:<reason>``.
+
 Nothing here writes account state: every finding is a row in ``spark_repair_outbox`` that the
 running relay applies in the account's lane with a compare-and-set, once it has caught up with
 the host past the moment the page was fetched (``backfill.outbox``), so a finding the relay's own
@@ -32,6 +42,7 @@ from collections import defaultdict
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from spark.collections import RepoCollections, inexact_dids, rebuild_collections
 from spark.config import JobConfig
 from spark.db import JobDB, connect_db
 from spark.fetch import FetchError, HostFetcher, base_url_for
@@ -47,7 +58,7 @@ from spark.relaydb import (
     start_run,
     write_results,
 )
-from spark.repo_check import StoredAccount, same_host
+from spark.repo_check import CheckError, StoredAccount, fetch_verified, same_host
 
 if TYPE_CHECKING:  # pragma: no cover
     from pyspark.sql import SparkSession
@@ -136,6 +147,27 @@ def _apply_page(db: JobDB, cfg: JobConfig, host: str, rows: list[ResultRow],
         write_results(db, cfg.run_id, JOB, rows)
 
 
+def count_collections(db: JobDB, fetcher: HostFetcher, identities: IdentityClient,
+                      dids: list[str]) -> dict[str, int]:
+    """Walk each of ``dids`` whose collection counts are not exact and install exact counts
+    (compare-and-set on the walked rev); returns ``counted``/``skipped``/``failed:<reason>`` counts."""
+    out: dict[str, int] = defaultdict(int)
+    snapshots: list[RepoCollections] = []
+    for did in sorted(inexact_dids(db, dids)):
+        try:
+            fetched = fetch_verified(fetcher, identities, did)
+        except CheckError as exc:
+            out[f"failed:{exc.reason}"] += 1
+            continue
+        snapshots.append(RepoCollections.of(did, fetched.rev, fetched.records))
+    if snapshots:
+        with db.transaction():
+            done = rebuild_collections(db, snapshots)
+        out["counted"] += done
+        out["skipped"] += len(snapshots) - done
+    return out
+
+
 def confirm_missing(fetcher: HostFetcher, identities: IdentityClient, host: str, base_url: str,
                     stored: StoredAccount) -> ResultRow:
     """An account the relay has on ``host`` that the host does not list: ask the host
@@ -192,8 +224,13 @@ def list_repos(fetcher: HostFetcher) -> Iterator[list[dict[str, Any]]]:
         cursor = next_cursor
 
 
+#: Prefix of the (host, outcome, count) triples that count collection walks, not listing outcomes.
+COLLECTIONS = "collections:"
+
+
 def reconcile_host(cfg: JobConfig, host: str) -> Iterator[tuple[str, str, int]]:
-    """Executor side: page one host and reconcile it; yields (host, outcome, count)."""
+    """Executor side: page one host and reconcile it; yields (host, outcome, count), and
+    (host, ``COLLECTIONS`` + what, count) for the collection walks."""
     counts: dict[str, int] = defaultdict(int)
     seen: set[str] = set()
     base = base_url_for(host, cfg.fetch.scheme)
@@ -209,6 +246,9 @@ def reconcile_host(cfg: JobConfig, host: str) -> Iterator[tuple[str, str, int]]:
                 _apply_page(db, cfg, host, rows, stored, observed_at)
                 for row in rows:
                     counts[row.outcome] += 1
+                walked = count_collections(db, fetcher, identities, [r.did for r in rows if r.outcome == "ok"])
+                for what, n in walked.items():
+                    counts[COLLECTIONS + what] += n
         except (FetchError, ValueError, AttributeError) as exc:
             counts[f"host_failed:{getattr(exc, 'reason', 'bad_listing')}"] += 1
         else:
@@ -248,12 +288,14 @@ def relay_hosts(db: JobDB) -> list[str]:
 
 
 def run_reconcile(spark: SparkSession, cfg: JobConfig, hosts: list[str] | None = None) -> dict[str, Any]:
-    """Driver side: one task per host; returns ``{"run_id", "hosts": {host: {outcome: n}}}``."""
+    """Driver side: one task per host; returns ``{"run_id", "hosts": {host: {outcome: n}},
+    "collections": {host: {"counted"|"skipped"|"failed:<reason>": n}}}``."""
     sc = spark.sparkContext
     with connect_db(cfg.db_url) as db:
         targets = sorted(set(hosts)) if hosts else relay_hosts(db)
         start_run(db, cfg.run_id, JOB, {"hosts": targets})
     per_host: dict[str, dict[str, int]] = {h: {} for h in targets}
+    walks: dict[str, dict[str, int]] = {h: {} for h in targets}
     if targets:
         sc.setJobDescription(f"reconcile {cfg.run_id}: {len(targets)} hosts")
         triples = (
@@ -262,8 +304,9 @@ def run_reconcile(spark: SparkSession, cfg: JobConfig, hosts: list[str] | None =
             .collect()
         )
         for host, outcome, n in triples:
-            per_host[host][outcome] = per_host[host].get(outcome, 0) + n
-    summary = {"run_id": cfg.run_id, "job": JOB, "hosts": per_host}
+            into, key = (walks, outcome[len(COLLECTIONS):]) if outcome.startswith(COLLECTIONS) else (per_host, outcome)
+            into[host][key] = into[host].get(key, 0) + n
+    summary = {"run_id": cfg.run_id, "job": JOB, "hosts": per_host, "collections": walks}
     with connect_db(cfg.db_url) as db:
         finish_run(db, cfg.run_id, summary)
     return summary

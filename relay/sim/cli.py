@@ -4,6 +4,10 @@ Prints one ``PLC <url>`` line, one ``HOST <url>`` line per host and ``READY``, t
 commits at ``--rate`` commits/s until ``--duration`` elapses or it is interrupted. With
 ``--pregenerate N`` the first N commits are built before READY and released at the rate, so the
 fleet can push far more frames per second than it could sign on the fly.
+
+Weather: ``--plc-delay`` (``2`` fixed, ``0.05/3`` p50/p99 tail) holds every DID document back;
+``--dns`` also serves the handles over DNS (a ``DNS 127.0.0.1:<port>`` line, for
+``RELAY_DNS_SERVERS``); ``--handle-delay`` slows every handle check the same way.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from collections import Counter
 
 from relay.sim.faults import FAULT_KINDS
 from relay.sim.fleet import SimConfig, SimFleet
+from relay.sim.weather import Delay
 
 
 def parse_faults(spec: str, hosts: int) -> list[tuple[int, str, float]]:
@@ -52,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--initial-records", type=int, default=0, help="records per account before start")
     p.add_argument("--pregenerate", type=int, default=0, help="build this many commits before READY")
     p.add_argument("--no-announce", action="store_true", help="do not emit #identity/#account at start")
+    p.add_argument("--plc-delay", type=Delay.parse, default=None, help="DID documents answered after: S or P50/P99")
+    p.add_argument("--handle-delay", type=Delay.parse, default=None, help="handle checks answered after: S or P50/P99")
+    p.add_argument("--dns", action="store_true", help="serve the handles over DNS (TXT _atproto.<handle>)")
     p.add_argument("--truth", default=None, help="write the ground truth as JSON lines here on exit")
     return p
 
@@ -59,15 +67,20 @@ def build_parser() -> argparse.ArgumentParser:
 async def run(args: argparse.Namespace) -> int:
     cfg = SimConfig(hosts=args.hosts, accounts_per_host=args.accounts, seed=args.seed,
                     announce_accounts=not args.no_announce, initial_records=args.initial_records,
-                    port_base=args.port_base, plc_port=args.plc_port)
+                    port_base=args.port_base, plc_port=args.plc_port, dns=args.dns)
     faults = parse_faults(args.faults, args.hosts)
     fleet = SimFleet(cfg)
     await fleet.start()
     for h, kind, rate in faults:
         fleet.hosts[h].set_fault(kind, rate)
+    fleet.plc.delay = args.plc_delay
+    if args.handle_delay is not None:
+        fleet.slow_handle(fleet.accounts, args.handle_delay)
     if args.pregenerate:
         fleet.prepare(args.pregenerate)
     print(f"PLC {fleet.plc_url}")
+    if fleet.dns is not None:
+        print(f"DNS {fleet.dns.address}")
     for host in fleet.hosts:
         print(f"HOST {host.url}")
     print("READY", flush=True)

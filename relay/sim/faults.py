@@ -23,6 +23,13 @@ Frame-level faults (the frame itself is wrong):
   latest commit: as ``seq_backwards``, and every account on it (with more than its first commit)
   loses its latest commit. That account's next commit does not chain to what a relay holds →
   ``desync`` ``since_mismatch``; a resync then finds the repository the host serves now.
+* ``unreadable`` – bytes that do not decode as a frame (a commit frame cut in the middle of its
+  body; it takes a seq, so the next frame's seq is one higher) → reject ``bad_body_cbor``; every
+  frame after it is read as usual. ``SimFleet.emit("unreadable", acct)`` puts one at a chosen
+  position of a backlog.
+* ``foreign_sync`` – a host that is not the account's PDS sends a ``#sync`` for it (signed with
+  the account's real key, a newer rev; the account's repository is unchanged) → reject
+  ``wrong_host``.
 
 Connection faults (frames stay valid; only delivery misbehaves):
 
@@ -44,6 +51,28 @@ Account faults (valid events that change what the relay may redistribute):
   ``#identity``, ``#account active`` and ``#sync``; the old host's ``#account`` deactivation is
   ``reject`` ``wrong_host`` (the DID document no longer names it).
 
+Weather (valid events, slow or failing services around them; switched per account or host,
+off by default; the delay distributions are ``relay.sim.weather.Delay``: fixed, or a tail such
+as p50 50 ms / p99 3 s):
+
+* slow DID directory – ``SimFleet.slow_did(accounts, delay)`` per DID, ``fleet.plc.delay`` for
+  every DID: the PLC directory answers after the delay (the document as it was when asked);
+  ``plc.did_failures[did]`` / ``plc.failure`` answer with an HTTP error status instead.
+* slow or failing handle domains – ``SimFleet.slow_handle(accounts, delay, fail=…)``: the
+  handle's DNS TXT ``_atproto.<handle>`` (``SimConfig(dns=True)``, ``fleet.dns``: a DNS server
+  on 127.0.0.1 for ``RELAY_DNS_SERVERS``), its address lookup (``fleet.dns.resolve_address``,
+  the HTTPS method's first step) and the PLC's ``resolveHandle`` answer after the delay; with
+  ``fail`` (``nxdomain`` or ``silent``) the handle does not verify. The account's ``#identity``
+  stays ``accept`` (a relay passes it on with the handle stripped).
+* getRepo failing for a while – ``SimHost.fail_repos(mode, dids=…, seconds=…, requests=…)``
+  (``500``, ``404``, ``timeout``), ``SimHost.heal_repos()``: a resync of a desynchronized
+  account fails meanwhile and succeeds afterwards; verdicts are unchanged (the commits that
+  follow a ``desync`` are ``accept``: passed on, or covered by the ``#sync`` of the repair).
+* key rotations during start-up – ``SimFleet.rotate_keys(accounts)``: a burst of
+  ``key_rotation`` while a relay is still catching up; every commit emitted before a rotation
+  stays ``accept`` (it was valid when sent).
+* ``SimFleet.clear_weather()`` ends the identity weather.
+
 The ground truth assumes a relay that keeps up with the hosts: a commit signed with the old key
 (or sent by the old host) that a relay only validates *after* the PLC document changed cannot be
 told apart from a forgery, so tests judge live (see ``tests/sim/test_faults.py``).
@@ -56,7 +85,7 @@ from __future__ import annotations
 from typing import Final
 
 FRAME_FAULTS: Final = ("bad_signature", "broken_chain", "missing_block", "oversized", "duplicate", "replay",
-                       "seq_backwards", "wipe_restore")
+                       "seq_backwards", "wipe_restore", "unreadable", "foreign_sync")
 #: Faults that restart the host's stream (seq back to 1): judged by a relay across reconnections.
 WIPE_FAULTS: Final = ("seq_backwards", "wipe_restore")
 CONNECTION_FAULTS: Final = ("slow", "stall", "disconnect")
@@ -73,6 +102,8 @@ EXPECTED: Final[dict[str, tuple[str, str]]] = {
     "duplicate": ("ignore", "seq_not_increasing"),
     "replay": ("ignore", "rev_not_increasing"),
     "migration": ("reject", "wrong_host"),
+    "unreadable": ("reject", "bad_body_cbor"),
+    "foreign_sync": ("reject", "wrong_host"),
 }
 
 #: Verdict kinds (the same words as ``firehose.validate.Verdict.kind``).

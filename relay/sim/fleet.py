@@ -11,7 +11,10 @@ await fleet.stop()
 ```
 
 Every emitted event is recorded as a :class:`TruthEvent`. Faults (``SimHost.set_fault``) produce
-events whose ``verdict`` is not ``accept``; see :mod:`relay.sim.faults`.
+events whose ``verdict`` is not ``accept``; see :mod:`relay.sim.faults`. The weather (slow or
+failing identity services, getRepo failures, key-rotation bursts) is switched per account or
+host with ``slow_did``, ``slow_handle``, ``SimHost.fail_repos``, ``rotate_keys``; see
+:mod:`relay.sim.faults` and :mod:`relay.sim.weather`.
 """
 
 from __future__ import annotations
@@ -29,8 +32,14 @@ from relay.sim.ident import Curve, SigningKey, TidClock, did_document, plc_did
 from relay.sim.plc import SimPLC
 from relay.sim.records import WriteMix, now_iso
 from relay.sim.repo import CommitResult, SimRepo, Write, write_car
+from relay.sim.weather import Delay, HandleDomains, HandleWeather, SimDNS
 
 OVERSIZED_BYTES = 5_300_000
+
+
+def unreadable(frame: bytes) -> bytes:
+    """``frame`` cut in the middle of its body: bytes that do not decode as a frame."""
+    return frame[: max(1, len(frame) // 2)]
 
 
 @dataclass
@@ -55,6 +64,8 @@ class SimConfig:
     port_base: int = 0
     plc_port: int = 0
     bind: str = "127.0.0.1"
+    #: also serve the handles over DNS (``SimFleet.dns``, see ``relay.sim.weather.SimDNS``)
+    dns: bool = False
 
 
 @dataclass
@@ -110,7 +121,9 @@ class SimFleet:
                     stall_seconds=self.config.stall_seconds)
             for i in range(self.config.hosts)
         ]
-        self.plc = SimPLC()
+        self.domains = HandleDomains(rng=random.Random(self.config.seed + 1))
+        self.plc = SimPLC(self.domains, seed=self.config.seed + 2)
+        self.dns: SimDNS | None = SimDNS(self.domains) if self.config.dns else None
         self.accounts: list[SimAccount] = []
         self.by_did: dict[str, SimAccount] = {}
         self.ground_truth: list[TruthEvent] = []
@@ -133,6 +146,8 @@ class SimFleet:
         """Bind every host and the PLC directory, create the accounts, announce them."""
         cfg = self.config
         await self.plc.start(cfg.bind, cfg.plc_port)
+        if self.dns is not None:
+            await self.dns.start(cfg.bind)
         for h in self.hosts:
             await h.start(cfg.bind, cfg.port_base + h.index if cfg.port_base else 0)
         dids = [plc_did(self.rng) for _ in range(cfg.hosts * cfg.accounts_per_host)]
@@ -148,6 +163,8 @@ class SimFleet:
         for h in self.hosts:
             await h.stop()
         await self.plc.stop()
+        if self.dns is not None:
+            await self.dns.stop()
 
     async def __aenter__(self) -> SimFleet:
         await self.start()
@@ -264,22 +281,22 @@ class SimFleet:
         self._queue(host, "#commit", body, acct.did, rev=res.rev, commit=res.commit_cid.encode(), action=action, **truth)
 
     async def markers(self, among: list[SimAccount] | None = None) -> list[TruthEvent]:
-        """One valid commit from an active account of every host, emitted at once, free of faults
-        and connection actions: a consumer of a relay that has seen them all has seen everything
-        each host sent before them (a relay keeps each host's order). ``among``: the accounts to
-        use (e.g. only those the relay admits). Returns their truth events."""
+        """One valid commit from every active account, emitted at once, free of faults and
+        connection actions: a consumer of a relay that has seen them all has seen everything each
+        of those accounts sent before them (a relay keeps each account's order, not the order
+        between the accounts of a host). ``among``: the accounts to use (e.g. only those the relay
+        admits). Returns their truth events."""
         assert self._mix is not None
         start = len(self.ground_truth)
-        for host in self.hosts:
-            acct = next((a for a in (among or self.accounts) if a.host is host and a.status == "active"), None)
-            if acct is None:
+        for acct in among or self.accounts:
+            if acct.status != "active":
                 continue
             res = acct.repo.apply_writes(self._mix.next_writes(acct.repo.record_paths()))
             body = self._commit_body(acct, res)
             acct.history.append(dict(body))
             if len(acct.history) > 8:
                 del acct.history[0]
-            self._queue(host, "#commit", body, acct.did, rev=res.rev, commit=res.commit_cid.encode())
+            self._queue(acct.host, "#commit", body, acct.did, rev=res.rev, commit=res.commit_cid.encode())
         self._flush_now()
         await asyncio.sleep(0)
         return self.ground_truth[start:]
@@ -311,7 +328,8 @@ class SimFleet:
                     self.inject(kind, acct)
                     if kind in ("deactivate", "takedown"):
                         return True
-            for kind in ("bad_signature", "missing_block", "oversized", "broken_chain", "duplicate", "replay"):
+            for kind in ("bad_signature", "missing_block", "oversized", "broken_chain", "duplicate", "replay",
+                         "unreadable", "foreign_sync"):
                 rate = faults.get(kind)
                 if rate and rng.random() < rate:
                     self.inject(kind, acct)
@@ -467,6 +485,27 @@ class SimFleet:
                 res.car = write_car(res.commit_cid, [b for b in res.blocks if bytes(b[0]) != root])
             repo.restore(snap)
             self._emit_commit(acct, res, verdict=verdict, reason=reason, fault=kind)
+        elif kind == "unreadable":
+            snap = repo.snapshot()
+            res = repo.apply_writes(self._mix.next_writes(repo.record_paths()))
+            repo.restore(snap)
+            verdict, reason = EXPECTED[kind]
+            entry = self._queue(acct.host, "#commit", self._commit_body(acct, res), acct.did, rev=res.rev,
+                                verdict=verdict, reason=reason, fault=kind, commit=res.commit_cid.encode())
+            entry.frame = unreadable(entry.frame)
+        elif kind == "foreign_sync":
+            others = [h for h in self.hosts if h is not acct.host]
+            if not others:
+                raise ValueError("foreign_sync needs a second host")
+            snap = repo.snapshot()
+            res = repo.resign()
+            car = repo.commit_car()
+            repo.restore(snap)
+            verdict, reason = EXPECTED[kind]
+            self._queue(self.rng.choice(others), "#sync",
+                        {"did": acct.did, "blocks": car, "rev": res.rev, "time": now_iso()},
+                        acct.did, rev=res.rev, commit=res.commit_cid.encode(), verdict=verdict, reason=reason,
+                        fault=kind)
         elif kind == "broken_chain":
             res = repo.apply_writes(self._mix.next_writes(repo.record_paths()))
             acct.history.append(self._commit_body(acct, res))  # withheld: never emitted
@@ -496,6 +535,78 @@ class SimFleet:
                         reason=reason, fault=kind, commit=earlier["commit"].encode())
         else:
             raise ValueError(f"fault {kind!r} cannot be injected on demand")
+
+    # -- weather -----------------------------------------------------------------------------
+    def slow_did(self, accounts: Sequence[SimAccount], delay: Delay | float) -> None:
+        """The PLC directory answers these accounts' documents after ``delay`` (seconds or a
+        distribution); ``plc.delay`` sets it for every DID."""
+        dist = delay if isinstance(delay, Delay) else Delay.fixed(delay)
+        for acct in accounts:
+            self.plc.did_delays[acct.did] = dist
+
+    def slow_handle(self, accounts: Sequence[SimAccount], delay: Delay | float | None = None, *,
+                    fail: str | None = None) -> None:
+        """These accounts' handle domains answer after ``delay``, and fail with ``fail`` (see
+        ``relay.sim.weather.HANDLE_FAILURES``); ``delay=None, fail=None`` clears the weather."""
+        dist = delay if isinstance(delay, Delay) or delay is None else Delay.fixed(delay)
+        for acct in accounts:
+            if dist is None and fail is None:
+                self.domains.weather.pop(acct.handle, None)
+            else:
+                self.domains.weather[acct.handle] = HandleWeather(dist, fail)
+
+    def clear_weather(self) -> None:
+        """Every identity service answers at once and correctly again (getRepo failures are the
+        hosts': ``SimHost.heal_repos``)."""
+        self.plc.delay = None
+        self.plc.failure = None
+        self.plc.did_delays.clear()
+        self.plc.did_failures.clear()
+        self.domains.weather.clear()
+
+    async def rotate_keys(self, accounts: Sequence[SimAccount]) -> list[TruthEvent]:
+        """A burst of key rotations, emitted at once: each account gets a new signing key (its
+        PLC document changes now) and its host emits ``#identity``; later commits use the new
+        key, commits emitted before stay valid (``accept``)."""
+        start = len(self.ground_truth)
+        for acct in accounts:
+            self.inject("key_rotation", acct)
+        self._flush_now()
+        await asyncio.sleep(0)
+        return self.ground_truth[start:]
+
+    async def announce(self, accounts: Sequence[SimAccount]) -> list[TruthEvent]:
+        """``#identity`` and ``#account active`` for each of ``accounts``, emitted at once (with
+        ``announce_accounts=False``: the accounts' first sight at a chosen point of the stream)."""
+        start = len(self.ground_truth)
+        for acct in accounts:
+            self._queue(acct.host, "#identity", {"did": acct.did, "time": now_iso(), "handle": acct.handle}, acct.did)
+            self._queue(acct.host, "#account", {"did": acct.did, "time": now_iso(), "active": True}, acct.did)
+        self._flush_now()
+        await asyncio.sleep(0)
+        return self.ground_truth[start:]
+
+    async def commit(self, accounts: Sequence[SimAccount], per_account: int = 1) -> list[TruthEvent]:
+        """``per_account`` valid commits from each of ``accounts`` (no faults), emitted at once."""
+        assert self._mix is not None
+        start = len(self.ground_truth)
+        for _ in range(per_account):
+            for acct in accounts:
+                res = acct.repo.apply_writes(self._mix.next_writes(acct.repo.record_paths()))
+                self._emit_commit(acct, res)
+                self.commits_generated += 1
+        self._flush_now()
+        await asyncio.sleep(0)
+        return self.ground_truth[start:]
+
+    async def emit(self, kind: str, acct: SimAccount) -> list[TruthEvent]:
+        """Inject one fault ``kind`` for ``acct`` and emit it now (e.g. ``unreadable`` at a
+        chosen position of a backlog); returns the truth events added."""
+        start = len(self.ground_truth)
+        self.inject(kind, acct)
+        self._flush_now()
+        await asyncio.sleep(0)
+        return self.ground_truth[start:]
 
     # -- ground truth helpers ----------------------------------------------------------------
     def expected_state(self) -> dict[str, tuple[str | None, str]]:

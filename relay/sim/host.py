@@ -4,15 +4,16 @@ The log holds fully encoded frames ``(seq, frame, action)``; ``action`` marks a 
 (``slow``/``stall``/``disconnect``) that fires only for subscribers receiving that frame live, so a
 reconnecting client replaying it from its cursor is not disconnected again in a loop.
 
-Cursor rules follow the AT sync Internet-Draft §4.3: no cursor → live only; cursor above the
-current seq → ``FutureCursor`` error frame and close; cursor inside the window → every frame with
-``seq >= cursor``; cursor older than the window (or 0) → ``#info OutdatedCursor`` (not for 0) and
-the whole window.
+Cursor rules as the TypeScript PDS and Bluesky's relay apply them (the cursor is the last seq the
+client processed): no cursor → live only; cursor above the current seq → ``FutureCursor`` error
+frame and close; otherwise every frame with ``seq > cursor``; a cursor older than the window (the
+frames after it were trimmed; never for 0) → ``#info OutdatedCursor`` first, then the whole window.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from bisect import bisect_left
 from collections import Counter
@@ -32,6 +33,8 @@ if TYPE_CHECKING:
 
 SUBSCRIBE_PATH = "/xrpc/com.atproto.sync.subscribeRepos"
 GET_REPO_PATH = "/xrpc/com.atproto.sync.getRepo"
+#: how ``SimHost.fail_repos`` makes getRepo fail
+REPO_FAILURES = ("500", "404", "timeout")
 
 
 def encode_frame(t: str, body: dict[str, Any]) -> bytes:
@@ -113,6 +116,15 @@ class SimHost:
         self._repo_gate: asyncio.Event | None = None
         #: accounts whose getRepo answer is tampered with (a record block's last byte flipped)
         self.tampered_repos: set[str] = set()
+        #: getRepo failure (``fail_repos``): mode, the accounts it hits (None: all), until when
+        #: (monotonic) and how many more failed answers; ``repo_failures_served`` counts them
+        self.repo_failure: str | None = None
+        self.repo_failure_dids: set[str] | None = None
+        self.repo_failure_until = math.inf
+        self.repo_failures_left: int | None = None
+        self.repo_failures_served = 0
+        self.repo_hang_seconds = 60.0
+        self._repo_healed: asyncio.Event | None = None
         self._waiter: asyncio.Future[None] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -182,6 +194,53 @@ class SimHost:
         if gate is not None:
             gate.set()
 
+    def fail_repos(self, mode: str, *, dids: set[str] | None = None, seconds: float | None = None,
+                   requests: int | None = None) -> None:
+        """Answer getRepo with a failure (``mode`` in :data:`REPO_FAILURES`: ``500``, ``404``
+        (RepoNotFound), ``timeout``: no answer until healed or ``repo_hang_seconds``, then 504)
+        for ``dids`` (None: every account), for ``seconds`` and/or the next ``requests`` getRepo
+        requests that hit it (None: until :meth:`heal_repos`); then getRepo works again."""
+        if mode not in REPO_FAILURES:
+            raise ValueError(f"unknown getRepo failure {mode!r}; known: {', '.join(REPO_FAILURES)}")
+        self.repo_failure = mode
+        self.repo_failure_dids = set(dids) if dids is not None else None
+        self.repo_failure_until = time.monotonic() + seconds if seconds is not None else math.inf
+        self.repo_failures_left = requests
+        if self._repo_healed is None or self._repo_healed.is_set():
+            self._repo_healed = asyncio.Event()
+
+    def heal_repos(self) -> None:
+        """getRepo works again now (a hanging request is answered with its failure at once)."""
+        self.repo_failure = None
+        if self._repo_healed is not None:
+            self._repo_healed.set()
+
+    def _repo_failing(self, did: str) -> str | None:
+        """The failure this getRepo of ``did`` gets (counted), or None."""
+        mode = self.repo_failure
+        if mode is None or (self.repo_failure_dids is not None and did not in self.repo_failure_dids):
+            return None
+        if time.monotonic() >= self.repo_failure_until or self.repo_failures_left == 0:
+            self.heal_repos()
+            return None
+        if self.repo_failures_left is not None:
+            self.repo_failures_left -= 1
+        self.repo_failures_served += 1
+        return mode
+
+    async def _failed_repo(self, mode: str) -> Response:
+        if mode == "500":
+            return xrpc_error(500, "InternalServerError", "simulated getRepo failure")
+        if mode == "404":
+            return xrpc_error(404, "RepoNotFound", "simulated getRepo failure")
+        healed = self._repo_healed
+        if healed is not None:
+            try:
+                await asyncio.wait_for(healed.wait(), self.repo_hang_seconds)
+            except TimeoutError:
+                pass
+        return xrpc_error(504, "UpstreamTimeout", "simulated getRepo timeout")
+
     # -- emitting ----------------------------------------------------------------------------
     def next_seq(self) -> int:
         self.seq += 1
@@ -234,9 +293,9 @@ class SimHost:
             idx = log.end
         else:
             first = log.seqs[0] if log.seqs else self.published_seq + 1
-            if cursor != 0 and cursor < first:
+            if cursor != 0 and cursor < first - 1:
                 await ws.send(encode_frame("#info", {"name": "OutdatedCursor", "message": "cursor older than backfill window"}))
-            idx = log.index_from(cursor)
+            idx = log.index_from(cursor + 1)
         live_from = log.end
         self._subscribers.add(ws)
         closed = asyncio.ensure_future(ws.wait_closed())
@@ -280,6 +339,9 @@ class SimHost:
         self.requests[path] += 1
         if path == GET_REPO_PATH:
             self.repo_requests.append(dict(params))
+            failing = self._repo_failing(params.get("did", ""))
+            if failing is not None:
+                return await self._failed_repo(failing)
             gate = self._repo_gate
             if gate is not None:  # answered with the repository as it was when asked
                 response = self._answer(path, params)

@@ -2,7 +2,8 @@
 
 A failure names the dependency, its installed version and what moved: fix the user (named in the
 message) before raising that dependency's upper bound in pyproject.toml. End-to-end coverage of
-the same internals: tests/mst (cbrrr, coincurve), tests/firehose/test_uvicorn_batch.py (uvicorn),
+the same internals: tests/mst (cbrrr, coincurve), tests/firehose/test_uvicorn_batch.py and
+tests/relay/test_http_limits.py (uvicorn),
 tests/firehose/test_batched_replay.py and test_broadcast.py (websockets).
 """
 
@@ -172,6 +173,42 @@ def test_uvicorn_sansio_protocol_internals() -> None:
               lambda: proto.initial_response is None and hasattr(proto, "transport"))
         check("uvicorn", "protocol.conn is websockets' ServerProtocol (send_binary, data_to_send)",
               "firehose.uvicorn_batch.send", lambda: callable(proto.conn.send_binary) and callable(proto.conn.data_to_send))
+    finally:
+        loop.close()
+
+
+# -- uvicorn: relay.connection_limits subclasses the h11 HTTP protocol and hooks its request cycle
+
+def test_uvicorn_h11_protocol_internals() -> None:
+    import h11
+    import uvicorn
+    from uvicorn.server import ServerState
+
+    base = check("uvicorn", "uvicorn.protocols.http.h11_impl.H11Protocol", "relay.connection_limits",
+                 lambda: attr("uvicorn.protocols.http.h11_impl", "H11Protocol"))
+    for name, params in [("connection_made", ["self", "transport"]), ("connection_lost", ["self", "exc"]),
+                         ("data_received", ["self", "data"]), ("handle_events", ["self"]),
+                         ("handle_websocket_upgrade", ["self", "event"]), ("on_response_complete", ["self"])]:
+        check("uvicorn", f"H11Protocol.{name}({', '.join(params[1:])})", "relay.connection_limits",
+              lambda name=name, params=params: list(inspect.signature(getattr(base, name)).parameters) == params)
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        return None
+
+    from relay.connection_limits import ConnectionLimits
+
+    http, ws = ConnectionLimits(header_timeout=1, max_connections=1, max_websockets=1).protocols()
+    config = uvicorn.Config(app, http=http, ws=ws, lifespan="off")
+    config.load()
+    check("uvicorn", "Config(http=<protocol class>, ws=<protocol class>)", "relay.serve.build_server",
+          lambda: config.http_protocol_class is http and config.ws_protocol_class is ws)
+    loop = asyncio.new_event_loop()
+    try:
+        proto = http(config, ServerState(), {}, _loop=loop)
+        check("uvicorn", "H11Protocol attributes conn (h11.Connection), connections (set), loop, client, transport",
+              "relay.connection_limits", lambda: isinstance(proto.conn, h11.Connection)
+              and isinstance(proto.connections, set) and proto.loop is loop and hasattr(proto, "client")
+              and hasattr(proto, "transport"))
     finally:
         loop.close()
 

@@ -73,7 +73,7 @@ def test_str_forms() -> None:
 
 @pytest.mark.parametrize("module,name", [
     ("mst.errors", "RepoError"), ("firehose.framing", "FramingError"), ("firehose.frames", "FrameError"),
-    ("firehose.messages", "MessageError"), ("firehose.subscriber", "_Reset"), ("firehose.subscriber", "_Poison"),
+    ("firehose.messages", "MessageError"), ("firehose.subscriber", "_Reset"),
     ("backfill.errors", "BackfillError"), ("relay.config", "ConfigError"), ("relay.ssrf", "SSRFError"),
     ("relay.hosts", "CrawlRefused"), ("relay.identity", "IdentityError"), ("spark.repo_check", "CheckError"),
     ("spark.ssrf", "SsrfError"), ("spark.identity", "IdentityError"), ("spark.fetch", "FetchError"),

@@ -154,3 +154,36 @@ async def test_triggers_work_from_a_session_without_the_schema_on_its_path(pg_ta
         assert await listed(store) == []
     finally:
         await store.close()
+
+
+async def test_a_delete_never_removes_a_collection_of_an_account_whose_counts_are_not_exact(store: Store) -> None:
+    """Counts of an account first seen mid-history are lower bounds: deletes of records the relay
+    never counted cannot drop it from a collection it was seen creating a record in."""
+    await commit(store, accounts=[acct("did:plc:a")], deltas=[(COLL, "did:plc:a", 1, 1)])  # one create seen
+    await commit(store, deltas=[(COLL, "did:plc:a", -1, 0)])  # deletes an old record
+    await commit(store, deltas=[(COLL, "did:plc:a", -3, 0)])  # ... and three more in one batch
+    assert await listed(store) == ["did:plc:a"]
+    assert await store.collection_counts("did:plc:a") == {COLL: 1}
+    # a delete in a collection it has no row for adds nothing
+    await commit(store, deltas=[("app.bsky.feed.like", "did:plc:a", -1, 0)])
+    assert await store.collection_counts("did:plc:a") == {COLL: 1}
+
+
+async def test_an_account_with_exact_counts_leaves_a_collection_with_its_last_record(store: Store) -> None:
+    """A reset (a walk of the whole repository) makes the counts exact: from then on a delete is
+    counted as it comes, and the account leaves the collection when its count reaches 0 — also
+    in a collection it entered after the walk."""
+    await commit(store, accounts=[acct("did:plc:a"), acct("did:plc:b")],
+                 resets={"did:plc:a": {COLL: 2}}, deltas=[(COLL, "did:plc:b", 1, 1)])
+    await commit(store, deltas=[(COLL, "did:plc:a", -1, 0), (COLL, "did:plc:b", -1, 0)])
+    assert await store.collection_counts("did:plc:a") == {COLL: 1}
+    await commit(store, deltas=[(COLL, "did:plc:a", -1, 0), ("app.bsky.feed.like", "did:plc:a", 1, 1)])
+    assert await listed(store) == ["did:plc:b"]  # a: exact, its last post deleted; b: a lower bound
+    assert await store.collection_counts("did:plc:a") == {"app.bsky.feed.like": 1}
+    await commit(store, deltas=[("app.bsky.feed.like", "did:plc:a", -1, 0)])
+    assert await store.collection_counts("did:plc:a") == {}
+    # an empty repository walked is exact too
+    await commit(store, resets={"did:plc:b": {}})
+    await commit(store, deltas=[(COLL, "did:plc:b", 1, 1)])
+    await commit(store, deltas=[(COLL, "did:plc:b", -1, 0)])
+    assert await listed(store) == []

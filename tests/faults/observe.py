@@ -5,10 +5,11 @@ simulator's ground truth.
 Contracts:
 
 * :class:`RecordingConsumer` keeps one connection open at a time and reconnects after *any*
-  disconnect, error frame or failed connection attempt (every 0.1 s), with ``cursor = last seq +
-  1`` (cursors are inclusive), or its initial cursor if it has seen nothing yet. It records every
-  event frame as a :class:`Seen` in arrival order, never deduplicating: duplicates are what it is
-  there to find. A ``FutureCursor`` answer (a cursor beyond the relay's next seq: never expected) is
+  disconnect, error frame or failed connection attempt (every 0.1 s), with ``cursor = last seq``
+  (cursors are exclusive: the stream resumes after it), or its initial cursor if it has seen
+  nothing yet. It records every event frame as a :class:`Seen` in arrival order, never
+  deduplicating: duplicates are what it is there to find. A ``FutureCursor`` answer (a cursor
+  beyond the relay's latest seq: never expected) is
   retried with the same cursor.
 * :class:`Poller` asks each endpoint every ``interval`` seconds and records every answer
   (status code, or ``None`` for no answer) with its ``time.monotonic()``.
@@ -80,8 +81,8 @@ class RecordingConsumer(Background):
 
     @property
     def cursor(self) -> int:
-        """Where the next connection starts: the seq after the newest one seen."""
-        return self.max_seq + 1 if self.frames else self.initial_cursor
+        """Where the next connection starts: after the newest seq seen."""
+        return self.max_seq if self.frames else self.initial_cursor
 
     async def start(self) -> None:
         self._launch(self._run(), f"consumer {self.name}")

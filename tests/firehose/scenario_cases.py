@@ -12,7 +12,15 @@ the expected drop flags in *both* modes:
 * ``legacy_delete_without_prev``: delete ops without ``prev``. Strict: the first such commit is
   rejected (inversion needs ``prev``) and every later commit no longer chains (``since``) — the
   account is desynchronized, so all of them are dropped. Lenient: all accepted, the deletes as
-  ``lenient_no_op_prev``.
+  ``lenient_no_op_prev``;
+* ``chain_gap``: the stream misses one commit (as in indigo's ``deactivation`` and
+  ``post_lifecycle_legacy`` scenarios, recorded in lenient mode), so the next one does not chain
+  and the account is desynchronized; the upstream answers getRepo with 404, so its resync keeps
+  failing. Strict: that commit and every later one are held for the ``#sync`` that never comes
+  (dropped). Lenient, as Bluesky's Go relay: each still verifies (signature; inversion against its
+  own ``prevData``), so all pass, with ``ok``;
+* ``sync10_chain_gap``: the same gap in sync 1.0 commits (no ``prevData``). Strict: all rejected
+  ``missing_prev_data``. Lenient: all pass as ``lenient_no_prev_data``.
 """
 
 from __future__ import annotations
@@ -54,12 +62,26 @@ def _fully_sync_11(messages: list[dict[str, Any]]) -> bool:
 
 
 def recorded(fixtures_dir: Path, name: str) -> Case:
+    """A scenario file as recorded. One recorded in strict mode must be all sync 1.1 (lenient mode
+    then has nothing to relax and expects the same). One recorded in lenient mode (indigo's
+    ``deactivation``, ``legacy``, ``post_lifecycle_legacy``, ``seq_ordering``: sync 1.0 commits,
+    gaps in the chain) is what lenient mode expects; strict mode rejects every commit without
+    ``prevData`` (``missing_prev_data``) and expects the recorded flags for the rest (only sync
+    1.0 commits may appear in such a file: checked)."""
     doc = load(fixtures_dir, name)
     messages = doc["messages"]
-    assert _fully_sync_11(messages), "a recorded scenario lacks prevData/prev: derive its other mode by hand"
     flags = [bool(m["drop"] or m["invalid"]) for m in messages]
     ok: list[str | None] = [None if f else "ok" for f in flags]
-    return Case(name, doc["accounts"], messages, {mode: flags for mode in MODES}, {mode: ok for mode in MODES})
+    if not doc.get("lenient"):
+        assert _fully_sync_11(messages), "a strict scenario lacks prevData/prev: derive its other mode by hand"
+        return Case(name, doc["accounts"], messages, {mode: flags for mode in MODES}, {mode: ok for mode in MODES})
+    commits = set(_commits(messages))
+    assert all("prevData" not in messages[i]["frame"]["body"] for i in commits), "mixed sync 1.0/1.1 scenario"
+    strict = [f or i in commits for i, f in enumerate(flags)]
+    lenient: list[str | None] = [None if f else "lenient_no_prev_data" if i in commits else "ok"
+                                 for i, f in enumerate(flags)]
+    return Case(name, doc["accounts"], messages, {"strict": strict, "lenient": flags},
+                {"strict": [None if f else "ok" for f in strict], "lenient": lenient})
 
 
 def _commits(messages: list[dict[str, Any]]) -> list[int]:
@@ -97,12 +119,43 @@ def legacy_delete_without_prev(fixtures_dir: Path) -> Case:
                 {"strict": ["ok" if i < first else None for i in range(n)], "lenient": reasons})
 
 
+def _with_gap(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
+    """``messages`` without their third commit; returns them and the index of the first commit
+    that no longer chains."""
+    gap = _commits(messages)[2]
+    return messages[:gap] + messages[gap + 1:], gap
+
+
+def chain_gap(fixtures_dir: Path) -> Case:
+    doc = load(fixtures_dir, "post_lifecycle")
+    messages, broken = _with_gap(copy.deepcopy(doc["messages"]))
+    n = len(messages)
+    return Case("chain_gap", doc["accounts"], messages,
+                {"strict": [i >= broken for i in range(n)], "lenient": [False] * n},
+                {"strict": ["ok" if i < broken else None for i in range(n)], "lenient": ["ok"] * n})
+
+
+def sync10_chain_gap(fixtures_dir: Path) -> Case:
+    doc = load(fixtures_dir, "post_lifecycle")
+    messages, _ = _with_gap(copy.deepcopy(doc["messages"]))
+    for i in _commits(messages):
+        messages[i]["frame"]["body"].pop("prevData")
+    n = len(messages)
+    return Case("sync10_chain_gap", doc["accounts"], messages,
+                {"strict": [True] * n, "lenient": [False] * n},
+                {"strict": [None] * n, "lenient": ["lenient_no_prev_data"] * n})
+
+
 def cases(fixtures_dir: Path) -> dict[str, Case]:
     out = {name: recorded(fixtures_dir, name) for name in ("account_lifecycle", "post_lifecycle")}
-    for build in (sync10_no_prev_data, legacy_delete_without_prev):
+    for build in (sync10_no_prev_data, legacy_delete_without_prev, chain_gap, sync10_chain_gap):
         case = build(fixtures_dir)
         out[case.name] = case
     return out
 
 
+#: cases the validator alone decides (``tests.firehose.test_lenient``) and a relay too
 CASE_NAMES = ("account_lifecycle", "post_lifecycle", "sync10_no_prev_data", "legacy_delete_without_prev")
+#: cases a relay must get right (``tests.relay.test_e2e_scenarios``): the chain gaps' lenient verdicts
+#: are the account lane's (a desynchronized account's commits pass as they verify), not the validator's
+RELAY_CASE_NAMES = (*CASE_NAMES, "chain_gap", "sync10_chain_gap")

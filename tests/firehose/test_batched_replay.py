@@ -31,7 +31,7 @@ async def test_long_replay_while_publishing_is_complete_ordered_without_duplicat
     try:
         async with serve(b, transport) as hp:
             readers = [
-                asyncio.create_task(collect(ws_url(hp, cursor), until_seq=target)) for cursor in (1, 700)
+                asyncio.create_task(collect(ws_url(hp, cursor), until_seq=target)) for cursor in (0, 699)
             ]
             await until(lambda: b.consumer_count == 2)
             await ingest.add(published, batch=16)  # published while both are replaying
@@ -47,7 +47,7 @@ async def test_replay_batches_are_one_store_read_each_then_live(ingest: Ingest) 
     b = Broadcaster(ingest.store, ingest.bus, replay_batch=50)
     await ingest.add(120)
     await b.start()
-    batches = b.session(1).frame_batches()
+    batches = b.session(0).frame_batches()
     try:
         async with asyncio.timeout(10):
             sizes = [len(await anext(batches)) for _ in range(3)]

@@ -70,42 +70,44 @@ async def test_cursor_rules(ingest: Ingest, broadcaster: Broadcaster, transport:
     async with serve(broadcaster, transport) as hp:
         # cursor 0: the whole window from the oldest
         assert await collect(ws_url(hp, 0), until_seq=50) == list(range(21, 51))
-        # in window: seq >= cursor
-        assert await collect(ws_url(hp, 40), until_seq=50) == list(range(40, 51))
-        assert await collect(ws_url(hp, 21), until_seq=50) == list(range(21, 51))  # the oldest: in window
+        # in window: seq > cursor (the cursor is the last seq the consumer processed)
+        assert await collect(ws_url(hp, 40), until_seq=50) == list(range(41, 51))
+        assert await collect(ws_url(hp, 21), until_seq=50) == list(range(22, 51))
+        # one before the oldest: nothing the consumer has not seen was trimmed, no #info
+        assert await collect(ws_url(hp, 20), until_seq=50) == list(range(21, 51))
         # older than the window: #info OutdatedCursor, then the whole window
         assert await collect(ws_url(hp, 5), until_seq=50) == [("info", "OutdatedCursor"), *range(21, 51)]
-        info = await first_frame(ws_url(hp, 20))
+        info = await first_frame(ws_url(hp, 19))
         assert (info.t, info.body) == ("#info", {"name": "OutdatedCursor",
                                                  "message": "cursor is older than the backfill window"})
         assert broadcaster.stats.outdated_cursor == 2
-        # future cursor (beyond latest + 1): error frame then close
-        assert await collect(ws_url(hp, 52)) == [("error", "FutureCursor")]
+        # future cursor (beyond latest): error frame then close
+        assert await collect(ws_url(hp, 51)) == [("error", "FutureCursor")]
         error = await first_frame(ws_url(hp, 1000))
         assert error.is_error and error.body == {"error": "FutureCursor", "message": "cursor is ahead of the stream"}
         assert broadcaster.stats.future_cursor == 2
-        # no cursor: live only; cursor = latest + 1 ("from the next event on"): waits for it
+        # no cursor: live only; cursor = latest (the consumer saw everything): waits for the next
         live = asyncio.create_task(collect(ws_url(hp), until_seq=55))
-        following = asyncio.create_task(collect(ws_url(hp, 51), until_seq=55))
+        following = asyncio.create_task(collect(ws_url(hp, 50), until_seq=55))
         await until(lambda: broadcaster.consumer_count == 2)
         await ingest.add(5)
         assert await live == [51, 52, 53, 54, 55]
         assert await following == [51, 52, 53, 54, 55]
         assert (broadcaster.stats.future_cursor, broadcaster.stats.outdated_cursor) == (2, 2)
         # in-window cursor followed by live events
-        task = asyncio.create_task(collect(ws_url(hp, 50), until_seq=60))
+        task = asyncio.create_task(collect(ws_url(hp, 49), until_seq=60))
         await until(lambda: broadcaster.consumer_count == 1)
         await ingest.add(5)
         assert await task == list(range(50, 61))
 
 
-async def test_cursor_one_on_an_empty_stream_waits_for_the_first_event(ingest: Ingest, broadcaster: Broadcaster) -> None:
-    """Nothing sequenced yet: cursor 1 is "from the next event on" (no ``OutdatedCursor``, no
-    ``FutureCursor``); cursor 2 is ahead of the stream."""
+async def test_cursor_zero_on_an_empty_stream_waits_for_the_first_event(ingest: Ingest, broadcaster: Broadcaster) -> None:
+    """Nothing sequenced yet: cursor 0 is "from the first event on" (no ``OutdatedCursor``, no
+    ``FutureCursor``); cursor 1 is ahead of the stream."""
     await broadcaster.start()
     async with serve(broadcaster, "websockets") as hp:
-        assert await collect(ws_url(hp, 2)) == [("error", "FutureCursor")]
-        first = asyncio.create_task(collect(ws_url(hp, 1), until_seq=3))
+        assert await collect(ws_url(hp, 1)) == [("error", "FutureCursor")]
+        first = asyncio.create_task(collect(ws_url(hp, 0), until_seq=3))
         await until(lambda: broadcaster.consumer_count == 1)
         await ingest.add(3)
         assert await first == [1, 2, 3]
@@ -125,8 +127,7 @@ async def test_handoff_under_concurrent_ingest(ingest: Ingest, broadcaster: Broa
         await writer
         for cursor, task in readers:
             got = await task
-            start = max(cursor, 1)
-            assert got == list(range(start, target + 1)), f"cursor {cursor}: gap or duplicate"
+            assert got == list(range(cursor + 1, target + 1)), f"cursor {cursor}: gap or duplicate"
 
 
 class RecordingStore:
@@ -276,7 +277,7 @@ async def test_handoff_over_redis_bus(ingest: Ingest, redis_url: str) -> None:
                 if cursor is None:  # live-only: a contiguous tail ending at the target
                     assert got == list(range(got[0], target + 1))
                 else:
-                    assert got == list(range(max(cursor, 1), target + 1))
+                    assert got == list(range(cursor + 1, target + 1))
         await b.close()
     finally:
         await publisher.redis.delete(stream)
@@ -316,14 +317,14 @@ def _seqs_and_infos(batch) -> list:
 
 async def test_window_trimmed_before_the_first_read_is_announced(ingest: Ingest) -> None:
     """A cursor older than the window gets the connection-time ``#info``; then the window moves
-    between another session's connection-time check (its cursor 2 is in the window) and its first
-    read: the jump from seq 1 (the cursor's predecessor) to 3 is announced too. Both are session
+    between another session's connection-time check (its cursor 2 is just before the window) and
+    its first read: the jump from seq 2 (the cursor) to 4 is announced too. Both are session
     messages (kind ``#info``, seq 0) with their reason, each counted."""
     now = time.time()
-    await ingest.add(1, when=now - 7200)
+    await ingest.add(2, when=now - 7200)
     await ingest.add(1, when=now - 3600)
-    await ingest.add(8)
-    assert await ingest.store.trim(older_than_seconds=5400) == 1  # the window is 2..10
+    await ingest.add(7)
+    assert await ingest.store.trim(older_than_seconds=5400) == 2  # the window is 3..10
     store = RecordingStore(ingest.store, hold_every=True)
     store.gate.set()
     b = Broadcaster(store, ingest.bus, replay_batch=50)
@@ -332,7 +333,7 @@ async def test_window_trimmed_before_the_first_read_is_announced(ingest: Ingest)
     try:
         assert _seqs_and_infos(await anext(outdated)) == [
             ("#info", 0, {"name": "OutdatedCursor", "message": "cursor is older than the backfill window"})]
-        assert _seqs_and_infos(await anext(outdated)) == list(range(2, 11))
+        assert _seqs_and_infos(await anext(outdated)) == list(range(3, 11))
     finally:
         await outdated.aclose()
     assert b.stats.outdated_cursor == 1
@@ -341,21 +342,21 @@ async def test_window_trimmed_before_the_first_read_is_announced(ingest: Ingest)
     try:
         first = asyncio.ensure_future(anext(batches))
         await until(lambda: len(store.reads) == 2, "the replay's first read, held before it is made")
-        assert await ingest.store.trim(older_than_seconds=60) == 1  # seq 2: the window is 3..10
+        assert await ingest.store.trim(older_than_seconds=60) == 1  # seq 3: the window is 4..10
         store.gate.set()
         assert _seqs_and_infos(await first) == [
             ("#info", 0, {"name": "OutdatedCursor", "message": "events were trimmed while replaying"}),
-            *range(3, 11)]
+            *range(4, 11)]
         assert b.stats.outdated_cursor == 2
     finally:
         await batches.aclose()
         await b.close()
 
 
-@pytest.mark.parametrize("cursor", [0, 121])
+@pytest.mark.parametrize("cursor", [0, 120])
 async def test_live_events_dropped_while_replaying_are_read_again(ingest: Ingest, cursor: int) -> None:
     """A replaying session whose live queue overflows forgets it (the store has those events)
-    and, once caught up, reads again from the last seq it sent — also for ``cursor = latest + 1``,
+    and, once caught up, reads again from the last seq it sent — also for ``cursor = latest``,
     which has nothing to replay — before it goes live; every read is one batch."""
     await ingest.add(120)
     store = RecordingStore(ingest.store, hold=1)
@@ -373,11 +374,11 @@ async def test_live_events_dropped_while_replaying_are_read_again(ingest: Ingest
         got.extend(_seqs_and_infos(await first))
         while not got or got[-1] < 300:
             got.extend(_seqs_and_infos(await anext(batches)))
-        assert got == list(range(max(cursor, 1), 301))  # what the overflow dropped came from the store
+        assert got == list(range(cursor + 1, 301))  # what the overflow dropped came from the store
         await ingest.add(1)
         assert _seqs_and_infos(await anext(batches)) == [301]
         assert session.live
-        assert store.reads == [(cursor and cursor - 1, 500), (120, 500)]  # the 301st came live
+        assert store.reads == [(cursor, 500), (120, 500)]  # the 301st came live
     finally:
         await batches.aclose()
         await b.close()
@@ -391,7 +392,7 @@ async def test_replay_reads_are_bounded_by_bytes(ingest: Ingest) -> None:
     frame = len((await ingest.store.read_after(0, 1))[0].frame)
     store = RecordingStore(ingest.store)
     b = Broadcaster(store, ingest.bus, replay_batch=5, replay_bytes=frame * 3)  # each average is f + a fraction
-    batches = b.session(1).event_batches()
+    batches = b.session(0).event_batches()
     try:
         assert [len(await anext(batches)) for _ in range(4)] == [5, 3, 3, 1]
         assert store.reads == [(0, 5), (5, 3), (8, 3), (11, 3)]
@@ -399,7 +400,7 @@ async def test_replay_reads_are_bounded_by_bytes(ingest: Ingest) -> None:
         await batches.aclose()
     store = RecordingStore(ingest.store)
     b = Broadcaster(store, ingest.bus, replay_batch=5, replay_bytes=frame - 1)  # not even one frame
-    batches = b.session(1).event_batches()
+    batches = b.session(0).event_batches()
     try:
         assert [len(await anext(batches)) for _ in range(3)] == [5, 1, 1]
         assert store.reads[:3] == [(0, 5), (5, 1), (6, 1)]
@@ -418,7 +419,7 @@ async def test_a_failed_read_ahead_of_a_closed_session_is_retrieved(ingest: Inge
     previous = loop.get_exception_handler()
     loop.set_exception_handler(lambda _loop, context: unretrieved.append(context))
     try:
-        batches = b.session(1).event_batches()
+        batches = b.session(0).event_batches()
         assert len(await anext(batches)) == 10
         reads = [t for t in asyncio.all_tasks() if "read_after" in repr(t.get_coro())]
         assert len(reads) == 1  # the read ahead, made while the first batch is out

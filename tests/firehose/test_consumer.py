@@ -1,7 +1,8 @@
 """``firehose.consumer.RelayConsumer`` over real sockets, against a scripted relay.
 
-The scripted server speaks subscribeRepos as a test wants it to: it can resend the cursor's own
-event (an exclusive-cursor relay's overlap), drop the connection after a few frames, say
+The scripted server speaks subscribeRepos as a test wants it to (cursors are exclusive: a cursor
+N sends ``seq > N``): it can resend events at or before the cursor (the overlap of a server that
+counts cursors inclusively), drop the connection after a few frames, say
 ``#info OutdatedCursor`` or answer ``FutureCursor``.
 """
 
@@ -30,7 +31,7 @@ def frame(seq: int) -> bytes:
 class Script:
     oldest: int = 1
     latest: int = 20
-    overlap: int = 0  # resend this many events before the cursor
+    overlap: int = 0  # resend this many events at or before the cursor
     cut_after: int | None = None  # frames per connection, then drop it
     cursors: list[int | None] = field(default_factory=list)
     live: asyncio.Event = field(default_factory=asyncio.Event)
@@ -40,12 +41,12 @@ class Script:
         q = parse_qs(urlsplit(ws.request.path).query).get("cursor")
         cursor = int(q[0]) if q else None
         self.cursors.append(cursor)
-        if cursor is not None and cursor > self.latest + 1:
+        if cursor is not None and cursor > self.latest:
             await ws.send(encode_error_frame("FutureCursor", "cursor is ahead"))
             await ws.close()
             return
-        start = self.latest + 1 if cursor is None else cursor
-        if cursor is not None and cursor < self.oldest:
+        start = self.latest + 1 if cursor is None else cursor + 1
+        if cursor and cursor + 1 < self.oldest:
             await ws.send(encode_info_frame("OutdatedCursor", "too old"))
             start = self.oldest
         sent = 0
@@ -82,13 +83,25 @@ async def take(consumer: RelayConsumer, n: int, *, ack: bool = True) -> list[Eve
 async def test_reconnects_and_drops_the_overlap() -> None:
     script = Script(overlap=1, cut_after=6)
     async with scripted(script) as url:
-        consumer = RelayConsumer(url, cursor=1, backoff=Backoff(0.01, 0.05))
+        consumer = RelayConsumer(url, cursor=0, backoff=Backoff(0.01, 0.05))
         events = await take(consumer, 20)
     assert [e.seq for e in events] == list(range(1, 21))
     assert consumer.connections >= 4
     assert consumer.duplicates_dropped >= 3
-    # inclusive cursors: each reconnect asks for the next seq after the last one received
-    assert script.cursors[:3] == [1, 7, 12]
+    # exclusive cursors: each reconnect asks for what follows the last seq received
+    assert script.cursors[:3] == [0, 6, 11]
+
+
+async def test_reconnects_with_the_last_seq_received_and_is_resent_nothing() -> None:
+    """Against a server that counts cursors as every relay does (``seq > cursor``), each
+    reconnect asks for what follows the last seq received: nothing is resent, nothing skipped."""
+    script = Script(cut_after=5)
+    async with scripted(script) as url:
+        consumer = RelayConsumer(url, cursor=3, backoff=Backoff(0.01, 0.05))
+        events = await take(consumer, 17)
+    assert [e.seq for e in events] == list(range(4, 21))
+    assert script.cursors[:4] == [3, 8, 13, 18]
+    assert consumer.duplicates_dropped == 0
 
 
 async def test_outdated_cursor_is_an_explicit_gap() -> None:
@@ -128,7 +141,7 @@ async def test_parallel_handlers_save_only_what_every_event_below_has_applied(tm
     script = Script(latest=12)
     store = FileCursorStore(tmp_path / "cursor")
     async with scripted(script) as url:
-        consumer = RelayConsumer(url, cursor_store=store, cursor=1, save_interval=0.0)
+        consumer = RelayConsumer(url, cursor_store=store, cursor=0, save_interval=0.0)
         held: list[Event] = []
         async with consumer:
             async with asyncio.timeout(20):
@@ -140,9 +153,9 @@ async def test_parallel_handlers_save_only_what_every_event_below_has_applied(tm
                     if ev.seq == 12:
                         break
             await consumer.save()
-            assert await store.load() == 3  # events 4..12 are applied, 3 is not: resume at 3
+            assert await store.load() == 2  # events 4..12 are applied, 3 is not: resume after 2
             consumer.done(held[0])
-        assert await store.load() == 13
+        assert await store.load() == 12
         # a new process resumes from the saved cursor
         again = RelayConsumer(url, cursor_store=store)
         script.latest = 15
@@ -153,7 +166,7 @@ async def test_parallel_handlers_save_only_what_every_event_below_has_applied(tm
 async def test_in_flight_bound_stops_reading() -> None:
     script = Script(latest=10)
     async with scripted(script) as url:
-        consumer = RelayConsumer(url, cursor=1, max_in_flight=3)
+        consumer = RelayConsumer(url, cursor=0, max_in_flight=3)
         got: list[Event] = []
 
         async def read() -> None:

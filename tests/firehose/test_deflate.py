@@ -23,7 +23,7 @@ async def test_deflate_is_negotiated_only_when_enabled(store, transport: str, de
     await b.start()
     try:
         async with serve(b, transport, deflate=deflate) as hostport:
-            async with connect(ws_url(hostport, 1), compression="deflate", max_size=None) as ws:
+            async with connect(ws_url(hostport, 0), compression="deflate", max_size=None) as ws:
                 negotiated = ws.response is not None and "permessage-deflate" in (
                     ws.response.headers.get("Sec-WebSocket-Extensions") or "")
                 assert negotiated is deflate

@@ -38,7 +38,7 @@ async def test_late_bus_delivery_of_replayed_events_is_not_sent_again(store: Sto
 
         late = [event(s) for s in range(1, 31)]
         await write(late)  # in the store, not yet on the bus
-        async with serve(b, transport) as hp, connect(ws_url(hp, cursor=1), max_size=None) as ws:
+        async with serve(b, transport) as hp, connect(ws_url(hp, cursor=0), max_size=None) as ws:
             assert [decode_frame(await ws.recv()).body["seq"] for _ in range(30)] == list(range(1, 31))
             await until(lambda: len(b.sessions) == 1 and b.sessions[0].live, "the switch to live")
             marker = event(31)

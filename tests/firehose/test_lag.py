@@ -66,7 +66,7 @@ async def test_replaying_consumer_is_not_probed(ingest: Ingest, transport: str) 
     await b.start()
     try:
         async with serve(b, transport) as hp:
-            replaying = await connect(ws_url(hp, cursor=1), max_size=None, max_queue=1)
+            replaying = await connect(ws_url(hp, cursor=0), max_size=None, max_queue=1)
             replaying.transport.pause_reading()
             live = await connect(ws_url(hp), max_size=None)
             await until(lambda: b.consumer_count == 2, "both registered")

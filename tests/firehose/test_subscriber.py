@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from urllib.parse import parse_qs, urlsplit
@@ -183,13 +184,67 @@ async def test_many_backwards_frames_reset_the_stream() -> None:
     assert sub.resets == 1 and upstream.cursors == [None, 0]  # reset: read from the start, not from 100
 
 
-async def test_malformed_frame_drops_connection_then_reconnects() -> None:
+def replay(frames: list[tuple[int, bytes]], *, inclusive: bool = False, hold: bool = True) -> Script:
+    """A host holding ``frames`` (seq, bytes): asked for a cursor it sends every frame after it
+    (``inclusive``: from it, as the spec words it); asked for none (live) it has nothing new."""
+    async def script(conn: ServerConnection, cursor: int | None) -> None:
+        if cursor is not None:
+            for seq, f in frames:
+                if seq > cursor or (inclusive and seq == cursor):
+                    await conn.send(f)
+        if hold:
+            await conn.wait_closed()
+
+    return script
+
+
+BAD_MESSAGES = {
+    "bad_header_cbor": b"\xff\x00garbage",
+    "bad_body_cbor": encode_frame("#identity", {"seq": 11})[:-3] + b"\xff\xff\xff",
+    "header_not_map": b"\x01" + encode_frame("#identity", {"seq": 11})[1:],
+    "trailing_bytes": msg(11) + b"\x00",
+    "frame_empty": b"",
+    "text": "{\"seq\": 11}",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_MESSAGES))
+async def test_an_unreadable_frame_costs_only_itself(kind: str, caplog: pytest.LogCaptureFixture) -> None:
+    """10 good frames, 1 the codec rejects, 100 good ones: all 110 are delivered, in order, on
+    the one connection; the bad one is counted by its reason (also through ``on_count``) and
+    logged with the seq before it; the cursor is never reset."""
+    reason = "bad_header_cbor" if kind == "text" else kind
+    bad: bytes | str = BAD_MESSAGES[kind]
+    frames = [(i, msg(i)) for i in range(1, 11)] + [(11, bad)] + [(i, msg(i)) for i in range(12, 112)]  # type: ignore[list-item]
     got: list[int] = []
-    upstream = Upstream([sends(msg(1), b"\xff\x00", msg(2)), sends(msg(2))])
-    async with upstream as url:
-        sub = HostSubscriber(url, lambda f: _append(got, f), config=fast_config())
+    counted: list[str] = []
+
+    async def on_frame(f: UpstreamFrame) -> None:
+        got.append(f.seq)
+        sub.ack(f.seq)
+
+    async with Upstream([replay(frames)]) as url:
+        sub = HostSubscriber(url, on_frame, cursor=0, config=fast_config(), on_count=counted.append,
+                             on_cursor_reset=lambda old, reason: pytest.fail("cursor reset"))
+        with caplog.at_level(logging.WARNING, logger="firehose.subscriber"):
+            await run_until(sub, lambda: len(got) == 110)
+    assert got == list(range(1, 11)) + list(range(12, 112))
+    assert sub.connections == 1 and sub.resets == 0 and sub.cursor == 111
+    assert sub.counters[reason] == 1 and counted.count(reason) == 1
+    logged = [r for r in caplog.records if r.getMessage() == "unreadable upstream frame skipped"]
+    assert [(getattr(r, "host", None), getattr(r, "after_seq", None), getattr(r, "reason", None))
+            for r in logged] == [(url, 10, reason)]
+
+
+async def test_a_host_sending_only_junk_keeps_its_cursor_and_connection() -> None:
+    """Junk by the hundred is counted (logged only a few times), never resets the cursor nor
+    drops the connection: the good frame after it is still read."""
+    got: list[int] = []
+    junk = [b"\xff\x00junk"] * 300
+    async with Upstream([sends(msg(1), *junk, msg(2))]) as url:
+        sub = HostSubscriber(url, lambda f: _append(got, f), cursor=0, config=fast_config(log_skipped=3))
         await run_until(sub, lambda: got == [1, 2])
-    assert sub.counters[Reason.BAD_HEADER_CBOR] == 1 and sub.connections == 2
+    assert sub.counters[Reason.BAD_HEADER_CBOR] == 300 and sub.connections == 1 and sub.resets == 0
 
 
 async def test_unknown_types_are_skipped_and_counted() -> None:
@@ -300,53 +355,64 @@ async def test_frame_over_5mb_is_delivered_for_a_typed_rejection() -> None:
     assert (v.kind, v.reason) == ("reject", Reason.FRAME_TOO_LARGE)
 
 
-async def test_message_over_the_transport_cap_resets_instead_of_looping() -> None:
-    got: list[int] = []
-    resets: list[tuple[int | None, str]] = []
-    huge = encode_frame("#identity", {"seq": 3, "did": "did:plc:abc", "pad": b"\x00" * 300_000})
+HUGE_CAP = 100_000
 
-    async def looping(conn: ServerConnection, cursor: int | None) -> None:
-        for seq, f in ((1, msg(1)), (2, msg(2)), (3, huge), (9, msg(9))):
-            if cursor is None or seq >= cursor:  # an inclusive replay from the cursor
-                await conn.send(f)
-        await conn.wait_closed()
-    upstream = Upstream([looping, looping, sends(msg(4), msg(5))])
+
+def huge(seq: int) -> bytes:
+    return encode_frame("#identity", {"seq": seq, "did": "did:plc:abc", "pad": b"\x00" * (HUGE_CAP * 3)})
+
+
+@pytest.mark.parametrize("inclusive,huge_seq,cursors", [
+    (False, 6, [0, 6]),  # common servers: seq > cursor; the next ask excludes just the oversized one
+    (True, 6, [0, 6, 7]),  # the spec's seq >= cursor: the oversized one comes first again, one step more
+    (False, 8, [0, 6, 7, 8]),  # seqs 6 and 7 do not exist: one step per missing seq, none skipped wrongly
+])
+async def test_a_message_over_the_transport_cap_costs_only_itself(inclusive: bool, huge_seq: int,
+                                                                   cursors: list[int]) -> None:
+    """1..5, then a message over ``max_message_bytes`` (the connection closes with 1009), then
+    9..12: every good frame is delivered exactly once and in order. Only 1..3 are ever stored
+    (acked): the durable cursor stays at 3 throughout, never past 4 and 5 still in flight."""
+    frames = [(i, msg(i)) for i in range(1, 6)] + [(huge_seq, huge(huge_seq))] + [(i, msg(i)) for i in range(9, 13)]
+    got: list[int] = []
+    cursors_seen: list[int | None] = []
 
     async def on_frame(f: UpstreamFrame) -> None:
         got.append(f.seq)
-        sub.ack(f.seq)
+        cursors_seen.append(sub.cursor)
+        if f.seq <= 3:
+            sub.ack(f.seq)
 
+    upstream = Upstream([replay(frames, inclusive=inclusive)])
     async with upstream as url:
-        sub = HostSubscriber(url, on_frame, config=fast_config(max_message_bytes=100_000),
-                             on_cursor_reset=lambda old, reason: resets.append((old, reason)))
-        await run_until(sub, lambda: got[-1:] == [5], timeout=20)
-    assert got == [1, 2, 4, 5]  # 2 re-sent on the 2nd connection is skipped as already acked
-    assert resets == [(2, "frame_too_large")] and upstream.cursors == [None, 2, None]
-    assert sub.counters[Reason.FRAME_TOO_LARGE] == 3  # two failed connections + the reset
+        sub = HostSubscriber(url, on_frame, cursor=0, config=fast_config(max_message_bytes=HUGE_CAP),
+                             on_cursor_reset=lambda old, reason: pytest.fail("cursor reset"))
+        await run_until(sub, lambda: got[-1:] == [12], timeout=20)
+    assert got == [1, 2, 3, 4, 5, 9, 10, 11, 12]
+    assert upstream.cursors == cursors
+    assert sub.cursor == 3 and max(c or 0 for c in cursors_seen) == 3
+    assert sub.counters[Reason.FRAME_TOO_LARGE] == len(cursors) - 1 and sub.resets == 0
 
 
-async def test_a_replayed_poison_frame_resets_the_cursor() -> None:
+async def test_after_a_skip_a_later_reconnect_asks_from_the_durable_cursor() -> None:
+    """The skip moves no durable state: when the connection that skipped the oversized message
+    drops, the next one asks from the acked cursor (frames in flight are read again, never
+    lost), meets the oversized message again and skips it again."""
+    frames = [(i, msg(i)) for i in range(1, 6)] + [(6, huge(6))] + [(i, msg(i)) for i in range(7, 10)]
     got: list[int] = []
-    resets: list[tuple[int | None, str]] = []
-
-    async def poisoned(conn: ServerConnection, cursor: int | None) -> None:
-        for seq, f in ((1, msg(1)), (2, msg(2)), (3, b"\xff\x00garbage"), (9, msg(9))):
-            if cursor is None or seq >= cursor:
-                await conn.send(f)
-        await conn.wait_closed()
-
-    upstream = Upstream([poisoned, poisoned, sends(msg(4))])
 
     async def on_frame(f: UpstreamFrame) -> None:
         got.append(f.seq)
-        sub.ack(f.seq)
+        if f.seq <= 3:
+            sub.ack(f.seq)
 
+    first, dropping = replay(frames), replay(frames, hold=False)
+    upstream = Upstream([first, dropping, replay(frames), replay(frames)])
     async with upstream as url:
-        sub = HostSubscriber(url, on_frame, config=fast_config(),
-                             on_cursor_reset=lambda old, reason: resets.append((old, reason)))
-        await run_until(sub, lambda: got[-1:] == [4], timeout=20)
-    assert got == [1, 2, 4]
-    assert resets == [(2, "bad_header_cbor")] and upstream.cursors == [None, 2, None]
+        sub = HostSubscriber(url, on_frame, cursor=0, config=fast_config(max_message_bytes=HUGE_CAP))
+        await run_until(sub, lambda: len(got) == 13 and len(upstream.cursors) == 4, timeout=20)
+    assert upstream.cursors == [0, 6, 3, 6]
+    assert got == [1, 2, 3, 4, 5, 7, 8, 9, 4, 5, 7, 8, 9]
+    assert sub.cursor == 3 and sub.resets == 0 and sub.counters[Reason.FRAME_TOO_LARGE] == 2
 
 
 async def test_resolve_pins_the_connection_to_the_vetted_address() -> None:

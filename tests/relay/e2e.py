@@ -132,14 +132,26 @@ async def settled(relay: RunningRelay, upstream_url: str, timeout: float = 60.0)
                 f"the relay to read up to seq {target} from {hostname}", timeout=timeout)
     await upstreams.settle_read(hostname)
     return await relay.service.store.latest_seq()
-async def settle(fleet: Any, consumer: Consumer, timeout: float = 30.0, among: list[Any] | None = None) -> list[Any]:
+async def settle(fleet: Any, consumer: Consumer, timeout: float = 30.0, among: list[Any] | None = None,
+                 relay: RunningRelay | None = None) -> list[Any]:
     """End a "nothing else arrives" check on events, not on a sleep: a marker commit from every
-    host of ``fleet`` (``SimFleet.markers``), awaited on ``consumer``. Anything a host sent before
-    its marker that the relay passes on has arrived once the marker has. Returns the markers'
-    truth events (count them in what you expect)."""
+    active account of ``fleet`` (``SimFleet.markers``), awaited on ``consumer``. Anything such an
+    account sent before its marker that the relay passes on has arrived once the marker has. With
+    ``relay``, also wait until the relay has read and settled everything every host sent and the
+    consumer has the relay's latest seq (covers accounts that are not active). Returns the
+    markers' truth events (count them in what you expect)."""
     markers = await fleet.markers(among)
     revs = {t.rev for t in markers}
     await consumer.wait_for(lambda evs: revs <= {e.rev for e in evs if e.t == "#commit"}, timeout=timeout)
+    if relay is not None:
+        upstreams = relay.service.upstreams
+        assert upstreams is not None
+        for host in fleet.hosts:
+            await until(lambda host=host: (upstreams.last_read(host.hostname) or 0) >= host.published_seq,
+                        f"the relay to read {host.hostname}", timeout=timeout)
+            await upstreams.settle_read(host.hostname)
+        latest = await relay.service.store.latest_seq()
+        await consumer.wait_for(lambda evs: bool(evs) and evs[-1].seq >= latest, timeout=timeout)
     return markers
 
 

@@ -217,7 +217,7 @@ async def test_consumer_accounting_counts_batched_frames(relay_factory) -> None:
         for _ in range(6):  # 12 #account events in the store
             await http.post(f"/admin/accounts/{DID_A}/takedown", headers=auth)
             await http.post(f"/admin/accounts/{DID_A}/reverse-takedown", headers=auth)
-        async with connect(relay.ws_url + "?cursor=1") as ws:
+        async with connect(relay.ws_url + "?cursor=0") as ws:
             frames = [await asyncio.wait_for(ws.recv(), 5) for _ in range(12)]
             assert [_decode(f)[1]["seq"] for f in frames] == list(range(1, 13))
             consumers = (await http.get("/admin/consumers", headers=auth)).json()["consumers"]

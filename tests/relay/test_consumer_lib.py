@@ -36,7 +36,7 @@ async def test_verified_events_and_resume_without_gap(relay_factory, tmp_path) -
                         first.done(ev)
                         if len(got) == 20:
                             break
-            assert await store.load() == got[-1].seq + 1
+            assert await store.load() == got[-1].seq  # the last seq applied: the stream resumes after it
             commits = [e for e in got if e.kind == "#commit"]
             assert commits and all(e.verdict is not None and e.verdict.kind == "accept" for e in commits)
             await fleet.generate(10)
@@ -50,6 +50,7 @@ async def test_verified_events_and_resume_without_gap(relay_factory, tmp_path) -
                         if len(got) == want:
                             break
             assert [e.seq for e in got] == list(range(1, want + 1))  # no gap, no duplicate
+            assert second.duplicates_dropped == 0  # resuming after the saved seq: the relay resent nothing
             # a tampered commit does not verify
             raw = bytearray(commits[-1].raw)
             raw[-10] ^= 0xFF

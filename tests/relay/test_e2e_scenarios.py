@@ -29,7 +29,7 @@ from websockets.http11 import Response as WsResponse
 
 from firehose.frames import encode_frame
 from mst.datamodel import json_to_data
-from tests.firehose.scenario_cases import CASE_NAMES, MODES, Case, cases
+from tests.firehose.scenario_cases import MODES, RELAY_CASE_NAMES, Case, cases
 from tests.relay.conftest import RunningRelay
 from tests.relay.e2e import Consumer, crawl, metric_value
 from tests.relay.helpers import serve_asgi
@@ -168,9 +168,9 @@ async def _play(case: Case, mode: str, relay_factory, *, lenient: bool, host_len
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("name", CASE_NAMES)
+@pytest.mark.parametrize("name", RELAY_CASE_NAMES)
 async def test_indigo_scenario(name: str, mode: str, fixtures_dir: Path, relay_factory) -> None:  # type: ignore[no-untyped-def]
-    """Each scenario (indigo's two, and their sync 1.0 variants) in strict and in lenient mode."""
+    """Each scenario (indigo's two, their sync 1.0 variants and the chain gaps) in strict and in lenient mode."""
     case = cases(fixtures_dir)[name]
     await _play(case, mode, relay_factory, lenient=mode == "lenient")
 

@@ -32,7 +32,7 @@ async def test_valid_events_exactly_once_invalid_absent(relay_factory, database_
                 invalid = [t for t in fleet.ground_truth if t.verdict == "reject"]
                 assert invalid, "the fault modes produced no invalid events"
                 await consumer.wait_for(lambda evs: len(evs) >= len(valid))
-                valid += await settle(fleet, consumer)  # a straggler (duplicate, invalid) comes before these
+                valid += await settle(fleet, consumer, relay=relay)  # a straggler (duplicate, invalid) comes before these
                 expected = Counter(key_of(t.kind, t.did, t.rev) for t in valid)
                 got = Counter(key_of(e.t, e.did, e.rev) for e in consumer.events)
                 assert got == expected
@@ -49,7 +49,7 @@ async def test_valid_events_exactly_once_invalid_absent(relay_factory, database_
                 # a reconnecting consumer with a cursor gets exactly the tail, gap-free
                 middle = consumer.events[len(consumer.events) // 2].seq
             async with Consumer(relay.ws_url, cursor=middle) as again:
-                tail = [e for e in consumer.events if e.seq >= middle]
+                tail = [e for e in consumer.events if e.seq > middle]
                 await again.wait_for(lambda evs: len(evs) >= len(tail))
                 assert [e.seq for e in again.events[:len(tail)]] == [e.seq for e in tail]
     finally:
@@ -112,7 +112,7 @@ async def test_accounts_over_limit_are_held_then_resynced(relay_factory) -> None
                 allowed = {a.did for a in fleet.accounts} - set(held)
                 expected = [t for t in fleet.ground_truth if t.verdict == "accept" and t.did in allowed]
                 await consumer.wait_for(lambda evs: len(evs) >= len(expected))
-                await settle(fleet, consumer, among=[a for a in fleet.accounts if a.did in allowed])
+                await settle(fleet, consumer, among=[a for a in fleet.accounts if a.did in allowed], relay=relay)
                 assert {e.did for e in consumer.events} == allowed, [(e.t, e.did[-4:]) for e in consumer.events]
                 for did in held:
                     r = await http.get("/xrpc/com.atproto.sync.getRepoStatus", params={"did": did})
@@ -162,7 +162,7 @@ async def test_fault_mix_delivers_exactly_the_valid_events(relay_factory) -> Non
                 assert len(faults) >= 3, faults
                 with contextlib.suppress(AssertionError):  # the comparison below says what is missing
                     await consumer.wait_for(lambda evs: len(evs) >= len(valid), timeout=45)
-                    valid += await settle(fleet, consumer)  # a straggler would come before these
+                    valid += await settle(fleet, consumer, relay=relay)  # a straggler would come before these
             got = Counter(key_of(e.t, e.did, e.rev) for e in consumer.events)
             expected = Counter(key_of(t.kind, t.did, t.rev) for t in valid)
             missing = [(t.kind, t.did[-6:], t.rev, t.fault, t.host) for t in valid
@@ -194,7 +194,7 @@ async def test_key_rotation_and_migration(relay_factory) -> None:  # type: ignor
                 valid = [t for t in fleet.ground_truth if t.verdict == "accept"]
                 with contextlib.suppress(AssertionError):
                     await consumer.wait_for(lambda evs: len(evs) >= len(valid))
-                    valid += await settle(fleet, consumer)  # a straggler would come before these
+                    valid += await settle(fleet, consumer, relay=relay)  # a straggler would come before these
             got = Counter(key_of(e.t, e.did, e.rev) for e in consumer.events)
             assert got == Counter(key_of(t.kind, t.did, t.rev) for t in valid)
             assert any(e.t == "#identity" and e.did == rotated.did for e in consumer.events[4:])

@@ -269,34 +269,75 @@ async def test_require_hello_waits_for_the_first_options_update(relay_factory, s
             same(client.events(), filtered)
 
 
-async def test_zstd_round_trip_with_the_served_dictionary(relay_factory, sim) -> None:  # type: ignore[no-untyped-def]
+async def test_zstd_round_trip_with_jetstreams_dictionary(relay_factory, sim, fixtures_dir) -> None:  # type: ignore[no-untyped-def]
+    """``compress=true`` (and ``Socket-Encoding: zstd``) is what every Jetstream client expects:
+    each message one zstd frame made with Jetstream's dictionary (id 1612007021), read here with
+    the copy such a client bundles (the shared fixture, not what the relay serves)."""
+    import zstandard
+
+    bundled = (fixtures_dir / "jetstream" / "legacy_subscribe.zdict").read_bytes()
     async with running(relay_factory, sim) as relay:
-        await started(relay, sim, 30)
-        async with httpx.AsyncClient(base_url=relay.url) as http:
-            r = await http.get("/subscribe/zstd-dictionary")
-        assert r.status_code == 200 and len(r.content) > 1000
-        dictionary = r.content
-        dict_id = int(r.headers["x-zstd-dictionary-id"])
+        await started(relay, sim, 80)
         want = await expected_messages(relay)
-        raw: list[bytes] = []
-        async with jet(relay, dictionary, cursor="0", compress="true") as query, \
-                jet(relay, dictionary, headers={"Socket-Encoding": "zstd"}, cursor="0") as header:
+        assert len(want) >= 100
+        async with jet(relay, bundled, cursor="0", compress="true") as query, \
+                jet(relay, bundled, headers={"Socket-Encoding": "zstd"}, cursor="0") as header:
             await until(lambda: len(query.events()) >= len(want) and len(header.events()) >= len(want))
             same(query.events(), want)
             same(header.events(), want)
             assert query.binary == len(want) and query.text == 0
-        # each message is one zstd frame naming the dictionary
+        raw: list[bytes] = []
         async with connect(relay.url.replace("http://", "ws://") + "/subscribe?cursor=0&compress=true") as ws:
-            for _ in range(5):
+            for _ in range(100):
                 data = await ws.recv()
                 assert isinstance(data, bytes)
                 raw.append(data)
-        import zstandard
-
-        for data in raw:
-            assert zstandard.get_frame_parameters(data).dict_id == dict_id
+        assert {zstandard.get_frame_parameters(data).dict_id for data in raw} == {1612007021}
         with pytest.raises(zstandard.ZstdError):
             zstandard.ZstdDecompressor().decompress(raw[0])  # not readable without the dictionary
+        async with httpx.AsyncClient(base_url=relay.url) as http:
+            served = await http.get("/subscribe/zstd-dictionary")
+            by_id = await http.get("/xrpc/network.bsky.jetstream.getZstdDictionary", params={"id": "1612007021"})
+        assert served.content == bundled and served.headers["x-zstd-dictionary-id"] == "1612007021"
+        assert by_id.status_code == 200 and by_id.content == bundled
+
+
+async def test_the_relays_own_dictionary_is_an_opt_in_by_id(relay_factory, sim) -> None:  # type: ignore[no-untyped-def]
+    """As Jetstream's newer protocol: fetch the current dictionary (by id, or without one), then
+    ask for it with ``zstdDictionary=<id>``; an unknown id is refused before the upgrade."""
+    import zstandard
+
+    async with running(relay_factory, sim) as relay:
+        await started(relay, sim, 20)
+        want = await expected_messages(relay)
+        path = "/xrpc/network.bsky.jetstream.getZstdDictionary"
+        async with httpx.AsyncClient(base_url=relay.url) as http:
+            current = await http.get(path)
+            own_id = int(current.headers["x-zstd-dictionary-id"])
+            again = await http.get(path, params={"id": str(own_id)})
+            missing = await http.get(path, params={"id": "5"})
+            bad = await http.get(path, params={"id": "x"})
+        assert current.status_code == 200 and own_id not in (0, 1612007021)
+        assert again.content == current.content and "immutable" in again.headers["cache-control"]
+        assert missing.status_code == 400 and missing.json()["error"] == "DictionaryNotFound"
+        assert str(own_id) in missing.json()["message"]
+        assert bad.status_code == 400 and bad.json()["error"] == "InvalidRequest"
+        async with jet(relay, current.content, cursor="0", zstdDictionary=str(own_id)) as client:
+            await until(lambda: len(client.events()) >= len(want))
+            same(client.events(), want)
+            assert client.binary == len(want) and client.text == 0
+        async with connect(relay.url.replace("http://", "ws://") + f"/subscribe?cursor=0&zstdDictionary={own_id}") as ws:
+            data = await ws.recv()
+            assert isinstance(data, bytes) and zstandard.get_frame_parameters(data).dict_id == own_id
+        with pytest.raises(InvalidStatus) as info:
+            async with connect(relay.url.replace("http://", "ws://") + "/subscribe?zstdDictionary=5"):
+                pass
+        assert info.value.response.status_code == 400
+        refusal = json.loads(info.value.response.body)
+        assert refusal["error"] == "UnknownZstdDictionary" and str(own_id) in refusal["message"]
+        async with httpx.AsyncClient(base_url=relay.url) as http:
+            metrics = (await http.get("/metrics")).text
+        assert 'relay_jetstream_total{event="refused_unknown_zstd_dictionary"} 1.0' in metrics
 
 
 @pytest.mark.parametrize("query, reason", [
@@ -352,3 +393,19 @@ async def test_identity_and_account_events_pass_collection_filters(relay_factory
             last = [m for m in client.events() if m["did"] == account.did][-1]
             assert last["kind"] == "account" and last["account"]["active"] is False
             assert last["account"]["status"] == "deactivated"
+
+
+async def test_a_deeply_nested_options_update_closes_with_the_reason_and_is_counted(relay_factory, sim) -> None:  # type: ignore[no-untyped-def]
+    """A 5,000-deep JSON array in an ``options_update`` is a typed refusal (close 1008 with the
+    reason, counted), not a crash of the connection's reader."""
+    async with running(relay_factory, sim) as relay:
+        async with jet(relay) as client:
+            nested = "[" * 5000 + "]" * 5000
+            await client.ws.send('{"type": "options_update", "payload": {"wantedCollections": ' + nested + "}}")
+            await until(lambda: client.closed is not None)
+        assert client.closed is not None and client.closed.rcvd is not None
+        assert client.closed.rcvd.code == 1008 and "jetstream_bad_message" in client.closed.rcvd.reason
+        assert "nested too deeply" in client.closed.rcvd.reason
+        async with httpx.AsyncClient(base_url=relay.url) as http:
+            metrics = (await http.get("/metrics")).text
+        assert 'relay_jetstream_total{event="closed_jetstream_bad_message"} 1.0' in metrics

@@ -1,10 +1,13 @@
-"""A real, published Jetstream client against ``GET /subscribe``: ``@skyware/jetstream`` (npm, pinned
-in ``tests/js/package.json``/``package-lock.json``; ``./run test`` installs it with ``npm ci``),
-driven by ``tests/js/skyware_client.mjs`` in Node against an in-process relay fed by the simulator.
+"""Real, published Jetstream clients against ``GET /subscribe``: ``@skyware/jetstream`` and
+``@atcute/jetstream`` (npm, pinned in ``tests/js/package.json``/``package-lock.json``; ``./run
+test`` installs them with ``npm ci``), driven by ``tests/js/skyware_client.mjs`` and
+``tests/js/atcute_client.mjs`` in Node against an in-process relay fed by the simulator.
 
-The client is used unmodified, as its README shows for Node.js. It has no compressed mode (it
-never asks for ``compress=true`` and parses every message as JSON text), so zstd is tested with the
-independent decoder in ``test_jetstream.py`` only. Expectations come from
+The clients are used unmodified, as their READMEs show for Node.js; ``@atcute/jetstream`` checks
+every message against its own schema (a string ``handle`` in every identity event, among others).
+Neither has a compressed mode (they never ask for ``compress=true`` and parse every message as
+JSON text), so zstd is tested in ``test_jetstream.py`` (the independent decoder, and Jetstream's
+own dictionary). Expectations come from
 ``tests.relay.jetstream_oracle`` (the Jetstream documentation applied to the relay's own
 ``subscribeRepos`` frames), never from the relay's conversion code.
 """
@@ -32,6 +35,7 @@ from tests.waiting import until, until_async
 
 JS_DIR = Path(__file__).resolve().parent.parent / "js"
 SCRIPT = JS_DIR / "skyware_client.mjs"
+ATCUTE_SCRIPT = JS_DIR / "atcute_client.mjs"
 EVENT_TYPES = ("commit", "identity", "account")
 
 
@@ -69,12 +73,29 @@ class SkywareClient:
 
 @contextlib.asynccontextmanager
 async def skyware(relay: RunningRelay, **options: Any) -> AsyncIterator[SkywareClient]:
+    """``@skyware/jetstream``: its endpoint is the full ``/subscribe`` URL."""
+    options["endpoint"] = relay.url.replace("http://", "ws://") + "/subscribe"
+    async with node_client(SCRIPT, "@skyware/jetstream", options) as client:
+        yield client
+
+
+@contextlib.asynccontextmanager
+async def atcute(relay: RunningRelay, **options: Any) -> AsyncIterator[SkywareClient]:
+    """``@atcute/jetstream`` (``tests/js/atcute_client.mjs``): its endpoint is the relay's base URL;
+    a message its schema refuses is a line of type ``invalid``."""
+    options["endpoint"] = relay.url.replace("http://", "ws://")
+    async with node_client(ATCUTE_SCRIPT, "@atcute/jetstream", options) as client:
+        yield client
+        assert not [line for line in client.lines if line["type"] == "invalid"], client.lines
+
+
+@contextlib.asynccontextmanager
+async def node_client(script: Path, package: str, options: dict[str, Any]) -> AsyncIterator[SkywareClient]:
     node = shutil.which("node")
     assert node is not None, "Node.js is required (./run test installs it with the npm packages)"
-    assert (JS_DIR / "node_modules" / "@skyware" / "jetstream").is_dir(), \
+    assert (JS_DIR / "node_modules" / package).is_dir(), \
         "tests/js/node_modules is missing: ./run test installs it (npm ci in tests/js)"
-    options["endpoint"] = relay.url.replace("http://", "ws://") + "/subscribe"
-    proc = await asyncio.create_subprocess_exec(node, str(SCRIPT), json.dumps(options), cwd=JS_DIR,
+    proc = await asyncio.create_subprocess_exec(node, str(script), json.dumps(options), cwd=JS_DIR,
                                                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
                                                 stderr=asyncio.subprocess.PIPE, limit=1 << 24)
     client = SkywareClient(proc)
@@ -206,3 +227,22 @@ async def test_update_options_changes_the_filters_of_the_live_connection(relay_f
             assert after
             await until(lambda: len(client.events()) >= len(likes) + len(after), "the new filter's messages", timeout=30)
             assert stripped(client.events()) == stripped(likes + after)
+
+
+async def test_atcute_client_accepts_every_message_replayed_and_live(relay_factory, sim) -> None:  # type: ignore[no-untyped-def]
+    """``@atcute/jetstream`` validates each event against its schema: every message of the window
+    and of the live stream passes (identity events carry a string handle, ``handle.invalid`` when
+    the relay has none), in order, no gap, no duplicate."""
+    async with running(relay_factory, sim) as relay:
+        await started(relay, sim, 20)
+        async with atcute(relay, cursor=0) as client:
+            await generate(relay, sim, 20)  # live while connected
+            want = await expected_messages(relay)
+            identities = [m for m in want if m["kind"] == "identity"]
+            assert identities and any(m["identity"]["handle"] == "handle.invalid" for m in identities)
+            await until(lambda: len(client.events()) >= len(want), "every message", timeout=30)
+            assert stripped(client.events()) == stripped(want)
+            assert all(isinstance(m["identity"]["handle"], str) for m in client.of("identity"))
+            times = await stored_times(relay)
+            await client.command("cursor")
+            assert [line["cursor"] for line in client.lines if line["type"] == "cursor"] == [max(times.values())]

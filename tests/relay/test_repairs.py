@@ -81,7 +81,7 @@ async def test_a_job_run_while_the_relay_is_behind_never_costs_a_commit(relay_fa
             queue_sync_repairs(jobdb, "job-1", [sync_repair(a, stored_account(db, a.did), observed),
                                                 sync_repair(b, stored_account(db, b.did), observed)])
 
-        async with relay_factory(**settings) as relay, Consumer(relay.ws_url, cursor=last_seq + 1) as consumer:
+        async with relay_factory(**settings) as relay, Consumer(relay.ws_url, cursor=last_seq) as consumer:
             first = await relay.service.apply_repairs()
             assert first is not None and (first.consumed, first.deferred) == (0, 2)  # not caught up yet
             await a.host.start(port=port_a)

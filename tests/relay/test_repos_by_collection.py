@@ -79,5 +79,9 @@ async def test_table_matches_a_full_walk_of_every_repository(relay_factory, data
                 r = await http.get("/xrpc/com.atproto.sync.listReposByCollection",
                                    params={"collection": collections[0], "limit": "2001"})
                 assert r.status_code == 400
+                # a query: POST (or any method but GET/HEAD) is refused as the wrong method
+                r = await http.post("/xrpc/com.atproto.sync.listReposByCollection",
+                                    params={"collection": collections[0]})
+                assert r.status_code == 405 and r.json()["error"] == "MethodNotAllowed"
     finally:
         await fleet.stop()

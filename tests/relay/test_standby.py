@@ -44,7 +44,7 @@ async def test_standby_ingest_waits_healthy_then_takes_over(pg_dsn: str, redis_u
             await crawl(first.url, fleet.hosts[0].hostname)
             await fleet.generate(15)
             before = [t for t in fleet.ground_truth if t.verdict == "accept"]
-            async with Consumer(first.ws_url, cursor=1) as consumer:
+            async with Consumer(first.ws_url, cursor=0) as consumer:
                 await consumer.wait_for(lambda evs: len(evs) >= len(before))
 
             await second.start(state="standby")
@@ -76,7 +76,7 @@ async def test_standby_ingest_waits_healthy_then_takes_over(pg_dsn: str, redis_u
             await fleet.generate(15)
             truth = [t for t in fleet.ground_truth if t.verdict == "accept"]
             assert len(truth) > len(before)
-            async with Consumer(second.ws_url, cursor=1) as consumer:
+            async with Consumer(second.ws_url, cursor=0) as consumer:
                 await consumer.wait_for(lambda evs: len(evs) >= len(truth))
             check_stream(consumer.events)
             assert [e.seq for e in consumer.events] == list(range(1, len(consumer.events) + 1))

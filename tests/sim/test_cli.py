@@ -10,7 +10,8 @@ from pathlib import Path
 import httpx
 
 from firehose.frames import decode_frame
-from relay.sim.cli import main, parse_faults
+from relay.sim.cli import build_parser, main, parse_faults
+from relay.sim.weather import Delay
 from tests.sim.harness import read_frames
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,13 +22,15 @@ def test_fault_spec_parsing() -> None:
                                                                (1, "slow", 0.5)]
     assert main(["--faults", "gremlins=1"]) == 2
     assert main(["--hosts", "1", "--faults", "slow=0.1@3"]) == 2
+    weather = build_parser().parse_args(["--plc-delay", "0.05/3", "--handle-delay", "2", "--dns"])
+    assert (weather.plc_delay, weather.handle_delay, weather.dns) == (Delay.tail(0.05, 3.0), Delay.fixed(2.0), True)
 
 
 async def test_simulate_process_serves_hosts_and_plc(tmp_path: Path) -> None:
     truth_file = tmp_path / "truth.jsonl"
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "relay.cli", "simulate", "--hosts", "2", "--accounts", "3", "--rate", "40",
-        "--duration", "60", "--faults", "bad_signature=0.3@0", "--truth", str(truth_file),
+        "--duration", "60", "--faults", "bad_signature=0.3@0", "--truth", str(truth_file), "--dns", "--plc-delay", "0.01",
         cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )
     try:
@@ -40,6 +43,7 @@ async def test_simulate_process_serves_hosts_and_plc(tmp_path: Path) -> None:
         plc = next(x.split()[1] for x in lines if x.startswith("PLC "))
         hosts = [x.split()[1] for x in lines if x.startswith("HOST ")]
         assert len(hosts) == 2
+        assert any(x.startswith("DNS 127.0.0.1:") for x in lines), lines
         frames, _ = await read_frames(hosts[0], 0, count=20, limit=15)
         bodies = [decode_frame(f).body for f in frames]
         assert len(bodies) >= 9 and [b["seq"] for b in bodies] == list(range(1, len(bodies) + 1))

@@ -48,7 +48,9 @@ async def test_cursor_rules() -> None:
         frames, _ = await read_frames(host.url, 0)
         assert _seqs(frames) == list(range(1, top + 1))  # cursor 0: whole window
         frames, _ = await read_frames(host.url, 10)
-        assert _seqs(frames) == list(range(10, top + 1))  # seq >= cursor (I-D 4.3)
+        assert _seqs(frames) == list(range(11, top + 1))  # seq > cursor, as the PDS and Bluesky's relay
+        frames, _ = await read_frames(host.url, top, idle=0.3)
+        assert frames == []  # the latest seq: nothing yet, then live
         frames, closed = await read_frames(host.url, top + 5)
         first = decode_frame(frames[0])
         assert first.op == -1 and first.body["error"] == "FutureCursor" and closed

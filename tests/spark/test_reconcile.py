@@ -116,3 +116,84 @@ def test_compare_entry_rejects_malformed_listing_entries() -> None:
     bad_rev = {"did": stored.did, "head": "bafyreib", "rev": "not-a-tid"}
     assert compare_entry("h", bad_rev, stored).reason == "bad_rev"
     assert compare_entry("h", {"did": "nope", "head": "bafyreib", "rev": "3kabcdefghij2"}, None).reason == "bad_did"
+
+
+def _collections_view(url: str, collections: list[str]) -> tuple[dict[str, dict[str, int]], dict[str, list[str]]]:
+    """(did → stored counts, collection → listReposByCollection's DIDs) as the relay serves them."""
+    from backfill.store import open_store
+
+    async def read() -> tuple[dict[str, dict[str, int]], dict[str, list[str]]]:
+        store = await open_store(url)
+        try:
+            dids = [a.did for a in await store.list_accounts(limit=1000)]
+            counts = {did: await store.collection_counts(did) for did in dids}
+            listed = {c: await store.list_repos_by_collection(c, None, 1000) for c in collections}
+            return counts, listed
+        finally:
+            await store.close()
+
+    return asyncio.run(read())
+
+
+def _sequence_deltas(url: str, deltas: list[tuple[str, str, int, int]]) -> None:
+    """What the sequencer writes for ops it saw (``(collection, did, delta, floor)``)."""
+    from backfill.store import BatchWrite, open_store
+
+    async def write() -> None:
+        store = await open_store(url)
+        try:
+            lease = await store.acquire_writer(wait=True, timeout=10)
+            try:
+                hw = await lease.high_water()
+                await lease.commit_batch(BatchWrite(hw, hw, collection_deltas=deltas))
+            finally:
+                await lease.release()
+        finally:
+            await store.close()
+
+    asyncio.run(write())
+
+
+def test_one_reconcile_run_makes_list_repos_by_collection_equal_a_full_walk(
+        spark_session: Any, fleet: FleetThread, relay_db: str) -> None:
+    """The relay followed these accounts from mid-history: its counts are lower bounds (records
+    older than the relay never counted; one account deleted a record the relay never saw; one
+    holds a row for a collection it has emptied). One reconcile run walks every account whose
+    counts are not exact and installs the truth: the listing then equals a full walk of every
+    repository, 0 missing, 0 extra; a second run walks nothing."""
+    from collections import Counter
+
+    seed_relay(relay_db, fleet)
+    accounts = fleet.fleet.accounts
+    truth = fleet.call(lambda: {a.did: dict(Counter(p.partition("/")[0] for p in a.repo.records()))
+                                for a in accounts})
+    collections = sorted({c for counts in truth.values() for c in counts} | {"com.example.emptied"})
+    first, second, third = accounts[0].did, accounts[1].did, accounts[2].did
+    held = sorted(truth[second])[0]
+    _sequence_deltas(relay_db, [
+        (sorted(truth[first])[0], first, 1, 1),  # one create seen, the older records not
+        (held, second, 1, 1), ("com.example.emptied", third, 2, 1),
+    ])
+    _sequence_deltas(relay_db, [(held, second, -2, 0)])  # deletes of records the relay never saw
+    counts, listed = _collections_view(relay_db, collections)
+    assert second in listed[held]  # a lower bound: never dropped while it may hold records
+    assert any(counts[did] != truth[did] for did in truth)  # not the truth yet
+
+    summary = run_reconcile(spark_session, job_config(relay_db, fleet))
+
+    walked: dict[str, int] = {}
+    for per_host in summary["collections"].values():
+        for what, n in per_host.items():
+            walked[what] = walked.get(what, 0) + n
+    assert walked == {"counted": len(accounts)}
+    counts, listed = _collections_view(relay_db, collections)
+    assert counts == truth
+    for collection in collections:
+        assert listed[collection] == sorted(did for did, c in truth.items() if c.get(collection, 0) > 0), collection
+    # exact from now on: a delete of the last record in a collection takes the account out of it
+    only = next((did, c) for did, cs in truth.items() for c, n in cs.items() if n == 1)
+    _sequence_deltas(relay_db, [(only[1], only[0], -1, 0)])
+    assert only[0] not in _collections_view(relay_db, [only[1]])[1][only[1]]
+
+    again = run_reconcile(spark_session, job_config(relay_db, fleet))
+    assert all(per_host == {} for per_host in again["collections"].values())

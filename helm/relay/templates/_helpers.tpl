@@ -44,8 +44,10 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 
 {{/* Environment shared by every relay container: secrets by reference, the rest from the
-     ConfigMap (every RELAY_* setting of relay/config.py is a key of .Values.config). */}}
-{{- define "relay.env" -}}
+     ConfigMap (every RELAY_* setting of relay/config.py is a key of .Values.config).
+     "relay.storeEnv" (the Spark jobs) has the database and Redis but not the admin token, which
+     only the ingest and fan-out serve; "relay.env" (ingest, fan-out) adds it. */}}
+{{- define "relay.storeEnv" -}}
 - name: RELAY_DATABASE_URL
   valueFrom:
     secretKeyRef:
@@ -56,13 +58,48 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
     secretKeyRef:
       name: {{ include "relay.secretName" . }}
       key: {{ .Values.secrets.keys.redisUrl }}
+{{- with .Values.extraEnv }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{- define "relay.env" -}}
 - name: RELAY_ADMIN_TOKEN
   valueFrom:
     secretKeyRef:
       name: {{ include "relay.secretName" . }}
       key: {{ .Values.secrets.keys.adminToken }}
-{{- with .Values.extraEnv }}
-{{ toYaml . }}
+{{ include "relay.storeEnv" . }}
+{{- end -}}
+
+{{/* A workload's affinity: its own `affinity` when given; otherwise, with `podAntiAffinity`
+     "preferred" or "required", its pods spread over nodes (kubernetes.io/hostname). Call with
+     (dict "root" $ "component" "fanout" "values" .Values.fanout). */}}
+{{- define "relay.affinity" -}}
+{{- $ := .root -}}
+{{- $v := .values -}}
+{{- if $v.affinity }}
+affinity: {{- toYaml $v.affinity | nindent 2 }}
+{{- else if eq ($v.podAntiAffinity | default "") "preferred" }}
+affinity:
+  podAntiAffinity:
+    preferredDuringSchedulingIgnoredDuringExecution:
+      - weight: 100
+        podAffinityTerm:
+          topologyKey: kubernetes.io/hostname
+          labelSelector:
+            matchLabels: {{- include "relay.selectorLabels" $ | nindent 14 }}
+              app.kubernetes.io/component: {{ .component }}
+{{- else if eq ($v.podAntiAffinity | default "") "required" }}
+affinity:
+  podAntiAffinity:
+    requiredDuringSchedulingIgnoredDuringExecution:
+      - topologyKey: kubernetes.io/hostname
+        labelSelector:
+          matchLabels: {{- include "relay.selectorLabels" $ | nindent 12 }}
+            app.kubernetes.io/component: {{ .component }}
+{{- else if $v.podAntiAffinity }}
+{{- fail (printf "%s.podAntiAffinity must be preferred, required or empty (got %q)" .component $v.podAntiAffinity) }}
 {{- end }}
 {{- end -}}
 

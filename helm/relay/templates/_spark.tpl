@@ -17,7 +17,7 @@ spec:
       command: ["relay"]
       args: {{ concat (list "spark" .job "--no-progress") (.args | default list) | toJson }}
       env:
-        {{- include "relay.env" $ | nindent 8 }}
+        {{- include "relay.storeEnv" $ | nindent 8 }}
         - {name: HOME, value: /tmp}
         - {name: SPARK_LOCAL_DIRS, value: /tmp/spark}
         - {name: JAVA_TOOL_OPTIONS, value: "-Djava.io.tmpdir=/tmp"}

@@ -1,0 +1,304 @@
+"""Weather: the relay against a network-like fleet — many hosts, many first-seen accounts, slow
+identity lookups with a realistic tail and a share of misbehaving hosts.
+
+Simulator (this process: every host, the PLC directory, the load) → ``relay serve`` (child
+process, SQLite by default) → one consumer (this process). Shape (defaults): ``--hosts`` 1,000
+hosts, ``--accounts`` 100,000 accounts in all, every one first seen by the relay (each host's
+backlog holds each account's ``#identity``, ``#account`` and first ``#commit``); DID documents
+and handle checks (``--handle-resolver-url`` = the PLC directory) answer with a log-normal delay,
+p50 ``--identity-p50`` / p99 ``--identity-p99`` (50 ms / 3 s); ``--misbehaving`` (5 %) of the
+hosts each have one kind of weather, in turn: unreadable frames (one in the middle of the
+backlog, then 2 % of the frames), handle domains that never
+answer, a getRepo failing (500) while accounts lose commits (broken chains), bad signatures, key
+rotations, dropped connections. Commits flow at ``--rate`` per second for ``--minutes``; then the
+weather clears (faults off, getRepo healed) and every account of a misbehaving host, plus one of
+every host, posts a last commit (the markers).
+
+Measured, each printed as a ``RESULT`` line:
+
+* ``weather_healthy_delay_p50_s`` / ``_p99_s`` / ``_max_s``: from the simulator sending a commit
+  of an account of a well-behaved host during the run to the consumer receiving it (goal: p99
+  ≤ 2 s);
+* ``weather_commits_lost``: valid commits (ground truth ``accept``) that never arrived, once the
+  markers have (or ``--settle`` s passed), not counting commits covered by a later ``#sync`` of
+  an account that was desynchronized (goal: 0); ``weather_commits_expected`` beside it, and
+  ``weather_commits_replaced_by_sync``: valid commits that did not arrive as themselves but are
+  covered by a later ``#sync`` (expected for the broken chains, not for skipped frames);
+* ``weather_accounts_frozen``: accounts of misbehaving hosts (and a sample of 1,000 others) that
+  the relay does not report ``active`` at the host's rev ``--settle`` s after the weather cleared
+  (goal: 0);
+* ``weather_relay_rss_mb``: the relay's peak RSS (main process and workers);
+* ``weather_caught_up_s``: from the crawl until every first commit of the backlog (one per
+  first-seen account, well-behaved hosts) was delivered; ``weather_full_speed_s``: from the crawl
+  until every later healthy commit arrived within 2 s of being sent (-1 if never).
+
+    .venv/bin/python bench/weather.py                                    # 1,000 hosts, 100,000 accounts
+    .venv/bin/python bench/weather.py --hosts 20 --accounts 400 --minutes 0.3   # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import resource
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import httpx  # noqa: E402
+
+from bench._common import PG_DSN, load_average, metric_sum, note, relay, result  # noqa: E402
+from relay.sim import Delay, HandleWeather, SimConfig, SimFleet, TruthEvent  # noqa: E402
+from relay.sim.fleet import SimAccount  # noqa: E402
+
+#: the weather kinds of misbehaving hosts, assigned in turn
+KINDS = ("unreadable", "silent_handles", "getrepo_failing", "bad_signature", "key_rotation", "disconnect")
+HEALTHY_BOUND = 2.0
+
+
+@dataclass
+class Arrivals:
+    """What the consumer received: ``#commit`` (did, rev) → receive time; ``#sync`` revs by DID."""
+
+    commits: dict[tuple[str, str], float] = field(default_factory=dict)
+    duplicates: int = 0
+    syncs: dict[str, str] = field(default_factory=dict)
+    frames: int = 0
+
+
+async def consume(url: str, arrivals: Arrivals, connected: asyncio.Event) -> None:
+    from websockets.asyncio.client import connect
+
+    from firehose.frames import decode_frame
+
+    async with connect(url, max_size=None, compression=None, open_timeout=30, ping_interval=None) as ws:
+        connected.set()
+        async for msg in ws:
+            now = time.time()
+            arrivals.frames += 1
+            head = bytes(msg[:24])
+            if b"#commit" in head:
+                body = decode_frame(msg, strict=False).body  # type: ignore[arg-type]
+                key = (body["repo"], body["rev"])
+                if key in arrivals.commits:
+                    arrivals.duplicates += 1
+                else:
+                    arrivals.commits[key] = now
+            elif b"#sync" in head:
+                body = decode_frame(msg, strict=False).body  # type: ignore[arg-type]
+                arrivals.syncs[body["did"]] = max(arrivals.syncs.get(body["did"], ""), body["rev"])
+
+
+def assign_weather(fleet: SimFleet, share: float, rng: random.Random) -> dict[int, str]:
+    """Give ``share`` of the hosts one kind of weather each; returns host index → kind."""
+    n = max(1, round(share * len(fleet.hosts))) if share > 0 else 0
+    chosen = rng.sample(range(len(fleet.hosts)), n)
+    kinds: dict[int, str] = {}
+    for i, index in enumerate(chosen):
+        kind = KINDS[i % len(KINDS)]
+        host = fleet.hosts[index]
+        kinds[index] = kind
+        if kind == "unreadable":
+            host.set_fault("unreadable", 0.02)
+        elif kind == "silent_handles":
+            for acct in host.accounts.values():
+                fleet.domains.weather[acct.handle] = HandleWeather(Delay.fixed(10.0), "silent")
+        elif kind == "getrepo_failing":
+            host.fail_repos("500")
+            host.set_fault("broken_chain", 0.05)
+        elif kind == "bad_signature":
+            host.set_fault("bad_signature", 0.05)
+        elif kind == "key_rotation":
+            host.set_fault("key_rotation", 0.02)
+        elif kind == "disconnect":
+            host.set_fault("disconnect", 0.02)
+    return kinds
+
+
+def clear_weather(fleet: SimFleet, kinds: dict[int, str], tail: Delay) -> None:
+    for index in kinds:
+        host = fleet.hosts[index]
+        for kind in list(host.faults):
+            host.set_fault(kind, 0.0)
+        host.heal_repos()
+        for acct in host.accounts.values():
+            fleet.domains.weather[acct.handle] = HandleWeather(tail)
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def full_speed_at(pairs: list[tuple[float, float]]) -> float | None:
+    """The earliest send time after which every commit arrived within the bound (None: never)."""
+    last_late = None
+    for sent, delay in pairs:
+        if delay > HEALTHY_BOUND:
+            last_late = sent
+    if last_late is None:
+        return pairs[0][0] if pairs else None
+    later = [s for s, _ in pairs if s > last_late]
+    return later[0] if later else None
+
+
+async def frozen_accounts(url: str, accounts: list[SimAccount]) -> list[str]:
+    """Accounts the relay does not report ``active`` at the host's current rev."""
+    frozen: list[str] = []
+    sem = asyncio.Semaphore(32)
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+        async def one(acct: SimAccount) -> None:
+            async with sem:
+                r = await http.get("/xrpc/com.atproto.sync.getRepoStatus", params={"did": acct.did})
+            body = r.json() if r.status_code == 200 else {}
+            if body.get("active") is not True or body.get("rev") != acct.repo.rev:
+                frozen.append(acct.did)
+
+        await asyncio.gather(*(one(a) for a in accounts if a.status == "active"))
+    return frozen
+
+
+async def run(a: argparse.Namespace) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # hosts + connections, here and in the relay
+    per_host = max(1, a.accounts // a.hosts)
+    tail = Delay.tail(a.identity_p50, a.identity_p99)
+    rng = random.Random(a.seed)
+    fleet = SimFleet(SimConfig(hosts=a.hosts, accounts_per_host=per_host, seed=a.seed, log_limit=2_000_000))
+    t = time.perf_counter()
+    await fleet.start()
+    note(f"weather: {a.hosts} hosts x {per_host} accounts up in {time.perf_counter() - t:.1f}s")
+    fleet.plc.delay = tail
+    for acct in fleet.accounts:
+        fleet.domains.weather[acct.handle] = HandleWeather(tail)
+    kinds = assign_weather(fleet, a.misbehaving, rng)
+    for index, kind in kinds.items():  # an unreadable frame in the middle of the backlog, too
+        if kind == "unreadable":
+            accounts = list(fleet.hosts[index].accounts.values())
+            await fleet.emit("unreadable", accounts[0])
+            await fleet.commit(accounts)
+    bad_hosts = {fleet.hosts[i].hostname for i in kinds}
+    note(f"weather: misbehaving hosts {len(kinds)}: {sorted(set(kinds.values()))}")
+    backlog_firsts = {(tr.did, tr.rev) for tr in fleet.ground_truth
+                      if tr.kind == "#commit" and tr.verdict == "accept" and tr.host not in bad_hosts and tr.rev}
+    database_url = f"{PG_DSN}?schema=bench_weather_{int(time.time())}" if a.db == "postgres" else None
+    arrivals = Arrivals()
+    peak_rss = 0
+    try:
+        async with relay(fleet.plc_url, database_url=database_url, extra=shlex.split(a.relay_args)) as r:
+            connected = asyncio.Event()
+            consumer = asyncio.create_task(consume(r.ws_url, arrivals, connected))
+            await asyncio.wait_for(connected.wait(), 30)
+
+            async def sample_rss() -> None:
+                nonlocal peak_rss
+                while True:
+                    peak_rss = max(peak_rss, r.rss())
+                    await asyncio.sleep(1.0)
+
+            sampler = asyncio.create_task(sample_rss())
+            t_crawl = time.time()
+            await r.crawl([h.hostname for h in fleet.hosts])
+            note(f"weather: crawled {a.hosts} hosts in {time.time() - t_crawl:.1f}s")
+            start_truth = len(fleet.ground_truth)
+            produced = await fleet.run(a.rate, a.minutes * 60)
+            live = fleet.ground_truth[start_truth:]
+            note(f"weather: {produced} commits produced at ~{a.rate}/s; backlog delivered "
+                 f"{sum(1 for k in backlog_firsts if k in arrivals.commits)}/{len(backlog_firsts)}")
+            clear_weather(fleet, kinds, tail)
+            closing = [acct for i in kinds for acct in fleet.hosts[i].accounts.values()]
+            markers = await fleet.commit([x for x in closing if x.status == "active"])
+            markers += await fleet.markers()
+            deadline = time.monotonic() + a.settle
+            while time.monotonic() < deadline and lost_commits(markers, arrivals):
+                await asyncio.sleep(0.5)
+            note(f"weather: markers {len(markers) - len(lost_commits(markers, arrivals))}/{len(markers)} arrived "
+                 f"(or were covered by a #sync)")
+            others = [x for x in fleet.accounts if x.host.hostname not in bad_hosts]
+            sample = rng.sample(others, min(1000, len(others)))
+            frozen = await frozen_accounts(r.url, closing + sample)
+            metrics = await r.metrics()
+            peak_rss = max(peak_rss, r.rss())
+            sampler.cancel()
+            consumer.cancel()
+            await asyncio.gather(sampler, consumer, return_exceptions=True)
+    finally:
+        await fleet.stop()
+    healthy_live = [tr for tr in live if tr.kind == "#commit" and tr.verdict == "accept" and tr.rev
+                    and tr.host not in bad_hosts]
+    pairs = sorted((tr.sent_at, arrivals.commits[(tr.did, tr.rev)] - tr.sent_at) for tr in healthy_live
+                   if tr.rev is not None and (tr.did, tr.rev) in arrivals.commits)
+    delays = [d for _, d in pairs]
+    lost = lost_commits(fleet.ground_truth, arrivals)
+    caught = [arrivals.commits[k] for k in backlog_firsts if k in arrivals.commits]
+    full = full_speed_at(pairs)
+    result("weather_hosts", a.hosts)
+    result("weather_accounts", len(fleet.accounts))
+    result("weather_misbehaving_hosts", len(kinds))
+    result("weather_healthy_commits_measured", len(delays))
+    result("weather_healthy_commits_missing", len(healthy_live) - len(delays))
+    result("weather_healthy_delay_p50_s", round(percentile(delays, 0.50), 3))
+    result("weather_healthy_delay_p99_s", round(percentile(delays, 0.99), 3))
+    result("weather_healthy_delay_max_s", round(max(delays, default=float("nan")), 3))
+    result("weather_commits_expected", sum(1 for tr in fleet.ground_truth if tr.kind == "#commit" and tr.verdict == "accept"))
+    result("weather_commits_lost", len(lost))
+    result("weather_commits_replaced_by_sync", len(undelivered_commits(fleet.ground_truth, arrivals)) - len(lost))
+    result("weather_commits_duplicated", arrivals.duplicates)
+    result("weather_accounts_frozen", len(frozen))
+    result("weather_relay_rss_mb", round(peak_rss / 1e6, 1))
+    result("weather_caught_up_s", round(max(caught) - t_crawl, 1) if len(caught) == len(backlog_firsts) else -1)
+    result("weather_full_speed_s", round(full - t_crawl, 1) if full is not None else -1)
+    result("weather_rejects", metric_sum(metrics, "relay_verdicts_total", kind="reject"))
+    result("weather_load_average", load_average())
+    if lost:
+        note(f"weather: lost e.g. {[(tr.host, tr.did[-6:], tr.fault) for tr in lost[:5]]}")
+    if delays:
+        note(f"weather: healthy delay mean {statistics.fmean(delays):.3f}s over {len(delays)} commits")
+
+
+def undelivered_commits(truth: list[TruthEvent], arrivals: Arrivals) -> list[TruthEvent]:
+    """Valid commits that did not arrive as ``#commit``."""
+    return [tr for tr in truth if tr.kind == "#commit" and tr.verdict == "accept" and tr.rev
+            and (tr.did, tr.rev) not in arrivals.commits]
+
+
+def lost_commits(truth: list[TruthEvent], arrivals: Arrivals) -> list[TruthEvent]:
+    """Valid commits not delivered and not covered by a ``#sync`` of the account at a later rev."""
+    return [tr for tr in truth if tr.kind == "#commit" and tr.verdict == "accept" and tr.rev
+            and (tr.did, tr.rev) not in arrivals.commits and tr.rev > arrivals.syncs.get(tr.did, "")]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hosts", type=int, default=1000)
+    p.add_argument("--accounts", type=int, default=100_000, help="accounts in all (spread over the hosts)")
+    p.add_argument("--minutes", type=float, default=5.0, help="length of the run with the weather")
+    p.add_argument("--rate", type=float, default=500.0, help="commits per second over the fleet")
+    p.add_argument("--misbehaving", type=float, default=0.05, help="share of misbehaving hosts")
+    p.add_argument("--identity-p50", type=float, default=0.05, help="DID and handle lookups: median, s")
+    p.add_argument("--identity-p99", type=float, default=3.0, help="DID and handle lookups: 99th percentile, s")
+    p.add_argument("--settle", type=float, default=120.0, help="seconds the markers may take after the weather")
+    p.add_argument("--db", choices=["sqlite", "postgres"], default="sqlite")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--relay-args", default="", help="extra `relay serve` options, e.g. '--identity-rate 1000'")
+    a = p.parse_args()
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:  # pragma: no cover
+        pass
+    asyncio.run(run(a))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""A host whose getRepo fails for a while: an account desynchronized by a broken chain cannot be
+repaired meanwhile; once getRepo works again the account is synced (within 60 s) and its later
+commits arrive. The other accounts of the host flow promptly all along."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+from relay.sim import SimConfig, TruthEvent
+from tests.waiting import until
+from tests.weather.harness import all_synced, assert_delivered, assert_prompt, commit_revs, crawl_all, weather
+
+#: getRepo answers for the broken account that fail before it works again (more than the 5
+#: attempts after which a relay that gives up stops retrying)
+FAILED_FETCHES = 6
+
+
+async def test_account_is_repaired_once_getrepo_works_again(tmp_path: Path) -> None:
+    async with weather(tmp_path, SimConfig(hosts=1, accounts_per_host=6, seed=63)) as (fleet, relay, consumer):
+        host = fleet.hosts[0]
+        victim, healthy = fleet.accounts[0], fleet.accounts[1:]
+        await crawl_all(relay, fleet)
+        first = commit_revs(await fleet.commit(fleet.accounts))
+        await until(lambda: first <= consumer.arrived.keys(), "every account's first commit")
+        host.fail_repos("500", dids={victim.did}, requests=FAILED_FETCHES)
+        broken = await fleet.emit("broken_chain", victim)
+        assert [t.verdict for t in broken] == ["desync"]
+        live: list[TruthEvent] = []
+        deadline = time.monotonic() + 45
+        while host.repo_failures_served < FAILED_FETCHES:  # the weather: both keep posting
+            assert time.monotonic() < deadline, (
+                f"the relay stopped fetching the desynchronized account's repository after "
+                f"{host.repo_failures_served} failed getRepo (the host fails {FAILED_FETCHES}, then works)")
+            live += await fleet.commit(healthy)
+            await fleet.commit([victim])
+            await asyncio.sleep(0.5)
+        await assert_prompt(consumer, live)
+        await all_synced(relay, fleet)
+        later = commit_revs(await fleet.commit([victim], 3))
+        await until(lambda: later <= consumer.arrived.keys(), "the repaired account's later commits")
+        await assert_delivered(fleet, consumer, covered=[victim])
+        assert any(e.t == "#sync" and e.did == victim.did for e in consumer.events)
