@@ -68,3 +68,45 @@ def test_help(capsys: pytest.CaptureFixture[str]) -> None:
         cli.main(["bootstrap", "--help"])
     assert exit_.value.code == 0
     assert "--export" in capsys.readouterr().out
+
+
+async def test_an_interrupted_download_resumes_with_a_range_request_and_is_checked(tmp_path: Path) -> None:
+    """An export served over HTTP: the first answer breaks off half-way, the library asks for the
+    rest with ``Range`` and checks the whole file's size and SHA-256 against the manifest."""
+    import hashlib
+
+    from starlette.types import Receive, Scope, Send
+
+    from firehose.bootstrap import BootstrapError, ExportSource
+    from tests.relay.helpers import serve_asgi
+
+    data = bytes(range(256)) * 400
+    ranges: list[str | None] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        assert scope["type"] == "http"
+        headers = dict(scope["headers"])
+        asked = headers.get(b"range")
+        ranges.append(asked.decode() if asked else None)
+        if asked is None:  # the whole file announced, half of it sent, then the connection breaks
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-length", str(len(data)).encode())]})
+            await send({"type": "http.response.body", "body": data[: len(data) // 2], "more_body": True})
+            raise RuntimeError("connection lost")
+        start = int(asked.decode().removeprefix("bytes=").rstrip("-"))
+        await send({"type": "http.response.start", "status": 206,
+                    "headers": [(b"content-length", str(len(data) - start).encode())]})
+        await send({"type": "http.response.body", "body": data[start:]})
+
+    entry = {"path": "records/x.parquet", "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    async with serve_asgi(app) as url:
+        source = ExportSource(url, work_dir=str(tmp_path))
+        try:
+            path = await source.local_file(entry)
+            assert Path(path).read_bytes() == data
+            assert ranges == [None, f"bytes={len(data) // 2}-"]
+            with pytest.raises(BootstrapError) as wrong:
+                await source.local_file({**entry, "sha256": "0" * 64})
+            assert wrong.value.reason == "checksum_mismatch"
+        finally:
+            source.close()
