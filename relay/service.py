@@ -61,7 +61,8 @@ from relay.repo_proxy import RepoProxy
 from relay.resync import ResyncManager
 from relay.resync_queue import ResyncQueue
 from relay.ssrf import AddressGuard, Resolver, SafeClient
-from relay.status_heal import HealPace, StatusHealer, SuspectQueue, WatchedLanes
+from relay.status_heal import HealPace, StatusHealer
+from relay.status_suspects import SuspectQueue, WatchedLanes
 from relay.upstreams import Upstreams
 
 log = logging.getLogger("relay.service")

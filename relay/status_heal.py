@@ -16,7 +16,7 @@ reconcile's mass runs:
   fresh) still names this host, or the DID itself is gone;
 * **suspects** — an account that looks inconsistent is checked with ``getRepoStatus`` within
   ``suspect_delay`` (once per ``suspect_delay`` at most): a ``#commit`` arriving for an account the
-  relay holds inactive (``SuspectQueue.note_commit``, from ``WatchedLanes``); and after a host's stream
+  relay holds inactive (``relay.status_suspects``); and after a host's stream
   reconnects, the whole host is swept again (an ``#account`` may have been missed during the gap),
   at most once per ``HealPace.resweep_gap`` (an hour at the default pace).
 
@@ -53,15 +53,15 @@ from urllib.parse import urlsplit
 from backfill.outbox import Repair, RepairOutcome
 from backfill.store import Store
 from backfill.types import HostState
-from firehose.lru import BoundedLRU
 from firehose.state import AccountState
 from mst.errors import ReasonError
 from relay.hosts import host_base_url
 from relay.identity import IdentityError, IdentityResolver
 from relay.jsonlog import fields
-from relay.lanes import AccountLanes, Work
+from relay.lanes import AccountLanes
 from relay.metrics import RelayMetrics
 from relay.ssrf import SafeClient
+from relay.status_suspects import SuspectQueue
 from relay.upstreams import Upstreams
 
 log = logging.getLogger("relay.status_heal")
@@ -145,47 +145,6 @@ def names_host(pds: str | None, hostname: str) -> bool:
     if netloc == hostname.lower():
         return True
     return netloc.rsplit(":", 1)[0] == hostname.lower() and netloc.endswith((":443", ":80"))
-
-
-class SuspectQueue:
-    """Accounts to check soon (``did -> host``), each at most once per ``delay`` seconds; filled by
-    ``WatchedLanes``, drained by ``StatusHealer``. At most ``limit`` wait (0: none are kept, the
-    self-healing is off)."""
-
-    def __init__(self, delay: float, clock: Callable[[], float] = time.time, limit: int = 100_000) -> None:
-        self.delay = delay
-        self.clock = clock
-        self.limit = limit
-        #: did -> (host, due time)
-        self._waiting: dict[str, tuple[str, float]] = {}
-        #: did -> when it was last handed out (bounded)
-        self._checked: BoundedLRU[str, float] = BoundedLRU(max(1, limit))
-
-    def __len__(self) -> int:
-        return len(self._waiting)
-
-    def note_commit(self, did: str, hostname: str, held: AccountState | None) -> None:
-        """A ``#commit`` arrived from ``hostname`` for ``did``, which the relay holds as ``held``:
-        an account held inactive upstream (on that host) that commits is a suspect."""
-        if held is None or held.upstream_status == "active" or held.host != hostname:
-            return
-        self.add(did, hostname)
-
-    def add(self, did: str, hostname: str) -> None:
-        if did in self._waiting or len(self._waiting) >= self.limit:
-            return
-        now = self.clock()
-        last = self._checked.peek(did)
-        self._waiting[did] = (hostname, now if last is None else max(now, last + self.delay))
-
-    def due(self) -> list[tuple[str, str]]:
-        """Take the suspects whose check is due: ``(did, host)``."""
-        now = self.clock()
-        out = [(did, host) for did, (host, at) in self._waiting.items() if at <= now]
-        for did, _ in out:
-            del self._waiting[did]
-            self._checked.put(did, now)
-        return out
 
 
 class StatusHealer:
@@ -423,17 +382,3 @@ class StatusHealer:
                 log.info("account status healed", extra=fields(did=r.did, host=hostname, status=r.upstream_status,
                                                                was=r.base_status))
         return applied
-
-
-class WatchedLanes(AccountLanes):
-    """``AccountLanes`` that put an account in ``suspects`` when a ``#commit`` arrives for it while
-    the relay holds it inactive upstream (known from the lane in memory)."""
-
-    def __init__(self, *, suspects: SuspectQueue, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.suspects = suspects
-
-    def submit(self, work: Work) -> None:
-        if work.kind == "#commit":
-            self.suspects.note_commit(work.did, work.hostname, self.state(work.did))
-        super().submit(work)
