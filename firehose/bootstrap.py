@@ -100,12 +100,13 @@ def commit_changes(body: Mapping[str, Any]) -> list[Change] | None:
 
 
 class Bootstrap:
-    """See the module docstring. ``collections``: the NSIDs wanted (None: all)."""
+    """See the module docstring. ``collections``: the NSIDs wanted (None: all); ``filesystem``: a
+    ``pyarrow.fs.FileSystem`` holding the export at the path ``export``."""
 
     def __init__(self, export: str, relay: str, collections: Iterable[str] | None = None, *,
                  resume: int | None = None, account_revs: Mapping[str, str] | None = None,
-                 timeout: float = 30.0, window_probe: float = 2.0) -> None:
-        self.source = ExportSource(export, timeout=timeout)
+                 timeout: float = 30.0, window_probe: float = 2.0, filesystem: Any = None) -> None:
+        self.source = ExportSource(export, timeout=timeout, filesystem=filesystem)
         self.relay = relay.rstrip("/")
         self.collections = frozenset(collections) if collections else None
         self.resume = resume

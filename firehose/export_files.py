@@ -68,13 +68,16 @@ class Batch:
 class ExportSource:
     """An export's files, wherever they are, each checked against the manifest before use."""
 
-    def __init__(self, location: str, *, timeout: float = 30.0, work_dir: str | None = None) -> None:
+    def __init__(self, location: str, *, timeout: float = 30.0, work_dir: str | None = None,
+                 filesystem: Any = None) -> None:
+        """``filesystem``: a ``pyarrow.fs.FileSystem`` to read ``location`` (a path in it) from,
+        instead of the one the location names."""
         self.location = location.rstrip("/")
         self.timeout = timeout
-        self.http = self.location.startswith(("http://", "https://"))
-        self._fs: Any = None
+        self.http = filesystem is None and self.location.startswith(("http://", "https://"))
+        self._fs: Any = filesystem
         self._root = self.location
-        if not self.http:
+        if not self.http and filesystem is None:
             import pyarrow.fs as pafs
 
             if "://" in self.location:

@@ -110,3 +110,40 @@ async def test_an_interrupted_download_resumes_with_a_range_request_and_is_check
             assert wrong.value.reason == "checksum_mismatch"
         finally:
             source.close()
+
+
+@pytest.mark.parametrize("how", ["uri", "filesystem"])
+async def test_an_export_is_read_from_any_pyarrow_filesystem(tmp_path: Path, how: str) -> None:
+    """A ``file://`` URI (pyarrow's local filesystem, read in place) or a filesystem object of
+    another type (here a ``SubTreeFileSystem``: copied to a local file first); either way a file is
+    checked against the manifest before it is used."""
+    import hashlib
+    import json
+
+    import pyarrow.fs as pafs
+
+    from firehose.bootstrap import BootstrapError, ExportSource
+
+    export = tmp_path / "export"
+    (export / "records").mkdir(parents=True)
+    data = b"not really parquet, but bytes to check" * 100
+    (export / "records" / "_repos.parquet").write_bytes(data)
+    entry = {"path": "records/_repos.parquet", "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    manifest = {"format": "atproto-relay-export/1", "cursor": 7, "files": [], "repos": entry}
+    (export / "manifest.json").write_text(json.dumps(manifest))
+    if how == "uri":
+        source = ExportSource(f"file://{export}", work_dir=str(tmp_path))
+    else:
+        source = ExportSource("export", work_dir=str(tmp_path),
+                              filesystem=pafs.SubTreeFileSystem(str(tmp_path), pafs.LocalFileSystem()))
+    try:
+        assert (await source.manifest())["cursor"] == 7
+        path = await source.local_file(entry)
+        assert Path(path).read_bytes() == data
+        assert (Path(path).parent == export / "records") == (how == "uri")
+        (export / "records" / "_repos.parquet").write_bytes(data[:-1] + b"!")
+        with pytest.raises(BootstrapError) as changed:
+            await source.local_file(entry)
+        assert changed.value.reason == "checksum_mismatch"
+    finally:
+        source.close()
