@@ -196,6 +196,17 @@ SETTINGS: tuple[Setting, ...] = (
             "admin request from that address is answered 429 with Retry-After until it may try again "
             "(0 = no limit)", "int"),
     Setting("log_level", "RELAY_LOG_LEVEL", "--log-level", "info", "debug, info, warning or error"),
+    Setting("status_heal_interval", "RELAY_STATUS_HEAL_INTERVAL", "--status-heal-interval", "24h",
+            "account-status self-healing: every host's listRepos is read fully once per interval and each account's "
+            "status compared with the relay's; a divergence is repaired with an #account (0 = off)", "duration"),
+    Setting("status_heal_suspect_delay", "RELAY_STATUS_HEAL_SUSPECT_DELAY", "--status-heal-suspect-delay", "5m",
+            "an account that looks inconsistent (a commit while held inactive) is checked with getRepoStatus this "
+            "soon, at most once per this delay; a host whose stream reconnected is listed again soon, at most once "
+            "per the larger of this delay and a 24th of RELAY_STATUS_HEAL_INTERVAL",
+            "duration"),
+    Setting("status_heal_timeout", "RELAY_STATUS_HEAL_TIMEOUT", "--status-heal-timeout", "10s",
+            "each listRepos / getRepoStatus request of the self-healing; a host that does not answer is retried "
+            "later (never read as having deleted its accounts)", "duration"),
 )
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -295,6 +306,9 @@ class RelayConfig:
     crawl_requests_per_minute: int = 10
     admin_auth_failures_per_minute: int = 10
     log_level: str = "info"
+    status_heal_interval: float = 24 * 3600.0
+    status_heal_suspect_delay: float = 300.0
+    status_heal_timeout: float = 10.0
 
     @property
     def host(self) -> str:

@@ -111,6 +111,18 @@ class RelayMetrics:
                                  ["event"], registry=r)
         self.jetstream_messages = Counter("relay_jetstream_messages_total", "JSON stream messages sent",
                                           ["compressed"], registry=r)
+        self.heal_checked = Counter("relay_status_heal_checked_total",
+                                    "Account statuses compared with their host's answer (list: listRepos pages, "
+                                    "status: getRepoStatus)", ["source"], registry=r)
+        self.heal_divergences = Counter("relay_status_heal_divergences_total",
+                                        "Account statuses found to differ from the host's, by the host's status",
+                                        ["kind"], registry=r)
+        self.heal_repairs = Counter("relay_status_heal_repairs_total",
+                                    "Status divergences handed to the account's lane, by the host's status and "
+                                    "outcome (applied, stale, ...)", ["kind", "outcome"], registry=r)
+        self.heal_host_failures = Counter("relay_status_heal_host_failures_total",
+                                          "Status checks a host could not answer (skipped and retried)",
+                                          ["reason"], registry=r)
         self._per_host = {id(m): m for m in (self.events_in, self.host_resets)}
 
     def forget_host(self, hostname: str) -> None:

@@ -62,6 +62,8 @@ from relay.metrics import RelayMetrics
 from relay.redis_guard import FailFastRedis
 from relay.repo_proxy import RepoProxy
 from relay.ssrf import AddressGuard, Resolver, SafeClient
+from relay.status_heal import HealPace, StatusHealer
+from relay.status_suspects import SuspectQueue, WatchedLanes
 
 log = logging.getLogger("relay.service")
 
@@ -140,6 +142,8 @@ class RelayService:
         self.firehose_server: Any = None
         self.firehose_url: str | None = None
         self._outbox_error = ""
+        #: account-status self-healing (``relay.status_heal``; None when off or not ingesting)
+        self.healer: StatusHealer | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
@@ -216,7 +220,8 @@ class RelayService:
                                    held_total=config.resync_held_bytes_total)
         self.admission = admission = Admission(store=self.store, identity=self.identity, policy=policy,
                                                default_account_limit=config.default_account_limit)
-        self.lanes = AccountLanes(store=self.store, sequencer=self.sequencer, pool=self.pool, admission=admission,
+        suspects = SuspectQueue(config.status_heal_suspect_delay, limit=100_000 if config.status_heal_interval else 0)
+        self.lanes = WatchedLanes(suspects=suspects, store=self.store, sequencer=self.sequencer, pool=self.pool, admission=admission,
                                   identity=self.identity, resync=resync_queue, count=self._count,
                                   handle_wait=config.handle_wait, history_margin=config.host_clock_skew)
         buffer = max(1, config.ingest_buffer_mb) * 1024 * 1024
@@ -236,6 +241,13 @@ class RelayService:
         await self.upstreams.start_all()
         self._tasks.append(asyncio.create_task(self._housekeeping(), name="housekeeping"))
         self._tasks.append(asyncio.create_task(self._repairs(), name="repairs"))
+        if config.status_heal_interval > 0:
+            self.healer = StatusHealer(
+                store=self.store, lanes=self.lanes, upstreams=self.upstreams, safe=self.safe, identity=self.identity,
+                metrics=self.metrics, insecure=config.allow_insecure_hosts,
+                pace=HealPace(interval=config.status_heal_interval, suspect_delay=config.status_heal_suspect_delay,
+                              timeout=config.status_heal_timeout, settle=config.repair_settle), suspects=suspects)
+            self._tasks.append(asyncio.create_task(self.healer.run(), name="status-heal"))
         self._running()
         log.info("relay started", extra=fields(role=self.role, mst=native.STATUS, **config.describe()))
 

@@ -14,7 +14,10 @@ directory beside it (``<out_dir>/.records-<run_id>.partial``) and only then put 
 ``<out_dir>/records`` in one step (``replace_dir``: an atomic exchange of the two directories), so
 a reader sees the previous dataset or the new one, never a mix, and a run that fails leaves the
 previous dataset as it was (and its staging directory, which the next run of the same id
-clears first). A rerun reproduces the same rows. ``manifest.json`` is replaced atomically too. Only repositories that pass full
+clears first). The manifest lists every file with its size and SHA-256 (``files``), and
+``repos``: ``records/_repos.parquet``, the exported repositories with the rev each was exported
+at (also those with no record in the chosen collections), which a consumer going live from
+``cursor`` deduplicates against (``firehose.bootstrap``). A rerun reproduces the same rows. ``manifest.json`` is replaced atomically too. Only repositories that pass full
 verification are exported; the others are listed in the manifest with their reason and written
 to ``spark_job_results``. Every exported repository's collection counts are rebuilt from it
 (``spark.collections``: only while the relay still holds it at the exported rev).
@@ -50,7 +53,15 @@ from spark.partitioning import (
     read_accounts_rdd,
     work_partitions,
 )
-from spark.records_out import ParquetLayout, RecordWriter, TaskFiles, commit_task_files
+from spark.records_out import (
+    REPOS_FILE,
+    ParquetLayout,
+    RecordWriter,
+    TaskFiles,
+    commit_task_files,
+    describe_files,
+    write_repos,
+)
 from spark.relaydb import AccountFilter, ResultRow, finish_run, relay_seq, start_run, write_results
 from spark.repo_check import CheckError, StoredAccount, fetch_verified
 
@@ -215,10 +226,14 @@ def run_export(
         .collect()  # one small file list per task: the executors wrote the rows themselves
     )
     per_collection = commit_task_files(staging, results)
-    replace_dir(staging, dataset)
     with connect_db(cfg.db_url) as db:
         failed = {r["did"]: r["reason"] for r in db.fetch(
             "SELECT did, reason FROM spark_job_results WHERE run_id = ? AND outcome = 'failed'", cfg.run_id)}
+        exported = [(r["did"], r["rev"]) for r in db.fetch(
+            "SELECT did, rev FROM spark_job_results WHERE run_id = ? AND outcome = 'ok'", cfg.run_id)]
+    write_repos(staging / REPOS_FILE, exported)
+    files = describe_files(staging, "records")
+    replace_dir(staging, dataset)
     manifest = {
         "format": "atproto-relay-export/1",
         "job": JOB,
@@ -238,6 +253,10 @@ def run_export(
         "records": sum(per_collection.values()),
         "records_per_collection": dict(sorted(per_collection.items())),
         "failed": dict(sorted(failed.items())),
+        # every file with its size and SHA-256 (paths relative to the manifest's directory);
+        # ``repos``: the exported repositories and the rev each was exported at
+        "files": [f for f in files if f["path"] != f"records/{REPOS_FILE}"],
+        "repos": next(f for f in files if f["path"] == f"records/{REPOS_FILE}"),
     }
     _write_atomically(Path(out_dir) / "manifest.json", json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     with connect_db(cfg.db_url) as db:

@@ -39,6 +39,8 @@ from typing import Any
 from mst.syntax import is_valid_nsid
 
 RECORD_FORMATS = ("json", "dag-cbor")
+#: the exported repositories (did, rev), beside the collection directories (``_``: dataset readers skip it)
+REPOS_FILE = "_repos.parquet"
 COLUMNS = ("did", "rkey", "cid", "rev", "record")
 ATTEMPTS = "_attempts"
 #: bytes counted per row on top of its record (did, rkey, cid, rev and list slots)
@@ -211,3 +213,39 @@ def commit_task_files(staging: Path, results: list[TaskFiles]) -> dict[str, int]
             per_collection[f.collection] = per_collection.get(f.collection, 0) + f.rows
     shutil.rmtree(staging / ATTEMPTS, ignore_errors=True)
     return dict(sorted(per_collection.items()))
+
+
+def write_repos(path: Path, repos: list[tuple[str, str]]) -> None:
+    """Write the exported repositories ``(did, rev)`` (sorted by did) as one Parquet file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    repos = sorted(repos)
+    table = pa.table({"did": pa.array([d for d, _ in repos], pa.string()),
+                      "rev": pa.array([r for _, r in repos], pa.string())})
+    temporary = path.with_name(f".{path.name}.tmp")
+    pq.write_table(table, temporary, compression="zstd")
+    os.rename(temporary, path)
+
+
+def describe_files(root: Path, prefix: str) -> list[dict[str, Any]]:
+    """Every visible file under ``root`` (not under a ``.``-name), sorted: ``{"path":
+    "<prefix>/<relative path>", "bytes", "sha256"}`` (and ``collection`` for a record file)."""
+    import hashlib
+
+    out: list[dict[str, Any]] = []
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        relative = path.relative_to(root).as_posix()
+        if any(part.startswith(".") for part in relative.split("/")):
+            continue
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+        entry: dict[str, Any] = {"path": f"{prefix}/{relative}", "bytes": path.stat().st_size,
+                                 "sha256": digest.hexdigest()}
+        first = relative.split("/")[0]
+        if first.startswith("collection="):
+            entry["collection"] = first.removeprefix("collection=")
+        out.append(entry)
+    return out

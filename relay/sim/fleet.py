@@ -134,6 +134,8 @@ class SimFleet:
         self._restored: set[str] = set()  # accounts rolled back by a wipe_restore, until their next commit
         self._mix: WriteMix | None = None
         self._started = False
+        #: (did, status) of every ``drift_status`` fault
+        self.drifts: list[tuple[str, str]] = []
 
     # -- lifecycle ---------------------------------------------------------------------------
     @property
@@ -406,6 +408,22 @@ class SimFleet:
             body["status"] = status
         fault = None if status == "active" else ("takedown" if status == "takendown" else "deactivate")
         self._queue(acct.host, "#account", body, acct.did, fault=fault)
+
+    def drift_status(self, acct: SimAccount, status: str) -> None:
+        """The "status drift" fault: the host changes ``acct``'s status and emits no ``#account``
+        (its ``listRepos``/``getRepoStatus`` answer the new status; ``deleted`` removes the account
+        from its host, which then answers ``RepoNotFound``). Each drift is kept in ``drifts``."""
+        if status != "deleted":
+            if acct.status == "active" and status != "active":
+                self._inactive.append(acct)
+            elif acct.status != "active" and status == "active" and acct in self._inactive:
+                self._inactive.remove(acct)
+        else:
+            if acct in self._inactive:
+                self._inactive.remove(acct)
+            acct.host.accounts.pop(acct.did, None)
+        acct.status = status
+        self.drifts.append((acct.did, status))
 
     def inject(self, kind: str, acct: SimAccount) -> None:
         """Emit one instance of fault ``kind`` for ``acct`` (frame faults leave the repo as it was)."""

@@ -33,13 +33,14 @@ def big_fleet() -> Any:
 
 
 def _files(dataset: Path) -> list[Path]:
-    return sorted(dataset.rglob("*.parquet"))
+    """The record files (``_repos.parquet``, skipped by dataset readers, lists the repositories)."""
+    return sorted(p for p in dataset.rglob("*.parquet") if not p.name.startswith("_"))
 
 
 def _check_layout(dataset: Path, layout: ParquetLayout) -> list[tuple[Any, ...]]:
     """Every file: in a ``collection=`` directory, sorted by (did, rkey), row groups of the
     layout's size; returns all rows as (did, collection, rkey, cid, rev, record)."""
-    entries = sorted(p.name for p in dataset.iterdir())
+    entries = sorted(p.name for p in dataset.iterdir() if p.name != "_repos.parquet")
     assert entries and all(name.startswith("collection=") for name in entries), entries
     rows: list[tuple[Any, ...]] = []
     several_groups = False
