@@ -49,6 +49,7 @@ from mst.syntax import is_valid_did
 from relay.config import RelayConfig
 from relay.hosts import HostPolicy, host_base_url
 from relay.ingest.admission import Admission
+from relay.ingest.budget import ByteBudget
 from relay.ingest.lanes import AccountLanes, Count, Work
 from relay.jsonlog import fields
 from relay.metrics import RelayMetrics
@@ -163,9 +164,10 @@ class Upstreams:
                  max_in_flight_bytes: int = 128 * 1024 * 1024, backoff_base: float = 1.0) -> None:
         """``admission`` is told whenever a host starts or stops (its cached host settings).
         Frames read and not yet finished are bounded per host (``max_in_flight_per_host`` frames,
-        ``max_in_flight_bytes_per_host`` bytes) and across all hosts (``max_in_flight_bytes``): a
-        run over its bounds stops reading its socket until its own frames finish (a run with
-        nothing outstanding may always take one frame, however large)."""
+        ``max_in_flight_bytes_per_host`` bytes) and across all hosts (``max_in_flight_bytes``,
+        granted in arrival order: ``relay.ingest.budget``): a run over its own bounds stops
+        reading its socket until its own frames finish (a run with nothing outstanding may always
+        take one frame, however large); a run that does not fit the shared budget waits its turn."""
         self.store = store
         self.sequencer = sequencer
         self.lanes = lanes
@@ -178,9 +180,8 @@ class Upstreams:
         self.max_in_flight_per_host = max_in_flight_per_host
         self.max_in_flight_bytes_per_host = max_in_flight_bytes_per_host
         self.max_in_flight_bytes = max_in_flight_bytes
-        #: bytes of every run's outstanding frames
-        self.in_flight_bytes = 0
-        self._global_room = asyncio.Event()
+        #: bytes of every run's outstanding frames, taken in arrival order across hosts
+        self.budget = ByteBudget(max_in_flight_bytes)
         #: first reconnect delay (seconds); doubles per failure up to 30 s
         self.backoff_base = backoff_base
         self._runs: dict[str, _HostRun] = {}
@@ -385,22 +386,19 @@ class Upstreams:
                 return
             size = frame_cost(uf)
             while run.outstanding and self._full(run, size):
-                # Backpressure: this host waits for its own frames to finish (never for another's).
+                # Backpressure: over its own share, a host waits for its own frames to finish.
                 run.room.clear()
-                self._global_room.clear()
-                waiters = [asyncio.ensure_future(run.room.wait()), asyncio.ensure_future(self._global_room.wait())]
-                try:
-                    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    for w in waiters:
-                        w.cancel()
+                await run.room.wait()
                 if self._runs.get(hostname) is not run or run.fence is not fence:
                     return
+            await self.budget.take(size)  # the shared budget: in line with the other hosts
+            if self._runs.get(hostname) is not run or run.fence is not fence:
+                self.budget.give(size)
+                return
             slot = _Slot(uf.seq, uf.frame.body.get("time"), size)
             run.window.append(slot)
             run.outstanding += 1
             run.outstanding_bytes += size
-            self.in_flight_bytes += size
             run.idle.clear()
             work = self.dispatch(hostname, uf, fence)
             work.judged.add_done_callback(lambda judged: self._judged(run, work, slot, judged))
@@ -409,8 +407,7 @@ class Upstreams:
 
     def _full(self, run: _HostRun, size: int) -> bool:
         return (run.outstanding >= self.max_in_flight_per_host
-                or run.outstanding_bytes + size > self.max_in_flight_bytes_per_host
-                or self.in_flight_bytes + size > self.max_in_flight_bytes)
+                or run.outstanding_bytes + size > self.max_in_flight_bytes_per_host)
 
     def _on_reset(self, hostname: str) -> Callable[[int | None, str], Awaitable[None]]:
         async def on_reset(old: int | None, reason: str) -> None:
@@ -530,9 +527,8 @@ class Upstreams:
         """``slot``'s frame is finished: done (``ok``), or lost (its run re-reads it)."""
         run.outstanding -= 1
         run.outstanding_bytes -= slot.nbytes
-        self.in_flight_bytes -= slot.nbytes
+        self.budget.give(slot.nbytes)
         run.room.set()
-        self._global_room.set()
         if not run.outstanding:
             run.idle.set()
         if not ok:
