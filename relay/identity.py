@@ -29,7 +29,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, replace
 from typing import TYPE_CHECKING, Any, Protocol
-from urllib.parse import quote, unquote, urlsplit
+from urllib.parse import quote, unquote, urlencode, urlsplit
 
 import dns.asyncresolver
 import dns.exception
@@ -343,12 +343,11 @@ class IdentityResolver:
         #: the PLC directory (the hot path: see ``relay.keepalive``)
         self._plc = KeepAliveClient(self.plc_url, max_connections=concurrency, timeout=timeout)
         #: the handle resolver service (``handle_resolver_url``)
-        # as many connections as handle checks may run at once: requests queued inside httpx's
-        # pool cost O(n²) there (7 % of the main process in a profile of bench/weather.py at 1,000 hosts)
-        self._trusted = httpx.AsyncClient(timeout=timeout, headers={"user-agent": "atproto-relay (python)"},
-                                          limits=httpx.Limits(max_connections=max(concurrency, handle_concurrency),
-                                                              max_keepalive_connections=max(concurrency,
-                                                                                            handle_concurrency)))
+        #: the handle resolver service (``handle_resolver_url``): the same small keep-alive client as
+        #: the directory, as many connections as handle checks may run at once (through httpx, a
+        #: check cost ~45 % of the main process in a profile of bench/weather.py at 1,000 hosts)
+        self._resolver = (KeepAliveClient(self.handle_resolver_url, max_connections=handle_concurrency,
+                                          timeout=timeout) if self.handle_resolver_url else None)
         #: bounds requests in flight (httpx's pool does O(n²) work with many queued requests)
         self._network = asyncio.Semaphore(concurrency)
         self._inflight: dict[str, asyncio.Future[Identity]] = {}
@@ -371,7 +370,8 @@ class IdentityResolver:
         if checks:
             await asyncio.wait(checks, timeout=1.0)
         await self._plc.aclose()
-        await self._trusted.aclose()
+        if self._resolver is not None:
+            await self._resolver.aclose()
 
     def _count(self, metric: str, result: str) -> None:
         if self.metrics is not None:
@@ -559,14 +559,13 @@ class IdentityResolver:
         """Counted in ``relay_handle_checks_total{result}``: ``resolver_ok``, ``dns_ok``,
         ``dns_other_did`` (DNS names another DID: final, DNS is preferred), ``https_ok``, ``failed``."""
         try:
-            if self.handle_resolver_url:
-                resp = await self._trusted.get(
-                    f"{self.handle_resolver_url}/xrpc/com.atproto.identity.resolveHandle",
-                    params={"handle": handle})
-                ok = resp.status_code == 200 and resp.json().get("did") == did
+            if self._resolver is not None:
+                status, body = await self._resolver.get(
+                    "/xrpc/com.atproto.identity.resolveHandle?" + urlencode({"handle": handle}), max_bytes=MAX_DOC_BYTES)
+                ok = status == 200 and json.loads(body).get("did") == did
                 self._count("handle_checks", "resolver_ok" if ok else "failed")
                 return ok
-        except (httpx.HTTPError, ValueError, AttributeError):
+        except (HttpError, ValueError, AttributeError):
             self._count("handle_checks", "failed")
             return False
         if self.txt_lookup is not None and len(handle) <= 244:
