@@ -321,12 +321,15 @@ class IdentityResolver:
 
     def __init__(self, *, plc_url: str, safe_client: SafeClient, cache: IdentityCache | None = None,
                  metrics: RelayMetrics | None = None, rate: float = 50.0, burst: int = 100,
-                 handle_resolver_url: str = "", timeout: float = 10.0, concurrency: int = 16,
+                 handle_resolver_url: str = "", timeout: float = 10.0, concurrency: int = 64,
                  txt_lookup: TxtLookup | None = None, persisted: PersistedIdentities | None = None,
                  stale_after: float = DEFAULT_MAX_AGE, clock: Callable[[], float] = time.time,
                  handle_concurrency: int = 64, handle_timeout: float = 10.0, handle_negative_ttl: float = 60.0) -> None:
         """``txt_lookup`` enables the DNS TXT handle method (see :func:`dns_txt_lookup`);
-        ``clock`` is the wall clock of ``Identity.fetched_at``. Handle checks have their own
+        ``clock`` is the wall clock of ``Identity.fetched_at``. ``concurrency``: DID resolutions in
+        flight at once (64: by Little's law, 16 in flight against a directory answering in ~0.2 s on
+        average caps first sight near 80 accounts/s, far below the ``rate`` politeness limit, which
+        is what bench/weather.py's 100,000 first-seen accounts showed). Handle checks have their own
         bound (``handle_concurrency`` at once, each given up after ``handle_timeout`` seconds), so
         slow handle domains never hold DID resolution; a failed check is remembered for
         ``handle_negative_ttl`` seconds."""
