@@ -469,18 +469,23 @@ class RelayService:
                 reasons.append("store_not_writable: " + (describe_store_error(error) if error is not None
                                                          else "no write has succeeded yet"))
         publisher = self.publisher
-        if publisher is not None and publisher.failing is not None:
-            error = publisher.failing
+        failing = publisher.failing if publisher is not None else None
+        if failing is not None and self._redis is None:
             self.metrics.bus_up.set(0)
-            reasons.append(f"bus_unavailable: {classify_bus_error(error)} ({type(error).__name__}: "
-                           f"{str(error)[:160]}; publishing held, ingest goes on)")
+            reasons.append(f"bus_unavailable: {classify_bus_error(failing)} ({type(failing).__name__}: "
+                           f"{str(failing)[:160]}; publishing held, ingest goes on)")
         elif self._redis is not None:
+            # A publisher still failing while Redis answers again is catching up (its next retry is
+            # at most RELAY_BUS_PUBLISH_TIMEOUT away, and fan-outs follow the store meanwhile): the
+            # bus is up. Unready only while Redis itself does not answer.
             try:
                 await asyncio.wait_for(self._redis.ping(), 2.0)
                 self.metrics.bus_up.set(1)
             except Exception as exc:
                 self.metrics.bus_up.set(0)
-                reasons.append(f"bus_unavailable: {classify_bus_error(exc)} ({type(exc).__name__})")
+                cause = failing if failing is not None else exc
+                reasons.append(f"bus_unavailable: {classify_bus_error(cause)} ({type(cause).__name__}: "
+                               f"{str(cause)[:160]}; publishing held, ingest goes on)")
         return reasons
 
     def _written(self) -> bool:
