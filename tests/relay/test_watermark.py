@@ -22,7 +22,7 @@ from starlette.routing import Route
 
 from relay.sim import SimConfig, SimFleet
 from tests.relay.e2e import Consumer, check_stream, crawl, key_of, metric_value
-from tests.relay.helpers import serve_asgi
+from tests.relay.helpers import RunningRelay, serve_asgi
 from tests.waiting import until
 
 
@@ -59,6 +59,25 @@ class HeldHandles:
             yield url
 
 
+@contextlib.asynccontextmanager
+async def _held_handle(relay_factory, *, accounts: int, seed: int,  # type: ignore[no-untyped-def]
+                       handle_wait: float) -> AsyncIterator[tuple[SimFleet, HeldHandles, RunningRelay, Consumer]]:
+    """One simulated host of ``accounts`` announced accounts whose first account's handle check is
+    held (``HeldHandles``), a relay following it with ``handle_wait`` and a consumer from cursor 0."""
+    fleet = SimFleet(SimConfig(hosts=1, accounts_per_host=accounts, seed=seed, announce_accounts=True))
+    await fleet.start()
+    service = HeldHandles(fleet)
+    service.hold(fleet.accounts[0].handle)
+    try:
+        async with service.serving() as resolver_url, relay_factory(
+                allow_insecure_hosts=True, plc_url=fleet.plc_url, handle_resolver_url=resolver_url,
+                handle_wait=handle_wait, validation_workers=0) as relay, Consumer(relay.ws_url, cursor=0) as consumer:
+            await crawl(relay.url, fleet.hosts[0].hostname)
+            yield fleet, service, relay, consumer
+    finally:
+        await fleet.stop()
+
+
 def _accepted(fleet: SimFleet, did: str, start: int = 0) -> list[tuple[str, str, str | None]]:
     return [key_of(t.kind, t.did, t.rev) for t in fleet.ground_truth[start:] if t.did == did and t.verdict == "accept"]
 
@@ -67,71 +86,51 @@ async def test_an_account_waiting_for_its_handle_holds_no_other_account_of_its_h
     """One account's ``#identity`` waits on a handle check that does not answer: every other
     account of the same host keeps flowing (its later events reach the consumer), and the waiting
     account's own events follow, in its order, once the check answers. Exactly once each."""
-    fleet = SimFleet(SimConfig(hosts=1, accounts_per_host=6, seed=81, announce_accounts=True))
-    await fleet.start()
-    service = HeldHandles(fleet)
-    slow = fleet.accounts[0]
-    service.hold(slow.handle)
-    try:
-        async with service.serving() as resolver_url, relay_factory(
-                allow_insecure_hosts=True, plc_url=fleet.plc_url, handle_resolver_url=resolver_url,
-                handle_wait=3600.0, validation_workers=0) as relay, Consumer(relay.ws_url, cursor=0) as consumer:
-            await crawl(relay.url, fleet.hosts[0].hostname)
-            await fleet.generate(60)
-            others = [a for a in fleet.accounts if a is not slow]
-            # every other account's events arrive, though the slow #identity came before them all
-            wanted = Counter(k for a in others for k in _accepted(fleet, a.did))
-            await consumer.wait_for(lambda evs: not wanted - Counter(key_of(e.t, e.did, e.rev) for e in evs))
-            assert service.asked[slow.handle] == 1  # still being checked
-            assert not [e for e in consumer.events if e.did == slow.did]
-            service.release(slow.handle)
-            mine = _accepted(fleet, slow.did)
-            await consumer.wait_for(lambda evs: len([e for e in evs if e.did == slow.did]) >= len(mine))
-            await relay.service.upstreams.settle_read(fleet.hosts[0].hostname)  # type: ignore[union-attr]
-            latest = await relay.service.store.latest_seq()
-            await consumer.wait_for(lambda evs: evs[-1].seq >= latest)
+    async with _held_handle(relay_factory, accounts=6, seed=81, handle_wait=3600.0) as (fleet, service, relay, consumer):
+        slow = fleet.accounts[0]
+        await fleet.generate(60)
+        others = [a for a in fleet.accounts if a is not slow]
+        # every other account's events arrive, though the slow #identity came before them all
+        wanted = Counter(k for a in others for k in _accepted(fleet, a.did))
+        await consumer.wait_for(lambda evs: not wanted - Counter(key_of(e.t, e.did, e.rev) for e in evs))
+        assert service.asked[slow.handle] == 1  # still being checked
+        assert not [e for e in consumer.events if e.did == slow.did]
+        service.release(slow.handle)
+        mine = _accepted(fleet, slow.did)
+        await consumer.wait_for(lambda evs: len([e for e in evs if e.did == slow.did]) >= len(mine))
+        await relay.service.upstreams.settle_read(fleet.hosts[0].hostname)
+        latest = await relay.service.store.latest_seq()
+        await consumer.wait_for(lambda evs: evs[-1].seq >= latest)
         check_stream(consumer.events)
         assert [key_of(e.t, e.did, e.rev) for e in consumer.events if e.did == slow.did] == mine  # its order
         got = Counter(key_of(e.t, e.did, e.rev) for e in consumer.events)
         assert got == Counter(k for a in fleet.accounts for k in _accepted(fleet, a.did))  # each once
         identity = next(e for e in consumer.events if e.did == slow.did and e.t == "#identity")
         assert identity.body.get("handle") == slow.handle  # waited for: verified
-    finally:
-        await fleet.stop()
 
 
 async def test_a_slow_handle_is_passed_on_stripped_and_follows_once_verified(relay_factory) -> None:  # type: ignore[no-untyped-def]
     """With a short ``handle_wait`` an ``#identity`` whose handle check is slow goes out at once
     without its handle (and the account's commits after it); when the check succeeds, a second
     ``#identity`` carries the verified handle, counted ``handle_verified_late``."""
-    fleet = SimFleet(SimConfig(hosts=1, accounts_per_host=2, seed=82, announce_accounts=True))
-    await fleet.start()
-    service = HeldHandles(fleet)
-    slow = fleet.accounts[0]
-    service.hold(slow.handle)
-    try:
-        async with service.serving() as resolver_url, relay_factory(
-                allow_insecure_hosts=True, plc_url=fleet.plc_url, handle_resolver_url=resolver_url,
-                handle_wait=0.0, validation_workers=0) as relay, Consumer(relay.ws_url, cursor=0) as consumer:
-            await crawl(relay.url, fleet.hosts[0].hostname)
-            await fleet.generate(10)
-            mine = _accepted(fleet, slow.did)
-            await consumer.wait_for(lambda evs: len([e for e in evs if e.did == slow.did]) >= len(mine))
-            first = [e for e in consumer.events if e.did == slow.did and e.t == "#identity"]
-            assert len(first) == 1 and "handle" not in first[0].body  # stripped: not verified yet
-            service.release(slow.handle)
-            await consumer.wait_for(lambda evs: {(e.did, e.body.get("handle")) for e in evs if e.t == "#identity"}
-                                    >= {(a.did, a.handle) for a in fleet.accounts})
-            async with httpx.AsyncClient(base_url=relay.url) as http:
-                text = (await http.get("/metrics")).text
+    async with _held_handle(relay_factory, accounts=2, seed=82, handle_wait=0.0) as (fleet, service, relay, consumer):
+        slow = fleet.accounts[0]
+        await fleet.generate(10)
+        mine = _accepted(fleet, slow.did)
+        await consumer.wait_for(lambda evs: len([e for e in evs if e.did == slow.did]) >= len(mine))
+        first = [e for e in consumer.events if e.did == slow.did and e.t == "#identity"]
+        assert len(first) == 1 and "handle" not in first[0].body  # stripped: not verified yet
+        service.release(slow.handle)
+        await consumer.wait_for(lambda evs: {(e.did, e.body.get("handle")) for e in evs if e.t == "#identity"}
+                                >= {(a.did, a.handle) for a in fleet.accounts})
+        async with httpx.AsyncClient(base_url=relay.url) as http:
+            text = (await http.get("/metrics")).text
         # with no wait at all every handle comes late: each account's #identity twice, in this order
         for account in fleet.accounts:
             identities = [e for e in consumer.events if e.did == account.did and e.t == "#identity"]
             assert [e.body.get("handle") for e in identities] == [None, account.handle]
         assert metric_value(text, "relay_verdicts_total", reason="handle_verified_late") == len(fleet.accounts)
         check_stream(consumer.events)
-    finally:
-        await fleet.stop()
 
 
 async def test_rejected_frames_of_a_new_account_never_count_against_its_host(relay_factory) -> None:  # type: ignore[no-untyped-def]
