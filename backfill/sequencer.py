@@ -267,14 +267,10 @@ class Sequencer:
         preserving its order."""
         if self._task is None or self._failure is not None or self._closed:
             await self._check_open()
+        if len(self._pending) < self.max_pending and not self._stopped:
+            return self._append(event)  # fast path: no coroutine hop per event
         fut: asyncio.Future[SequencedEvent | None] = asyncio.get_running_loop().create_future()
-        pending = self._pending
-        if len(pending) < self.max_pending and not self._stopped:
-            pending.append((event, fut))  # fast path: no coroutine hop per event
-            if not self._has_items.is_set():
-                self._has_items.set()
-        else:
-            await self._put((event, fut))
+        await self._put((event, fut))
         return fut
 
     def enqueue_nowait(self, event: PendingEvent) -> asyncio.Future[SequencedEvent | None]:
@@ -283,6 +279,9 @@ class Sequencer:
         a callback. Raises ``SequencerClosedError`` when the sequencer is not running."""
         if self._task is None or self._failure is not None or self._closed or self._stopped:
             raise SequencerClosedError(f"sequencer not running: {self._failure or self.state}")
+        return self._append(event)
+
+    def _append(self, event: PendingEvent) -> asyncio.Future[SequencedEvent | None]:
         fut: asyncio.Future[SequencedEvent | None] = asyncio.get_running_loop().create_future()
         self._pending.append((event, fut))
         if not self._has_items.is_set():

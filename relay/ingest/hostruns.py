@@ -179,7 +179,6 @@ class Upstreams:
         self.count = count
         self.max_in_flight_per_host = max_in_flight_per_host
         self.max_in_flight_bytes_per_host = max_in_flight_bytes_per_host
-        self.max_in_flight_bytes = max_in_flight_bytes
         #: bytes of every run's outstanding frames, taken in arrival order across hosts
         self.budget = ByteBudget(max_in_flight_bytes)
         #: first reconnect delay (seconds); doubles per failure up to 30 s
