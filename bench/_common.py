@@ -141,11 +141,20 @@ class RelayProc:
     def rss(self) -> int:
         return rss_bytes(self.refresh_pids())
 
-    async def crawl(self, hostnames: list[str]) -> None:
+    async def crawl(self, hostnames: list[str], concurrency: int = 1) -> None:
+        """requestCrawl each host, ``concurrency`` requests in flight (in order when 1)."""
+        sem = asyncio.Semaphore(concurrency)
         async with httpx.AsyncClient(base_url=self.url, timeout=60) as http:
-            for h in hostnames:
-                r = await http.post("/xrpc/com.atproto.sync.requestCrawl", json={"hostname": h})
+            async def one(h: str) -> None:
+                async with sem:
+                    r = await http.post("/xrpc/com.atproto.sync.requestCrawl", json={"hostname": h})
                 r.raise_for_status()
+
+            if concurrency <= 1:
+                for h in hostnames:
+                    await one(h)
+            else:
+                await asyncio.gather(*(one(h) for h in hostnames))
 
     async def metrics(self) -> str:
         """The relay's Prometheus text ("" if it does not answer within a minute)."""

@@ -10,15 +10,19 @@ p50 ``--identity-p50`` / p99 ``--identity-p99`` (50 ms / 3 s); ``--misbehaving``
 hosts each have one kind of weather, in turn: unreadable frames (one in the middle of the
 backlog, then 2 % of the frames), handle domains that never
 answer, a getRepo failing (500) while accounts lose commits (broken chains), bad signatures, key
-rotations, dropped connections. Commits flow at ``--rate`` per second for ``--minutes``; then the
-weather clears (faults off, getRepo healed) and every account of a misbehaving host, plus one of
-every host, posts a last commit (the markers).
+rotations, dropped connections. The hosts are crawled (``--crawl-concurrency`` requests in
+flight); commits flow at ``--rate`` per second from then on. Two phases: the start-up, until
+every first-seen account's first commit of a well-behaved host was delivered (at most
+``--startup-limit`` s), then the weather run proper for ``--minutes``, every account known. Then
+the weather clears (faults off, getRepo healed) and every account of a misbehaving host, plus one
+of every host, posts a last commit (the markers).
 
 Measured, each printed as a ``RESULT`` line:
 
 * ``weather_healthy_delay_p50_s`` / ``_p99_s`` / ``_max_s``: from the simulator sending a commit
-  of an account of a well-behaved host during the run to the consumer receiving it (goal: p99
-  ≤ 2 s);
+  of an account of a well-behaved host during the weather run to the consumer receiving it (goal:
+  p99 ≤ 2 s); ``weather_startup_delay_p50_s`` / ``_p99_s`` the same for commits sent during the
+  start-up (they wait for their own account's first sight, bounded by the identity lookups);
 * ``weather_commits_lost``: valid commits (ground truth ``accept``) that never arrived, once the
   markers have (or ``--settle`` s passed), not counting commits covered by a later ``#sync`` of
   an account that was desynchronized (goal: 0); ``weather_commits_expected`` beside it, and
@@ -206,13 +210,24 @@ async def run(a: argparse.Namespace) -> None:
 
             sampler = asyncio.create_task(sample_rss())
             t_crawl = time.time()
-            await r.crawl([h.hostname for h in fleet.hosts])
+            await r.crawl([h.hostname for h in fleet.hosts], concurrency=a.crawl_concurrency)
             note(f"weather: crawled {a.hosts} hosts in {time.time() - t_crawl:.1f}s")
+            # Start-up: the first-seen backlog, with commits flowing at the same rate meanwhile.
+            start_truth = len(fleet.ground_truth)
+            startup_task = asyncio.create_task(fleet.run(a.rate, None))
+            deadline = time.monotonic() + a.startup_limit
+            while time.monotonic() < deadline and any(k not in arrivals.commits for k in backlog_firsts):
+                await asyncio.sleep(0.5)
+            startup_task.cancel()
+            await asyncio.gather(startup_task, return_exceptions=True)
+            startup = fleet.ground_truth[start_truth:]
+            note(f"weather: start-up over after {time.time() - t_crawl:.1f}s; backlog delivered "
+                 f"{sum(1 for k in backlog_firsts if k in arrivals.commits)}/{len(backlog_firsts)}")
+            # The weather run proper: every account known, the misbehaving hosts misbehaving.
             start_truth = len(fleet.ground_truth)
             produced = await fleet.run(a.rate, a.minutes * 60)
             live = fleet.ground_truth[start_truth:]
-            note(f"weather: {produced} commits produced at ~{a.rate}/s; backlog delivered "
-                 f"{sum(1 for k in backlog_firsts if k in arrivals.commits)}/{len(backlog_firsts)}")
+            note(f"weather: {produced} commits produced at ~{a.rate}/s in the weather run")
             clear_weather(fleet, kinds, tail)
             closing = [acct for i in kinds for acct in fleet.hosts[i].accounts.values()]
             markers = await fleet.commit([x for x in closing if x.status == "active"])
@@ -235,11 +250,10 @@ async def run(a: argparse.Namespace) -> None:
             await asyncio.gather(sampler, consumer, return_exceptions=True)
     finally:
         await fleet.stop()
-    healthy_live = [tr for tr in live if tr.kind == "#commit" and tr.verdict == "accept" and tr.rev
-                    and tr.host not in bad_hosts]
-    pairs = sorted((tr.sent_at, arrivals.commits[(tr.did, tr.rev)] - tr.sent_at) for tr in healthy_live
-                   if tr.rev is not None and (tr.did, tr.rev) in arrivals.commits)
-    delays = [d for _, d in pairs]
+    healthy_live = healthy(live, bad_hosts)
+    delays = [d for _, d in delay_pairs(healthy_live, arrivals)]
+    pairs = delay_pairs(healthy(startup + live, bad_hosts), arrivals)
+    startup_delays = [d for _, d in delay_pairs(healthy(startup, bad_hosts), arrivals)]
     lost = lost_commits(fleet.ground_truth, arrivals)
     caught = [arrivals.commits[k] for k in backlog_firsts if k in arrivals.commits]
     full = full_speed_at(pairs)
@@ -251,6 +265,9 @@ async def run(a: argparse.Namespace) -> None:
     result("weather_healthy_delay_p50_s", round(percentile(delays, 0.50), 3))
     result("weather_healthy_delay_p99_s", round(percentile(delays, 0.99), 3))
     result("weather_healthy_delay_max_s", round(max(delays, default=float("nan")), 3))
+    result("weather_startup_commits_measured", len(startup_delays))
+    result("weather_startup_delay_p50_s", round(percentile(startup_delays, 0.50), 3))
+    result("weather_startup_delay_p99_s", round(percentile(startup_delays, 0.99), 3))
     result("weather_commits_expected", sum(1 for tr in fleet.ground_truth if tr.kind == "#commit" and tr.verdict == "accept"))
     result("weather_commits_lost", len(lost))
     result("weather_commits_replaced_by_sync", len(undelivered_commits(fleet.ground_truth, arrivals)) - len(lost))
@@ -265,6 +282,18 @@ async def run(a: argparse.Namespace) -> None:
         note(f"weather: lost e.g. {[(tr.host, tr.did[-6:], tr.fault) for tr in lost[:5]]}")
     if delays:
         note(f"weather: healthy delay mean {statistics.fmean(delays):.3f}s over {len(delays)} commits")
+
+
+def healthy(truth: list[TruthEvent], bad_hosts: set[str]) -> list[TruthEvent]:
+    """Valid commits of accounts of well-behaved hosts."""
+    return [tr for tr in truth if tr.kind == "#commit" and tr.verdict == "accept" and tr.rev
+            and tr.host not in bad_hosts]
+
+
+def delay_pairs(truth: list[TruthEvent], arrivals: Arrivals) -> list[tuple[float, float]]:
+    """(sent, delay) of each commit of ``truth`` that arrived, by send time."""
+    return sorted((tr.sent_at, arrivals.commits[(tr.did, tr.rev)] - tr.sent_at) for tr in truth
+                  if tr.rev is not None and (tr.did, tr.rev) in arrivals.commits)
 
 
 def undelivered_commits(truth: list[TruthEvent], arrivals: Arrivals) -> list[TruthEvent]:
@@ -288,6 +317,9 @@ def main() -> int:
     p.add_argument("--misbehaving", type=float, default=0.05, help="share of misbehaving hosts")
     p.add_argument("--identity-p50", type=float, default=0.05, help="DID and handle lookups: median, s")
     p.add_argument("--identity-p99", type=float, default=3.0, help="DID and handle lookups: 99th percentile, s")
+    p.add_argument("--startup-limit", type=float, default=1800.0,
+                   help="seconds the first-seen backlog may take before the weather run starts anyway")
+    p.add_argument("--crawl-concurrency", type=int, default=32, help="requestCrawl calls in flight")
     p.add_argument("--settle", type=float, default=120.0, help="seconds the markers may take after the weather")
     p.add_argument("--db", choices=["sqlite", "postgres"], default="sqlite")
     p.add_argument("--seed", type=int, default=1)

@@ -146,6 +146,11 @@ SETTINGS: tuple[Setting, ...] = (
             "DNS TXT _atproto.HANDLE, then https://HANDLE/.well-known/atproto-did"),
     Setting("dns_servers", "RELAY_DNS_SERVERS", "--dns-servers", "",
             "DNS servers (ip or ip:port, comma-separated) for handle TXT lookups; empty = /etc/resolv.conf"),
+    Setting("identity_retry", "RELAY_IDENTITY_RETRY", "--identity-retry", "1m",
+            "how long a frame whose DID could not be resolved for a transient reason (directory or DNS "
+            "unreachable, timed out, rate limited) is tried again (1 s doubling to 30 s, holding only its own "
+            "account); past it the frame is rejected, and a known account's commit is covered by a resync",
+            "duration"),
     Setting("handle_wait", "RELAY_HANDLE_WAIT", "--handle-wait", "1s",
             "how long an #identity waits for its handle's check before it is passed on with the handle "
             "stripped (only its own account waits; the handle follows in a second #identity once it "
@@ -291,6 +296,7 @@ class RelayConfig:
     identity_max_age: float = 24 * 3600.0
     handle_resolver_url: str = ""
     dns_servers: str = ""
+    identity_retry: float = 60.0
     handle_wait: float = 1.0
     handle_timeout: float = 10.0
     host_clock_skew: float = 300.0

@@ -523,12 +523,16 @@ class IdentityResolver:
         ``handle_negative_ttl``; a check that takes longer than ``handle_timeout`` fails."""
         key = (handle, did)
         now = time.monotonic()
+        # A remembered outcome is recorded too: the identity may have been re-resolved (an
+        # #identity purges it) since the check, and its new row must carry the outcome.
         expiry = self._handles_ok.peek(key)
         if expiry is not None and expiry > now:
+            await self._record_handle_check(did, handle, True)
             return True
         failed_until = self._handles_bad.peek(key)
         if failed_until is not None and failed_until > now:
             self._count("handle_checks", "failed_cached")
+            await self._record_handle_check(did, handle, False)
             return False
         try:
             async with asyncio.timeout(self.handle_timeout):

@@ -53,7 +53,7 @@ from relay.identity import (
 from relay.identity_store import PersistedIdentities
 from relay.ingest.admission import Admission
 from relay.ingest.hostruns import Upstreams
-from relay.ingest.lanes import AccountLanes
+from relay.ingest.lanes import AccountLanes, retry_pauses
 from relay.ingest.resync import ResyncManager
 from relay.ingest.resync_queue import ResyncQueue
 from relay.jetstream_server import JetstreamServer, jetstream_server
@@ -223,7 +223,8 @@ class RelayService:
         suspects = SuspectQueue(config.status_heal_suspect_delay, limit=100_000 if config.status_heal_interval else 0)
         self.lanes = WatchedLanes(suspects=suspects, store=self.store, sequencer=self.sequencer, pool=self.pool, admission=admission,
                                   identity=self.identity, resync=resync_queue, count=self._count,
-                                  handle_wait=config.handle_wait, history_margin=config.host_clock_skew)
+                                  handle_wait=config.handle_wait, history_margin=config.host_clock_skew,
+                                  identity_retry=retry_pauses(config.identity_retry))
         buffer = max(1, config.ingest_buffer_mb) * 1024 * 1024
         self.upstreams = Upstreams(store=self.store, sequencer=self.sequencer, lanes=self.lanes,
                                    admission=admission, policy=policy,

@@ -41,6 +41,7 @@ import asyncio
 import dataclasses
 import hashlib
 import logging
+import random
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -61,7 +62,7 @@ from mst.syntax import is_valid_tid
 from mst.tid import tid_to_micros
 from relay.accounts import account_event_body, now_iso
 from relay.batched import BatchedLookup
-from relay.identity import IdentityError, IdentityResolver
+from relay.identity import UNREACHABLE, IdentityError, IdentityResolver
 from relay.ingest.admission import Admission
 from relay.ingest.resync_queue import ResyncQueue
 from relay.jsonlog import fields
@@ -70,6 +71,21 @@ log = logging.getLogger("relay.ingest.lanes")
 
 #: Seconds of clock skew allowed between a host's TIDs and the relay (``_missed_history``).
 UNSEEN_HISTORY_MARGIN = 300.0
+
+
+def retry_pauses(total: float, first: float = 1.0, cap: float = 30.0) -> tuple[float, ...]:
+    """Pauses doubling from ``first`` (each at most ``cap``) whose sum stays within ``total`` s."""
+    pauses: list[float] = []
+    pause = first
+    while sum(pauses) + pause <= total:
+        pauses.append(pause)
+        pause = min(cap, pause * 2)
+    return tuple(pauses)
+
+
+#: Seconds between the tries of a frame whose account's identity could not be resolved for a
+#: transient reason (directory or PDS unreachable, timed out, rate limited): 1 minute in all.
+IDENTITY_RETRY: tuple[float, ...] = retry_pauses(60.0)
 #: What a held frame costs beyond its bytes (its ``Work``), in the resync queue's held-bytes ledger.
 HELD_FRAME_OVERHEAD = 512
 #: ``PendingEvent.body`` of a pre-encoded event (the sequencer does not read it); never mutated.
@@ -136,6 +152,9 @@ class _Lane:
     quiet: list[asyncio.Future[None]] = dataclasses.field(default_factory=list)
     #: the host whose run submits the frame events in ``inflight`` (meaningful while it is not empty)
     inflight_host: str | None = None
+    #: False after a frame's identity lookups failed through every retry: the next frames are
+    #: tried once each (no minute of retries per queued frame) until a lookup succeeds
+    identity_ok: bool = True
 
     @property
     def head(self) -> AccountState | None:
@@ -151,11 +170,13 @@ class AccountLanes:
                  identity: IdentityResolver, resync: ResyncQueue, count: Count,
                  idle_cache: int = 200_000, relay_dedup: int = 100_000,
                  clock: Callable[[], float] = time.time, handle_wait: float = 1.0,
-                 history_margin: float = UNSEEN_HISTORY_MARGIN) -> None:
+                 history_margin: float = UNSEEN_HISTORY_MARGIN,
+                 identity_retry: tuple[float, ...] = IDENTITY_RETRY) -> None:
         """``handle_wait``: how long an ``#identity`` waits for its handle's check before it is
         passed on with the handle stripped (the handle follows in a later ``#identity`` if the
         check succeeds: ``_verify_later``). ``history_margin``: the clock skew allowed to hosts
-        by ``_missed_history``."""
+        by ``_missed_history``. ``identity_retry``: the pauses (each jittered ±20 %) between tries
+        of a frame whose identity lookup failed for a transient reason (``_frame``)."""
         self.store = store
         self.sequencer = sequencer
         self.pool = pool
@@ -167,6 +188,7 @@ class AccountLanes:
         self.identity_refreshes = 0
         self.handle_wait = handle_wait
         self.history_margin = history_margin
+        self.identity_retry = identity_retry
         #: did → token of the handle follow-up still due (``_verify_later``)
         self._later_handles: dict[str, object] = {}
         self._background: set[asyncio.Task[None]] = set()
@@ -350,16 +372,18 @@ class AccountLanes:
                 # carrying one account). Judge it once the other run's events are settled instead.
                 # No cycle of such waits: each waits only for events that arrived before it.
                 await self._quiet(lane)
-            if work.fence.valid:  # else: its run is being restarted and re-reads it
-                await self._load(lane)
-                if work.kind in ("#commit", "#sync"):
-                    event = await self._repo_event(lane, work)
-                elif work.kind == "#identity":
-                    event = await self._identity_event(lane, work)
-                else:
-                    event = await self._account_event(lane, work)
+            event = await self._judge_frame(lane, work)
         except IdentityError as exc:
             self.count("reject", f"identity_{exc.reason}")
+            log.warning("identity unavailable; frame rejected", extra=fields(
+                host=work.hostname, did=work.did, kind=work.kind, reason=exc.reason, error=str(exc)[:200]))
+            head = lane.head
+            if (exc.reason in UNREACHABLE and work.kind in ("#commit", "#sync") and head is not None
+                    and head.sync_state != "desynchronized"):
+                # A known account's commit that could not be checked is not dropped for good:
+                # the account is resynchronised (retried until it succeeds) and its #sync covers it.
+                await self._quiet(lane)
+                await self._mark_desynchronized(lane, work.hostname)
         except Exception as exc:  # never let one frame stop the host; counted and logged
             if self.store.is_transient(exc):  # the store is down: have the run re-read this frame
                 work.fence.revoke("store_unavailable")
@@ -373,6 +397,36 @@ class AccountLanes:
             if not work.judged.done():
                 work.judged.set_result(event)
 
+    async def _judge_frame(self, lane: _Lane, work: Work) -> PendingEvent | None:
+        """Judge ``work``; a transient identity failure (the DID directory or the account's PDS
+        unreachable, timed out, rate limited) is tried again after each pause of
+        ``identity_retry``, holding only this account's lane (other accounts, of this host too,
+        go on; the host's watermark waits). Raises the last ``IdentityError`` when every try
+        failed, at once for a permanent one (unknown DID, bad document)."""
+        pauses = iter(self.identity_retry if lane.identity_ok else ())
+        while True:
+            if not work.fence.valid:  # its run is being restarted and re-reads it
+                return None
+            await self._load(lane)
+            try:
+                if work.kind in ("#commit", "#sync"):
+                    event = await self._repo_event(lane, work)
+                elif work.kind == "#identity":
+                    event = await self._identity_event(lane, work)
+                else:
+                    event = await self._account_event(lane, work)
+            except IdentityError as exc:
+                pause = next(pauses, None) if exc.reason in UNREACHABLE else None
+                if pause is None:
+                    # the lane's next frames get one try each until a lookup succeeds again
+                    lane.identity_ok = exc.reason not in UNREACHABLE
+                    raise
+                self.count("retry", f"identity_{exc.reason}")
+                await asyncio.sleep(pause * random.uniform(0.8, 1.2))
+                continue
+            lane.identity_ok = True
+            return event
+
     async def _judge(self, work: Work, state: AccountState | None, key: str) -> Verdict:
         did, raw, lenient = work.did, work.uf.raw, work.lenient
         verdict = await self.pool.judge(raw, state, key, lenient=lenient)
@@ -380,7 +434,9 @@ class AccountLanes:
             self.identity_refreshes += 1
             try:
                 fresh: str | None = (await self.identity.resolve(did, fresh=True)).signing_key
-            except IdentityError:
+            except IdentityError as exc:
+                if exc.reason in UNREACHABLE:  # maybe a rotation we cannot see yet: try it later
+                    raise
                 fresh = None
             if fresh is not None and fresh != key:
                 verdict = await self.pool.judge(raw, state, fresh, lenient=lenient)

@@ -107,19 +107,24 @@ async def test_identity_event_replaces_the_stored_identity(relay_factory: RelayF
                 old = await _stored(relay, acct.did)
                 assert old is not None and old.signing_key == acct.key.did_key()
                 # The key rotates and #identity says so while the directory is unreachable: the
-                # fresh resolution fails, and the stored row must not be served afterwards.
+                # fresh resolution fails, and the stored row must not be served afterwards. The
+                # #identity is not dropped: its lane tries it again until the directory answers.
                 await fleet.plc.stop()
                 fleet.inject("key_rotation", acct)
                 await fleet.generate(0)
-                failed = metrics.verdicts.labels(kind="reject", reason="identity_resolution_failed")
-                await until(lambda: failed._value.get() >= 1, "the #identity to fail its fresh resolution")
+                retried = metrics.verdicts.labels(kind="retry", reason="identity_resolution_failed")
+                await until(lambda: retried._value.get() >= 1, "the #identity to fail its fresh resolution")
                 assert await _stored(relay, acct.did) is None
+                assert "#identity" not in [e.t for e in consumer.events]
                 await fleet.plc.start("127.0.0.1", plc_port)
-                requests = fleet.plc.requests
+                await consumer.wait_for(lambda evs: any(e.t == "#identity" for e in evs))
+                retried_doc = await _stored(relay, acct.did)
+                assert retried_doc is not None and retried_doc.signing_key == acct.key.did_key()
                 await fleet.generate(1)
                 await consumer.wait_for(lambda evs: _commits(consumer) >= 3)
                 assert relay.service.lanes.identity_refreshes == 0  # no signature failure on an old key
-                assert fleet.plc.requests == requests + 1
+                failed = metrics.verdicts.labels(kind="reject", reason="identity_resolution_failed")
+                assert failed._value.get() == 0
                 # #identity with the directory up: the row is the new document, handle checked
                 fleet.inject("key_rotation", acct)
                 await fleet.generate(1)
@@ -129,7 +134,39 @@ async def test_identity_event_replaces_the_stored_identity(relay_factory: RelayF
                 assert stored.handle == acct.handle and stored.handle_verified is True
                 assert stored.handle_checked_at is not None and stored.fetched_at > old.fetched_at
                 assert relay.service.lanes.identity_refreshes == 0
-                assert [e.t for e in consumer.events].count("#identity") == 1
+                assert [e.t for e in consumer.events].count("#identity") == 2
+    finally:
+        await fleet.stop()
+
+
+async def test_commit_not_checkable_while_the_directory_is_down_is_covered_by_a_resync(
+        relay_factory: RelayFactory, database_url: str) -> None:
+    """A known account rotates its key while the DID directory is unreachable: its next commit
+    fails the old key and cannot be checked against a fresh document. It is not dropped for good:
+    past its retries (none here) the account is desynchronized, and once the directory answers its
+    resync emits a ``#sync`` at that commit's rev."""
+    fleet = SimFleet(SimConfig(hosts=1, accounts_per_host=1, seed=25, announce_accounts=False))
+    await fleet.start()
+    acct = fleet.accounts[0]
+    plc_port = int(fleet.plc_url.rsplit(":", 1)[1])
+    try:
+        async with relay_factory(database_url=database_url, **_settings(fleet, identity_retry=0.0)) as relay:
+            metrics = relay.service.metrics
+            async with Consumer(relay.ws_url, cursor=0) as consumer:
+                await crawl(relay.url, fleet.hosts[0].hostname)
+                await fleet.generate(2)
+                await consumer.wait_for(lambda evs: _commits(consumer) >= 2)
+                await fleet.plc.stop()
+                _rotate_silently(fleet, 7)
+                await fleet.generate(1)
+                failed = metrics.verdicts.labels(kind="reject", reason="identity_resolution_failed")
+                await until(lambda: failed._value.get() >= 1, "the commit's key refresh to fail")
+                await fleet.plc.start("127.0.0.1", plc_port)
+                await consumer.wait_for(lambda evs: any(e.t == "#sync" for e in evs))
+                sync = next(e for e in consumer.events if e.t == "#sync")
+                assert sync.body["did"] == acct.did and sync.body["rev"] == acct.repo.rev
+                bad = metrics.verdicts.labels(kind="reject", reason="bad_signature")
+                assert bad._value.get() == 0  # a valid commit is never called forged
     finally:
         await fleet.stop()
 
