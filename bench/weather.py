@@ -25,7 +25,10 @@ Measured, each printed as a ``RESULT`` line:
   start-up (they wait for their own account's first sight, bounded by the identity lookups);
 * ``weather_commits_lost``: valid commits (ground truth ``accept``) that never arrived, once the
   markers have (or ``--settle`` s passed), not counting commits covered by a later ``#sync`` of
-  an account that was desynchronized (goal: 0); ``weather_commits_expected`` beside it, and
+  an account that was desynchronized, nor commits signed with a key the account rotated away from
+  after sending them (``weather_commits_key_superseded``: the directory serves only the newest key,
+  so a relay judging such a commit after the rotation cannot tell it from a forgery) (goal: 0);
+  ``weather_commits_expected`` beside it, and
   ``weather_commits_replaced_by_sync``: valid commits that did not arrive as themselves but are
   covered by a later ``#sync`` (expected for the broken chains, not for skipped frames);
 * ``weather_accounts_frozen``: accounts of misbehaving hosts (and a sample of 1,000 others) that
@@ -74,29 +77,43 @@ class Arrivals:
     duplicates: int = 0
     syncs: dict[str, str] = field(default_factory=dict)
     frames: int = 0
+    reconnects: int = 0
 
 
 async def consume(url: str, arrivals: Arrivals, connected: asyncio.Event) -> None:
+    """Read the relay's stream like a real consumer: on a cut connection (a consumer too slow for
+    the relay's queue is cut) reconnect from the last seq received (counted in ``reconnects``)."""
     from websockets.asyncio.client import connect
+    from websockets.exceptions import ConnectionClosed
 
     from firehose.frames import decode_frame
 
-    async with connect(url, max_size=None, compression=None, open_timeout=30, ping_interval=None) as ws:
-        connected.set()
-        async for msg in ws:
-            now = time.time()
-            arrivals.frames += 1
-            head = bytes(msg[:24])
-            if b"#commit" in head:
-                body = decode_frame(msg, strict=False).body  # type: ignore[arg-type]
-                key = (body["repo"], body["rev"])
-                if key in arrivals.commits:
-                    arrivals.duplicates += 1
-                else:
-                    arrivals.commits[key] = now
-            elif b"#sync" in head:
-                body = decode_frame(msg, strict=False).body  # type: ignore[arg-type]
-                arrivals.syncs[body["did"]] = max(arrivals.syncs.get(body["did"], ""), body["rev"])
+    cursor: int | None = None
+    while True:
+        target = url if cursor is None else f"{url}{'&' if '?' in url else '?'}cursor={cursor}"
+        try:
+            async with connect(target, max_size=None, compression=None, open_timeout=30, ping_interval=None) as ws:
+                connected.set()
+                async for msg in ws:
+                    now = time.time()
+                    arrivals.frames += 1
+                    head = bytes(msg[:24])  # type: ignore[arg-type]
+                    body = decode_frame(msg, strict=False).body  # type: ignore[arg-type]
+                    seq = body.get("seq")
+                    if type(seq) is int:
+                        cursor = seq
+                    if b"#commit" in head:
+                        key = (body["repo"], body["rev"])
+                        if key in arrivals.commits:
+                            arrivals.duplicates += 1
+                        else:
+                            arrivals.commits[key] = now
+                    elif b"#sync" in head:
+                        arrivals.syncs[body["did"]] = max(arrivals.syncs.get(body["did"], ""), body["rev"])
+        except (ConnectionClosed, OSError, TimeoutError):
+            pass
+        arrivals.reconnects += 1
+        await asyncio.sleep(0.5)
 
 
 def assign_weather(fleet: SimFleet, share: float, rng: random.Random) -> dict[int, str]:
@@ -254,7 +271,15 @@ async def run(a: argparse.Namespace) -> None:
     delays = [d for _, d in delay_pairs(healthy_live, arrivals)]
     pairs = delay_pairs(healthy(startup + live, bad_hosts), arrivals)
     startup_delays = [d for _, d in delay_pairs(healthy(startup, bad_hosts), arrivals)]
-    lost = lost_commits(fleet.ground_truth, arrivals)
+    lost_all = lost_commits(fleet.ground_truth, arrivals)
+    # A commit signed with a key its account rotated away from before the relay judged it cannot be
+    # told from a forgery (the DID directory serves only the current key): rejected, as by any relay.
+    rotated_at: dict[str, float] = {}
+    for tr in fleet.ground_truth:
+        if tr.kind == "#identity" and tr.fault == "key_rotation":
+            rotated_at[tr.did] = max(rotated_at.get(tr.did, 0.0), tr.sent_at)
+    superseded = [tr for tr in lost_all if rotated_at.get(tr.did, 0.0) > tr.sent_at]
+    lost = [tr for tr in lost_all if rotated_at.get(tr.did, 0.0) <= tr.sent_at]
     caught = [arrivals.commits[k] for k in backlog_firsts if k in arrivals.commits]
     full = full_speed_at(pairs)
     result("weather_hosts", a.hosts)
@@ -270,8 +295,10 @@ async def run(a: argparse.Namespace) -> None:
     result("weather_startup_delay_p99_s", round(percentile(startup_delays, 0.99), 3))
     result("weather_commits_expected", sum(1 for tr in fleet.ground_truth if tr.kind == "#commit" and tr.verdict == "accept"))
     result("weather_commits_lost", len(lost))
-    result("weather_commits_replaced_by_sync", len(undelivered_commits(fleet.ground_truth, arrivals)) - len(lost))
+    result("weather_commits_key_superseded", len(superseded))
+    result("weather_commits_replaced_by_sync", len(undelivered_commits(fleet.ground_truth, arrivals)) - len(lost_all))
     result("weather_commits_duplicated", arrivals.duplicates)
+    result("weather_consumer_reconnects", arrivals.reconnects)
     result("weather_accounts_frozen", len(frozen))
     result("weather_relay_rss_mb", round(peak_rss / 1e6, 1))
     result("weather_caught_up_s", round(max(caught) - t_crawl, 1) if len(caught) == len(backlog_firsts) else -1)
@@ -279,7 +306,12 @@ async def run(a: argparse.Namespace) -> None:
     result("weather_rejects", metric_sum(metrics, "relay_verdicts_total", kind="reject"))
     result("weather_load_average", load_average())
     if lost:
-        note(f"weather: lost e.g. {[(tr.host, tr.did[-6:], tr.fault) for tr in lost[:5]]}")
+        kind_of = {fleet.hosts[i].hostname: kind for i, kind in kinds.items()}
+        by_kind: dict[str, int] = {}
+        for tr in lost:
+            by_kind[kind_of.get(tr.host, "healthy")] = by_kind.get(kind_of.get(tr.host, "healthy"), 0) + 1
+        note(f"weather: lost by host weather {by_kind}; e.g. "
+             f"{[(tr.host, kind_of.get(tr.host), tr.did, tr.rev, tr.fault) for tr in lost[:5]]}")
     if delays:
         note(f"weather: healthy delay mean {statistics.fmean(delays):.3f}s over {len(delays)} commits")
 
