@@ -31,6 +31,7 @@ the limit, or this module throttled the host); a limit lowered elsewhere applies
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -66,6 +67,7 @@ class Admission:
         #: hostname → first-seen accounts admitted whose first event is not stored yet
         self._reserved: dict[str, set[str]] = {}
         self._hosts: BoundedLRU[str, tuple[float, HostState | None]] = BoundedLRU(50_000)
+        self._host_reads: dict[str, asyncio.Future[HostState | None]] = {}
         self._bans: tuple[float, list[str]] | None = None
 
     def host_changed(self) -> None:
@@ -74,12 +76,32 @@ class Admission:
         self._bans = None
 
     async def _host(self, hostname: str) -> HostState | None:
+        """The host's row, read at most once per ``host_ttl``; concurrent misses share one read
+        (a burst of first-seen accounts of one host made a read each)."""
         now = self.clock()
         cached = self._hosts.get(hostname)
         if cached is not None and now - cached[0] < self.host_ttl:
             return cached[1]
-        host = await self.store.get_host(hostname)
+        pending = self._host_reads.get(hostname)
+        if pending is not None:
+            await asyncio.wait([pending])
+            if not pending.cancelled():
+                return pending.result()
+        future: asyncio.Future[HostState | None] = asyncio.get_running_loop().create_future()
+        self._host_reads[hostname] = future
+        try:
+            host = await self.store.get_host(hostname)
+        except BaseException as exc:
+            if isinstance(exc, Exception):
+                future.set_exception(exc)
+                future.exception()  # retrieved: the waiters (if any) get it too
+            else:  # cancelled: the waiters read again themselves
+                future.cancel()
+            raise
+        finally:
+            self._host_reads.pop(hostname, None)
         self._hosts.put(hostname, (now, host))
+        future.set_result(host)
         return host
 
     async def relay_may_speak(self, pds_hostname: str | None) -> bool:
