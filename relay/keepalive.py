@@ -3,7 +3,7 @@ hot path when many accounts are seen for the first time.
 
 Why not httpx here: its connection pool re-checks every pooled connection (a ``poll`` per
 connection) each time a request is queued, assigned or finished, which made it ~2/3 of the relay
-main process's CPU on never-seen accounts (``bench/growth.py``, issue 18). This client keeps idle
+main process's CPU on never-seen accounts (``bench/growth.py``). This client keeps idle
 connections on a stack (most recently used first) and checks nothing until it uses one: a request
 is one write and a few reads on an asyncio stream.
 

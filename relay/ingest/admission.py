@@ -25,7 +25,7 @@ used by the relay rule are cached for ``host_ttl`` seconds; ``relay.ingest.hostr
 ``host_changed`` whenever a host is started or stopped (added, blocked, changed), so operator
 changes to known hosts apply at once (a new domain ban on a host never seen: within ``host_ttl``).
 Host rows (limit, trust, status) are also what a burst of never-seen accounts reads: one query per
-host per ``host_ttl`` (issue 18), and at once again after ``forget_host`` (the host manager raised
+host per ``host_ttl``, and at once again after ``forget_host`` (the host manager raised
 the limit, or this module throttled the host); a limit lowered elsewhere applies within ``host_ttl``.
 """
 

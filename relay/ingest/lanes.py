@@ -197,7 +197,7 @@ class AccountLanes:
         #: (did, kind) -> digest of the last #identity/#account accepted from a relay upstream:
         #: the same event carried by a second relay is dropped (commits dedup by rev instead)
         self._relayed: BoundedLRU[tuple[str, str], bytes] = BoundedLRU(relay_dedup)
-        #: lanes loading at once share one query (a burst of never-seen accounts: issue 18)
+        #: lanes loading at once share one query (a burst of never-seen accounts)
         self._accounts: BatchedLookup[str, AccountState] = BatchedLookup(store.get_accounts)
 
     async def close(self) -> None:
