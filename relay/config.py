@@ -136,7 +136,8 @@ SETTINGS: tuple[Setting, ...] = (
             "a Spark repair waits until the relay has read its host's stream this far past the moment "
             "the job looked (or the host has been quiet this long): the host's clock-skew margin", "duration"),
     Setting("identity_rate", "RELAY_IDENTITY_RATE", "--identity-rate", "200",
-            "DID resolutions per second (PLC / did:web), bursts up to 2.5x", "int"),
+            "DID resolutions per second (PLC / did:web), bursts up to 2.5x; half as many in flight at once "
+            "(64 to 256)", "int"),
     Setting("identity_max_age", "RELAY_IDENTITY_MAX_AGE", "--identity-max-age", "24h",
             "identities are kept in the database (a restart resolves nothing known again); one fetched "
             "longer ago than this is resolved again on its next use, and kept in use while the directory "

@@ -284,6 +284,13 @@ class RedisIdentityCache:
             self._ok()
 
 
+def identity_concurrency(rate: int) -> int:
+    """DID resolutions in flight for a rate limit of ``rate`` per second: enough that the rate,
+    not the concurrency, bounds throughput against a directory with a slow tail (by Little's law,
+    ``rate`` × a mean latency of 0.5 s), at least 64 and at most 256."""
+    return min(256, max(64, rate // 2))
+
+
 class TokenBucket:
     """At most ``rate`` acquisitions per second on average, bursts up to ``burst``: one
     :class:`firehose.ratelimit.TokenBucket`. Unlike ``firehose.ratelimit.RateLimiter`` (pure

@@ -49,6 +49,7 @@ from relay.identity import (
     MemoryIdentityCache,
     RedisIdentityCache,
     dns_txt_lookup,
+    identity_concurrency,
 )
 from relay.identity_store import PersistedIdentities
 from relay.ingest.admission import Admission
@@ -182,6 +183,7 @@ class RelayService:
                                          metrics=self.metrics, handle_resolver_url=config.handle_resolver_url,
                                          rate=max(1.0, float(config.identity_rate)),
                                          burst=max(1, int(config.identity_rate * 2.5)),
+                                         concurrency=identity_concurrency(config.identity_rate),
                                          txt_lookup=dns_txt_lookup(parse_nameservers(config.dns_servers) or None),
                                          persisted=self.identities, stale_after=config.identity_max_age,
                                          handle_timeout=config.handle_timeout)
