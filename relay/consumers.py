@@ -78,7 +78,7 @@ class ConsumerRegistry:
         finally:
             info.frames_sent = session.sent
             info.bytes_sent = session.bytes_sent
-            self.metrics.bytes_out.inc(session.bytes_sent)
+            self.metrics.child(self.metrics.bytes_out, "cbor").inc(session.bytes_sent)
             self.close(info)
 
     def list(self) -> list[dict[str, Any]]:
@@ -89,11 +89,14 @@ class ConsumerRegistry:
 
 
 class ConsumerTracking:
-    """ASGI middleware around the subscribeRepos WebSocket endpoint."""
+    """ASGI middleware around a stream's WebSocket endpoint: registers the consumer and counts
+    what is written to it as sent, in ``relay_consumer_sent_bytes_total{encoding}`` (``cbor`` for
+    subscribeRepos, ``json`` for the JSON stream)."""
 
-    def __init__(self, app: ASGIApp, registry: ConsumerRegistry) -> None:
+    def __init__(self, app: ASGIApp, registry: ConsumerRegistry, encoding: str = "cbor") -> None:
         self.app = app
         self.registry = registry
+        self.encoding = encoding
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "websocket":
@@ -105,6 +108,7 @@ class ConsumerTracking:
         cursor = next((p.split("=", 1)[1] for p in query.split("&") if p.startswith("cursor=")), None)
         info: ConsumerInfo | None = None
         metrics = self.registry.metrics
+        sent_bytes = metrics.child(metrics.bytes_out, self.encoding)
 
         async def tracked_send(message: Message) -> None:
             nonlocal info
@@ -114,13 +118,13 @@ class ConsumerTracking:
                 size = len(message.get("bytes") or b"") + len((message.get("text") or "").encode())
                 info.frames_sent += 1
                 info.bytes_sent += size
-                metrics.bytes_out.inc(size)
+                sent_bytes.inc(size)
             elif message["type"] == SEND_BATCH and info is not None:
                 frames = message["frames"]
                 size = sum(map(len, frames))
                 info.frames_sent += len(frames)
                 info.bytes_sent += size
-                metrics.bytes_out.inc(size)
+                sent_bytes.inc(size)
             await send(message)
 
         try:

@@ -61,6 +61,7 @@ from relay.jsonlog import fields
 from relay.metrics import RelayMetrics
 from relay.redis_guard import FailFastRedis
 from relay.repo_proxy import RepoProxy
+from relay.siblings import SiblingForwarder
 from relay.ssrf import AddressGuard, Resolver, SafeClient
 from relay.status_heal import HealPace, StatusHealer
 from relay.status_suspects import SuspectQueue, WatchedLanes
@@ -144,6 +145,8 @@ class RelayService:
         self._outbox_error = ""
         #: account-status self-healing (``relay.status_heal``; None when off or not ingesting)
         self.healer: StatusHealer | None = None
+        #: passes admin changes and requestCrawls on to RELAY_SIBLING_RELAYS (``relay.siblings``; not in a fan-out)
+        self.siblings: SiblingForwarder | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
@@ -237,6 +240,8 @@ class RelayService:
                                  safe=self.safe, policy=policy, start_host=self.upstreams.start_host,
                                  stop_host=self.upstreams.stop_host, limit_raised=self._limit_raised)
         await self.hosts.load_settings()
+        self.siblings = SiblingForwarder(config.sibling_relays, metrics=self.metrics)
+        self.siblings.start()
         await self.resync.start()
         await self.upstreams.start_all()
         self._tasks.append(asyncio.create_task(self._housekeeping(), name="housekeeping"))
@@ -381,6 +386,8 @@ class RelayService:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks = []
+        if self.siblings is not None:
+            await self.siblings.close()
         if self.upstreams is not None:
             await self.upstreams.close()
         if self.lanes is not None:
