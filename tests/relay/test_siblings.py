@@ -6,8 +6,8 @@ not subscribed as PDSes."""
 from __future__ import annotations
 
 import asyncio
-import json
 import contextlib
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 
