@@ -19,6 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from firehose.uvicorn_batch import SEND_BATCH
 from relay.metrics import RelayMetrics
+from relay.siblings import with_server_header
 
 if TYPE_CHECKING:
     from websockets.asyncio.server import ServerConnection
@@ -91,7 +92,10 @@ class ConsumerRegistry:
 class ConsumerTracking:
     """ASGI middleware around a stream's WebSocket endpoint: registers the consumer and counts
     what is written to it as sent, in ``relay_consumer_sent_bytes_total{encoding}`` (``cbor`` for
-    subscribeRepos, ``json`` for the JSON stream)."""
+    subscribeRepos, ``json`` for the JSON stream). It also names the relay in the handshake's
+    answer (``Server: atproto-relay``, ``relay.siblings.with_server_header``): these are the app's
+    only WebSocket endpoints, and the send this middleware wraps anyway is the one place where
+    that costs nothing per frame."""
 
     def __init__(self, app: ASGIApp, registry: ConsumerRegistry, encoding: str = "cbor") -> None:
         self.app = app
@@ -114,6 +118,7 @@ class ConsumerTracking:
             nonlocal info
             if message["type"] == "websocket.accept" and info is None:
                 info = self.registry.open(f"{client[0]}:{client[1]}", headers.get("user-agent", ""), cursor)
+                message = with_server_header(message)
             elif message["type"] == "websocket.send" and info is not None:
                 size = len(message.get("bytes") or b"") + len((message.get("text") or "").encode())
                 info.frames_sent += 1

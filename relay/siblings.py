@@ -24,8 +24,8 @@ does not know the host, or its admin token differs) and is not retried. Counters
 Sibling URLs are operator configuration, not untrusted input: they are not SSRF-checked, and
 redirects are not followed.
 
-``ServerHeader`` is the ASGI middleware that names the relay on every HTTP response and WebSocket
-handshake (``Server: atproto-relay``); ``relay.hosts`` refuses to subscribe, as a PDS, a host whose
+``ServerHeader`` is the ASGI middleware that names the relay on every HTTP response (``Server:
+atproto-relay``; the WebSocket handshakes get it from ``relay.consumers.ConsumerTracking``); ``relay.hosts`` refuses to subscribe, as a PDS, a host whose
 answer carries that name (``is_relay_server``) unless an operator adds it as a relay upstream.
 """
 
@@ -75,27 +75,31 @@ def is_relay_server(headers: Mapping[str, str]) -> bool:
     return bool(first) and first[0].partition("/")[0].lower() == SERVER_NAME
 
 
-class ServerHeader:
-    """ASGI middleware: ``Server: atproto-relay`` on every HTTP response and WebSocket accept."""
+_SERVER_HEADER = (b"server", SERVER_NAME.encode())
 
-    _HEADER = (b"server", SERVER_NAME.encode())
+
+def with_server_header(message: Message) -> Message:
+    """An ASGI ``http.response.start`` or ``websocket.accept`` message with ``Server:
+    atproto-relay`` in place of any ``Server`` header it had."""
+    kept = [h for h in message.get("headers") or () if h[0].lower() != b"server"]
+    return {**message, "headers": [*kept, _SERVER_HEADER]}
+
+
+class ServerHeader:
+    """ASGI middleware: ``Server: atproto-relay`` on every HTTP response. WebSocket scopes pass
+    untouched (a wrapper would cost a call per frame sent): the stream endpoints' own middleware
+    (``relay.consumers.ConsumerTracking``) names the relay in their handshake answers."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        kind = scope["type"]
-        if kind not in ("http", "websocket"):
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        start = "http.response.start" if kind == "http" else "websocket.accept"
-        header = self._HEADER
 
         async def named_send(message: Message) -> None:
-            if message["type"] == start:
-                message = {**message, "headers": [*(h for h in message.get("headers") or ()
-                                                     if h[0].lower() != b"server"), header]}
-            await send(message)
+            await send(with_server_header(message) if message["type"] == "http.response.start" else message)
 
         await self.app(scope, receive, named_send)
 

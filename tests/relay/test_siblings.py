@@ -17,6 +17,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from websockets.asyncio.client import connect
 
 from relay.config import ConfigError, RelayConfig
 from relay.metrics import RelayMetrics
@@ -258,6 +259,9 @@ async def test_a_relay_is_not_subscribed_as_a_pds_only_as_a_relay_upstream(tmp_p
             for r in (await http.get("/xrpc/com.atproto.sync.listHosts"), await http.get("/no/such/page"),
                       await http.get("/_health")):
                 assert r.headers.get_list("server") == ["atproto-relay"], r.headers
+            for path in ("/xrpc/com.atproto.sync.subscribeRepos", "/subscribe"):  # the WebSocket handshakes too
+                async with connect(a.url.replace("http://", "ws://") + path) as ws:
+                    assert ws.response is not None and ws.response.headers.get_all("server") == ["atproto-relay"]
             r = await http.post("/xrpc/com.atproto.sync.requestCrawl", json={"hostname": b_host})
             assert r.status_code == 400 and "host_is_relay" in r.json()["message"], r.text
             r = await http.post("/admin/hosts", json={"hostname": b_host})  # an operator adding it as a PDS: no
