@@ -257,6 +257,10 @@ def test_alerts_fire_on_the_series_they_are_about(tmp_path: Path) -> None:
         {"series": f"relay_resync_queue{{{writer}}}", "values": "5x40"},      # stuck: never drains
         {"series": f"relay_resync_queue{{{standby}}}", "values": "40-1x40"},  # draining
         {"series": f'relay_broadcast_events_total{{{fanout}, event="too_slow"}}', "values": "0+2x40"},
+        {"series": f'relay_sibling_forwards_total{{{writer}, sibling="https://b.example", result="failed"}}',
+         "values": "0x20 0+1x20"},  # one change given up per minute from minute 21 on
+        {"series": f'relay_sibling_forwards_total{{{writer}, sibling="https://c.example", result="forwarded"}}',
+         "values": "0+5x40"},  # all well with this one
     ]
     tests = {"rule_files": ["rules.yaml"], "evaluation_interval": "1m", "tests": [{
         "interval": "1m", "input_series": series,
@@ -290,6 +294,14 @@ def test_alerts_fire_on_the_series_they_are_about(tmp_path: Path) -> None:
                  "exp_annotations": {"summary": "Resync backlog on ingest-a has not drained for 30m",
                                      "description": "5 accounts wait for a resync; see relay_resyncs_total{result} "
                                                     "for why they fail."}}]},
+            {"eval_time": "10m", "alertname": "RelaySiblingForwardsLost", "exp_alerts": []},
+            {"eval_time": "30m", "alertname": "RelaySiblingForwardsLost", "exp_alerts": [
+                {"exp_labels": {"severity": "warning", "namespace": "relays", "pod": "ingest-a",
+                                "sibling": "https://b.example"},
+                 "exp_annotations": {"summary": "9 changes not passed on to sibling https://b.example in 15 min",
+                                     "description": "Admin changes or requestCrawls made here were given up or "
+                                                    "dropped for this sibling (the relay's log names each): repeat "
+                                                    "them there."}}]},
             {"eval_time": "30m", "alertname": "RelayConsumersCutTooSlow", "exp_alerts": [
                 {"exp_labels": {"severity": "warning", "namespace": "relays", "pod": "fanout-a"},
                  "exp_annotations": {"summary": "30 consumers cut as too slow on fanout-a in 15 min",
