@@ -152,6 +152,8 @@ class SiblingForwarder:
         self._tasks: list[asyncio.Task[None]] = []
         for sibling in self.siblings:
             self._set_queue_gauge(sibling)
+            for result in FORWARD_RESULTS:  # every series from 0: an alert's increase() sees the first one
+                self.metrics.child(self.metrics.sibling_forwards, sibling.url, result)
 
     def start(self) -> None:
         """Start one worker per sibling (idempotent)."""

@@ -99,6 +99,7 @@ async def test_a_crawl_and_admin_changes_on_a_reach_sibling_b_and_stop_there(tmp
             await until_async(lambda: _received(b, sent), f"B to receive the {sent} changes from A")
             text = await _metrics(a)
             assert metric_value(text, "relay_sibling_forwards_total", sibling=b.url, result="forwarded") == sent
+            assert f'relay_sibling_forwards_total{{result="dropped",sibling="{b.url}"}} 0.0' in text  # from the start
             assert metric_value(text, "relay_sibling_received_total") == 0  # nothing came back
             # B applied each change as A did, in A's order (a forwarded change is not logged as anything else)
             ours, theirs = await _audit(a), await _audit(b)
