@@ -61,7 +61,7 @@ from relay.jsonlog import fields
 from relay.metrics import RelayMetrics
 from relay.redis_guard import FailFastRedis
 from relay.repo_proxy import RepoProxy
-from relay.siblings import SiblingForwarder
+from relay.siblings import SERVER_NAME, SiblingForwarder
 from relay.ssrf import AddressGuard, Resolver, SafeClient
 from relay.status_heal import HealPace, StatusHealer
 from relay.status_suspects import SuspectQueue, WatchedLanes
@@ -280,7 +280,7 @@ class RelayService:
         host, port = parse_bind(bind, "RELAY_FIREHOSE_BIND")
         self.firehose_server = await serve_subscribe_repos(self.broadcaster, host, port,
                                                            track=self.consumers.tracking,
-                                                           deflate=self.config.ws_deflate)
+                                                           deflate=self.config.ws_deflate, server_header=SERVER_NAME)
         bound = next(iter(self.firehose_server.sockets)).getsockname()
         self.firehose_url = f"ws://{bound[0]}:{bound[1]}"
         log.info("firehose listening", extra=fields(url=self.firehose_url))

@@ -25,7 +25,7 @@ from relay.service import RelayService
 from relay.siblings import VIA, Change, SiblingForwarder, carries_our_via, is_relay_server
 from relay.sim import SimConfig, SimFleet
 from tests.relay.e2e import crawl, metric_value
-from tests.relay.helpers import RunningRelay, bound_socket, serve_asgi
+from tests.relay.helpers import RunningRelay, bound_socket, running_relay, serve_asgi
 from tests.waiting import until, until_async
 
 TOKEN = "sibling-token"
@@ -273,6 +273,13 @@ async def test_a_relay_is_not_subscribed_as_a_pds_only_as_a_relay_upstream(tmp_p
             assert r.status_code == 200 and r.json()["relay"] is True, r.text
     finally:
         await fleet.stop()
+
+
+async def test_the_plain_websockets_listener_names_the_relay_too(tmp_path: Path) -> None:
+    async with running_relay(database_url=str(tmp_path / "relay.sqlite"), firehose_bind="127.0.0.1:0") as relay:
+        assert relay.service.firehose_url is not None
+        async with connect(relay.service.firehose_url + "/xrpc/com.atproto.sync.subscribeRepos") as ws:
+            assert ws.response is not None and ws.response.headers.get_all("server") == ["atproto-relay"]
 
 
 def test_via_and_server_header_parsing() -> None:
