@@ -21,7 +21,7 @@ from urllib.parse import parse_qs, urlsplit
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed, InvalidState
-from websockets.http11 import Request, Response
+from websockets.http11 import USER_AGENT, Request, Response
 from websockets.protocol import Protocol, Side, State
 
 from firehose.broadcast import Broadcaster, ConsumerSession, pump
@@ -123,6 +123,7 @@ async def serve_subscribe_repos(
     direct: bool = True,
     track: Callable[[ServerConnection, ConsumerSession], AbstractAsyncContextManager[Any]] | None = None,
     deflate: bool = False,
+    server_header: str | None = None,
 ) -> Server:
     """Start the server (``async with`` it or call ``.close()``); ``port=0`` picks a free port.
 
@@ -138,6 +139,7 @@ async def serve_subscribe_repos(
     connection (the relay keeps its registry of connected consumers with it).
     ``deflate``: offer permessage-deflate (off by default; a consumer that negotiates it gets
     compressed frames, each compressed once per consumer).
+    ``server_header``: the ``Server`` header of every answer (None: the ``websockets`` default).
     """
 
     def process_request(connection: ServerConnection, request: Request) -> Response | None:
@@ -189,4 +191,5 @@ async def serve_subscribe_repos(
         ping_timeout=broadcaster.max_lag + 20.0 if ping_timeout is None else ping_timeout,
         max_size=MAX_FRAME_BYTES,
         compression="deflate" if deflate else None,
+        server_header=USER_AGENT if server_header is None else server_header,
     )

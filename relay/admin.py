@@ -26,6 +26,9 @@ the admin API and the dashboard alike; each ``RelayService`` has one failure tab
 | GET | /admin/consumers | connected subscribeRepos consumers |
 | GET/POST | /admin/crawling | ``{enabled}`` public requestCrawl on/off |
 | GET | /admin/audit | recent admin actions |
+
+Changes marked in ``admin_routes`` with ``forward=True`` (limits, block/unblock, domain bans,
+takedowns) are passed on to the sibling relays once they succeed here (``relay.siblings``).
 """
 
 from __future__ import annotations
@@ -153,18 +156,23 @@ def _admin_host_view(service: RelayService, host: HostState) -> dict[str, Any]:
             "createdAt": host.created_at}
 
 
-def _admin(handler: AdminHandler) -> Callable[[Request], Awaitable[Response]]:
+def _admin(handler: AdminHandler, *, forward: bool = False) -> Callable[[Request], Awaitable[Response]]:
     """Wrap ``handler`` as a route endpoint: authorize, then map ``KeyError`` to 404 ``NotFound``
-    and ``CrawlRefused`` to 400 with its XRPC error name."""
+    and ``CrawlRefused`` to 400 with its XRPC error name. ``forward``: a change that succeeded is
+    passed on to the sibling relays (``relay.siblings``; queued, never waited for)."""
 
     async def wrapped(request: Request) -> Response:
         _authorize(request)
+        service = _service(request)
         try:
-            return await handler(request, _service(request))
+            response = await handler(request, service)
         except KeyError as exc:
             raise XrpcError(404, "NotFound", f"unknown {exc.args[0]}") from None
         except CrawlRefused as exc:
             raise XrpcError(400, exc.xrpc_error, f"{exc.reason}: {exc.message}") from None
+        if forward and response.status_code < 300 and service.siblings is not None:
+            await service.siblings.offer(request)
+        return response
 
     return wrapped
 
@@ -301,17 +309,18 @@ def admin_routes() -> list[BaseRoute]:
     return [
         Route("/admin/hosts", _admin(list_hosts), methods=["GET"]),
         Route("/admin/hosts", _admin(add_host), methods=["POST"]),
-        Route("/admin/hosts/{hostname}/block", _admin(block_host), methods=["POST"]),
-        Route("/admin/hosts/{hostname}/unblock", _admin(unblock_host), methods=["POST"]),
-        Route("/admin/hosts/{hostname}/limits", _admin(set_limits), methods=["POST"]),
+        Route("/admin/hosts/{hostname}/block", _admin(block_host, forward=True), methods=["POST"]),
+        Route("/admin/hosts/{hostname}/unblock", _admin(unblock_host, forward=True), methods=["POST"]),
+        Route("/admin/hosts/{hostname}/limits", _admin(set_limits, forward=True), methods=["POST"]),
         Route("/admin/hosts/{hostname}/reset-cursor", _admin(reset_cursor), methods=["POST"]),
         Route("/admin/hosts/{hostname}/validation", _admin(set_validation), methods=["POST"]),
-        Route("/admin/domain-bans", _admin(domain_bans), methods=["GET", "POST"]),
-        Route("/admin/domain-bans/{domain}", _admin(remove_domain_ban), methods=["DELETE"]),
+        Route("/admin/domain-bans", _admin(domain_bans), methods=["GET"]),
+        Route("/admin/domain-bans", _admin(domain_bans, forward=True), methods=["POST"]),
+        Route("/admin/domain-bans/{domain}", _admin(remove_domain_ban, forward=True), methods=["DELETE"]),
         Route("/admin/accounts/{did}", _admin(get_account), methods=["GET"]),
         Route("/admin/desynchronized", _admin(desynchronized), methods=["GET"]),
-        Route("/admin/accounts/{did}/takedown", _admin(takedown), methods=["POST"]),
-        Route("/admin/accounts/{did}/reverse-takedown", _admin(reverse_takedown), methods=["POST"]),
+        Route("/admin/accounts/{did}/takedown", _admin(takedown, forward=True), methods=["POST"]),
+        Route("/admin/accounts/{did}/reverse-takedown", _admin(reverse_takedown, forward=True), methods=["POST"]),
         Route("/admin/consumers", _admin(consumers), methods=["GET"]),
         Route("/admin/crawling", _admin(crawling), methods=["GET", "POST"]),
         Route("/admin/audit", _admin(audit), methods=["GET"]),

@@ -27,6 +27,7 @@ from relay.hosts import CrawlRefused, HostManager, host_base_url
 from relay.metrics import CONTENT_TYPE_LATEST
 from relay.repo_proxy import RepoRefused, RepoUnavailable
 from relay.request_guard import RequestGuard
+from relay.siblings import ServerHeader
 from relay.xrpc import XrpcError, did_param, int_param, invalid, json_object, param
 
 if TYPE_CHECKING:
@@ -201,6 +202,9 @@ async def request_crawl(request: Request) -> Response:
         await _hosts(request).request_crawl(hostname)
     except CrawlRefused as exc:
         raise XrpcError(400, exc.xrpc_error, f"{exc.reason}: {exc.message}") from None
+    siblings = _service(request).siblings
+    if siblings is not None:  # accepted here: passed on to the sibling relays (queued, not waited for)
+        await siblings.offer(request)
     return JSONResponse({})
 
 
@@ -288,7 +292,8 @@ async def _server_error(request: Request, exc: Exception) -> Response:
 
 
 def build_app(service: RelayService) -> Starlette:
-    """The Starlette app. Fan-out-only processes skip requestCrawl/admin (ingest owns them)."""
+    """The Starlette app. Fan-out-only processes skip requestCrawl/admin (ingest owns them).
+    Every response names the relay (``Server: atproto-relay``, ``relay.siblings.ServerHeader``)."""
     routes: list[BaseRoute] = [Route("/", root), Route("/_health", health), Route("/_ready", ready),
                                Route("/metrics", metrics), *dashboard_routes()]
     routes += service.subscribe_routes()
@@ -307,7 +312,7 @@ def build_app(service: RelayService) -> Starlette:
     routes.append(Route("/xrpc/{method}", not_implemented, methods=["GET", "POST"]))
     app = Starlette(routes=routes, exception_handlers={XrpcError: _xrpc_error, HTTPException: _http_error,
                                                         Exception: _server_error},
-                    middleware=[Middleware(RequestGuard)])
+                    middleware=[Middleware(ServerHeader), Middleware(RequestGuard)])
     app.state.service = service
     return app
 

@@ -201,6 +201,11 @@ SETTINGS: tuple[Setting, ...] = (
             "admin requests with a missing or wrong token one client address may make per minute; past it every "
             "admin request from that address is answered 429 with Retry-After until it may try again "
             "(0 = no limit)", "int"),
+    Setting("sibling_relays", "RELAY_SIBLING_RELAYS", "--sibling-relays", "",
+            "comma-separated base URLs (http(s)://host[:port]) of sibling relays: a requestCrawl and the admin "
+            "changes that succeed here (limits, block/unblock, domain bans, takedowns) are passed on to each, with "
+            "the same Authorization and Via: 1.1 atproto-relay (a change that arrives with it is not passed on "
+            "again); failures are retried with backoff, never delay the change here", "list"),
     Setting("log_level", "RELAY_LOG_LEVEL", "--log-level", "info", "debug, info, warning or error"),
     Setting("status_heal_interval", "RELAY_STATUS_HEAL_INTERVAL", "--status-heal-interval", "24h",
             "account-status self-healing: every host's listRepos is read fully once per interval and each account's "
@@ -312,6 +317,7 @@ class RelayConfig:
     max_websockets: int = 5000
     crawl_requests_per_minute: int = 10
     admin_auth_failures_per_minute: int = 10
+    sibling_relays: tuple[str, ...] = field(default_factory=tuple)
     log_level: str = "info"
     status_heal_interval: float = 24 * 3600.0
     status_heal_suspect_delay: float = 300.0
@@ -369,6 +375,10 @@ class RelayConfig:
         if config.resync_retry_base <= 0 or config.resync_retry_max < config.resync_retry_base:
             raise ConfigError("bad_duration", "RELAY_RESYNC_RETRY_BASE must be more than 0 and at most "
                               "RELAY_RESYNC_RETRY_MAX")
+        for url in config.sibling_relays:
+            if not re.match(r"^https?://[^/?#\s]+(/[^?#\s]*)?$", url):
+                raise ConfigError("bad_sibling_relays", f"RELAY_SIBLING_RELAYS: expected http(s)://host[:port],…; "
+                                                        f"got {url!r}")
         if config.log_level not in ("debug", "info", "warning", "error"):
             raise ConfigError("bad_log_level", f"RELAY_LOG_LEVEL: unknown level {config.log_level!r}")
         return config

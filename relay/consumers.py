@@ -19,6 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from firehose.uvicorn_batch import SEND_BATCH
 from relay.metrics import RelayMetrics
+from relay.siblings import with_server_header
 
 if TYPE_CHECKING:
     from websockets.asyncio.server import ServerConnection
@@ -78,7 +79,7 @@ class ConsumerRegistry:
         finally:
             info.frames_sent = session.sent
             info.bytes_sent = session.bytes_sent
-            self.metrics.bytes_out.inc(session.bytes_sent)
+            self.metrics.child(self.metrics.bytes_out, "cbor").inc(session.bytes_sent)
             self.close(info)
 
     def list(self) -> list[dict[str, Any]]:
@@ -89,11 +90,17 @@ class ConsumerRegistry:
 
 
 class ConsumerTracking:
-    """ASGI middleware around the subscribeRepos WebSocket endpoint."""
+    """ASGI middleware around a stream's WebSocket endpoint: registers the consumer and counts
+    what is written to it as sent, in ``relay_consumer_sent_bytes_total{encoding}`` (``cbor`` for
+    subscribeRepos, ``json`` for the JSON stream). It also names the relay in the handshake's
+    answer (``Server: atproto-relay``, ``relay.siblings.with_server_header``): these are the app's
+    only WebSocket endpoints, and the send this middleware wraps anyway is the one place where
+    that costs nothing per frame."""
 
-    def __init__(self, app: ASGIApp, registry: ConsumerRegistry) -> None:
+    def __init__(self, app: ASGIApp, registry: ConsumerRegistry, encoding: str = "cbor") -> None:
         self.app = app
         self.registry = registry
+        self.encoding = encoding
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "websocket":
@@ -105,22 +112,24 @@ class ConsumerTracking:
         cursor = next((p.split("=", 1)[1] for p in query.split("&") if p.startswith("cursor=")), None)
         info: ConsumerInfo | None = None
         metrics = self.registry.metrics
+        sent_bytes = metrics.child(metrics.bytes_out, self.encoding)
 
         async def tracked_send(message: Message) -> None:
             nonlocal info
             if message["type"] == "websocket.accept" and info is None:
                 info = self.registry.open(f"{client[0]}:{client[1]}", headers.get("user-agent", ""), cursor)
+                message = with_server_header(message)
             elif message["type"] == "websocket.send" and info is not None:
                 size = len(message.get("bytes") or b"") + len((message.get("text") or "").encode())
                 info.frames_sent += 1
                 info.bytes_sent += size
-                metrics.bytes_out.inc(size)
+                sent_bytes.inc(size)
             elif message["type"] == SEND_BATCH and info is not None:
                 frames = message["frames"]
                 size = sum(map(len, frames))
                 info.frames_sent += len(frames)
                 info.bytes_sent += size
-                metrics.bytes_out.inc(size)
+                sent_bytes.inc(size)
             await send(message)
 
         try:

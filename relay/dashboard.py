@@ -115,7 +115,7 @@ async def snapshot(service: RelayService, *, admin: bool) -> dict[str, Any]:
                   "admin": admin, "adminEnabled": bool(service.config.admin_token)},
         "seq": _value(found, "relay_current_seq"),
         "sequencer": {"state": sequencer.state if sequencer is not None else None,
-                      "secondsSinceLastCommit": _value(found, "relay_seconds_since_last_sequenced")},
+                      "secondsSinceLastCommit": _value(found, "relay_last_sequenced_age_seconds")},
         "store": {"up": _value(found, "relay_store_up") == 1, "backend": getattr(service.store, "backend", None)},
         "bus": {"kind": "redis" if service.config.redis_url else "in-process",
                 "events": _by(found, "relay_broadcast_events_total", "event")},

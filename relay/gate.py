@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
@@ -20,6 +21,7 @@ from starlette.types import Receive, Scope, Send
 
 from relay.app import health, metrics, ready
 from relay.dashboard import dashboard_routes
+from relay.siblings import ServerHeader
 
 if TYPE_CHECKING:
     from relay.service import RelayService
@@ -37,7 +39,7 @@ def early_app(service: RelayService) -> Starlette:
     routes: list[BaseRoute] = [Route("/_health", health), Route("/_ready", ready), Route("/metrics", metrics)]
     routes += dashboard_routes()
     routes.append(Route("/{rest:path}", _not_ready, methods=["GET", "HEAD", "POST", "PUT", "DELETE"]))
-    app = Starlette(routes=routes)
+    app = Starlette(routes=routes, middleware=[Middleware(ServerHeader)])
     app.state.service = service
     return app
 

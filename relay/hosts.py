@@ -5,8 +5,9 @@ the client's rate limit (``crawl_client_wait``, checked by ``relay.request_guard
 body is read: 429 with Retry-After) → crawling enabled → hostname syntax
 (``relay.ssrf.normalize_hostname``) → domain bans (every parent suffix) → already known (banned →
 ``HostBanned``; otherwise resubscribe) → new-hosts-per-day limit → every resolved address public
-(unless insecure) → ``describeServer`` probe (SSRF-checked, redirects re-checked) → stored as
-``active`` and a subscriber is started.
+(unless insecure) → ``describeServer`` probe (SSRF-checked, redirects re-checked; an answer naming a
+relay, ``Server: atproto-relay``, is refused ``host_is_relay``) → stored as ``active`` and a
+subscriber is started.
 
 The new-hosts-per-day limit is exact under concurrency: a request reserves its place (under a
 lock: hosts recorded in the last 24 h plus places reserved < the limit) before it resolves and
@@ -52,6 +53,7 @@ from relay.client_limits import ClientRateLimiter
 from relay.config import RelayConfig
 from relay.jsonlog import fields
 from relay.metrics import RelayMetrics
+from relay.siblings import SERVER_NAME, is_relay_server
 from relay.ssrf import AddressGuard, SafeClient, SSRFError, normalize_hostname, split_host_port
 
 log = logging.getLogger("relay.hosts")
@@ -274,16 +276,21 @@ class HostManager:
 
     async def _probe(self, hostname: str, *, relay: bool = False) -> None:
         """``describeServer`` must answer 200 with a JSON object naming the server's DID; a relay
-        (which has no server DID) must answer ``listHosts`` with a JSON object listing hosts."""
+        (which has no server DID) must answer ``listHosts`` with a JSON object listing hosts. A host
+        probed as a PDS whose answer names a relay (``Server: atproto-relay``, whatever the status)
+        is refused ``host_is_relay``: only an operator subscribes to a relay (``relay=True``)."""
         url = host_base_url(hostname, insecure=self.config.allow_insecure_hosts)
         method = "com.atproto.sync.listHosts?limit=1" if relay else "com.atproto.server.describeServer"
         try:
-            status, body, _ = await self.safe.get(f"{url}/xrpc/{method}", max_bytes=256 * 1024)
+            status, body, headers = await self.safe.get(f"{url}/xrpc/{method}", max_bytes=256 * 1024)
         except SSRFError as exc:
             raise CrawlRefused(exc.reason, f"describeServer: {exc}") from None
         except httpx.HTTPError as exc:
             raise CrawlRefused("host_unreachable", f"describeServer failed: {type(exc).__name__}") from None
         name = method.partition("?")[0].rpartition(".")[2]
+        if not relay and is_relay_server(headers):
+            raise CrawlRefused("host_is_relay", f"{hostname} answers as a relay (Server: {SERVER_NAME}); an operator "
+                                                f"may add it as a relay upstream")
         if status != 200:
             raise CrawlRefused("describe_server_failed", f"{name} answered HTTP {status}")
         try:

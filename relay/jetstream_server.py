@@ -311,4 +311,4 @@ def jetstream_server(broadcaster: Broadcaster, metrics: RelayMetrics, consumers:
         metrics.child(metrics.jetstream_messages, "true" if compressed else "false").inc(n)
 
     return JetstreamServer(broadcaster, converter, count=count, count_messages=count_messages,
-                           wrap=lambda app: ConsumerTracking(app, consumers))
+                           wrap=lambda app: ConsumerTracking(app, consumers, "json"))

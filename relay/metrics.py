@@ -68,7 +68,12 @@ class RelayMetrics:
         self.mst_compiled = Gauge("relay_mst_compiled",
                                   "1 if commit verification runs on the compiled mst build (mst.native), else 0",
                                   registry=r)
-        self.bytes_out = Counter("relay_bytes_out_total", "Bytes sent to consumers", registry=r)
+        self.bytes_out = Counter("relay_consumer_sent_bytes_total",
+                                 "Bytes written to stream consumers as sent, by encoding (cbor: subscribeRepos; "
+                                 "json: the JSON stream /subscribe, its zstd frames included)", ["encoding"],
+                                 registry=r)
+        for encoding in ("cbor", "json"):  # both series from the start (a rate() over them starts at 0)
+            self.child(self.bytes_out, encoding)
         self.resync_queue = Gauge("relay_resync_queue", "Accounts waiting for a resync", registry=r)
         self.repairs_deferred = Gauge("relay_repairs_deferred",
                                       "Spark repairs waiting for the relay to catch up with their host", registry=r)
@@ -81,7 +86,7 @@ class RelayMetrics:
         self.bus_up = Gauge("relay_bus_up", "0 if the Redis bus did not answer the last readiness PING "
                             "(scale-out), else 1 (always 1 without Redis)", registry=r)
         self.bus_up.set(1)
-        self.since_sequenced = Gauge("relay_seconds_since_last_sequenced",
+        self.since_sequenced = Gauge("relay_last_sequenced_age_seconds",
                                      "Seconds since the sequencer last committed a batch", registry=r)
         self.resyncs = Counter("relay_resyncs_total", "Finished resyncs", ["result"], registry=r)
         self.identity_cache = Counter("relay_identity_cache_total", "Identity cache lookups",
@@ -123,6 +128,15 @@ class RelayMetrics:
         self.heal_host_failures = Counter("relay_status_heal_host_failures_total",
                                           "Status checks a host could not answer (skipped and retried)",
                                           ["reason"], registry=r)
+        self.sibling_forwards = Counter("relay_sibling_forwards_total",
+                                        "Changes passed on to sibling relays (RELAY_SIBLING_RELAYS), by sibling and "
+                                        "result: forwarded, retried, rejected, failed (given up), dropped (queue full)",
+                                        ["sibling", "result"], registry=r)
+        self.sibling_queue_bytes = Gauge("relay_sibling_queue_bytes", "Changes waiting to be sent to each sibling "
+                                         "relay, in bytes", ["sibling"], registry=r)
+        self.sibling_received = Counter("relay_sibling_received_total",
+                                        "Changes received from a sibling relay (carrying our Via): applied, not "
+                                        "passed on again", registry=r)
         self._per_host = {id(m): m for m in (self.events_in, self.host_resets)}
 
     def forget_host(self, hostname: str) -> None:

@@ -95,6 +95,8 @@ def build_server(app: Any, config: RelayConfig,
                                            # consumer: off unless RELAY_WS_DEFLATE (BENCHMARKS.md)
                                            ws_per_message_deflate=config.ws_deflate,
                                            log_config=None, access_log=False, ws_max_size=1 << 20,
+                                           # the app names itself (Server: atproto-relay, relay.siblings)
+                                           server_header=False,
                                            # consumers' lag is probed by the broadcaster (ConsumerTooSlow
                                            # within RELAY_CONSUMER_MAX_LAG); the keepalive ping only
                                            # catches a peer that vanished while nothing was sent to it

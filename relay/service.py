@@ -62,6 +62,7 @@ from relay.jsonlog import fields
 from relay.metrics import RelayMetrics
 from relay.redis_guard import FailFastRedis
 from relay.repo_proxy import RepoProxy
+from relay.siblings import SERVER_NAME, SiblingForwarder
 from relay.ssrf import AddressGuard, Resolver, SafeClient
 from relay.status_heal import HealPace, StatusHealer
 from relay.status_suspects import SuspectQueue, WatchedLanes
@@ -145,6 +146,8 @@ class RelayService:
         self._outbox_error = ""
         #: account-status self-healing (``relay.status_heal``; None when off or not ingesting)
         self.healer: StatusHealer | None = None
+        #: passes admin changes and requestCrawls on to RELAY_SIBLING_RELAYS (``relay.siblings``; not in a fan-out)
+        self.siblings: SiblingForwarder | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
@@ -240,6 +243,8 @@ class RelayService:
                                  safe=self.safe, policy=policy, start_host=self.upstreams.start_host,
                                  stop_host=self.upstreams.stop_host, limit_raised=self._limit_raised)
         await self.hosts.load_settings()
+        self.siblings = SiblingForwarder(config.sibling_relays, metrics=self.metrics)
+        self.siblings.start()
         await self.resync.start()
         await self.upstreams.start_all()
         self._tasks.append(asyncio.create_task(self._housekeeping(), name="housekeeping"))
@@ -278,7 +283,7 @@ class RelayService:
         host, port = parse_bind(bind, "RELAY_FIREHOSE_BIND")
         self.firehose_server = await serve_subscribe_repos(self.broadcaster, host, port,
                                                            track=self.consumers.tracking,
-                                                           deflate=self.config.ws_deflate)
+                                                           deflate=self.config.ws_deflate, server_header=SERVER_NAME)
         bound = next(iter(self.firehose_server.sockets)).getsockname()
         self.firehose_url = f"ws://{bound[0]}:{bound[1]}"
         log.info("firehose listening", extra=fields(url=self.firehose_url))
@@ -384,6 +389,8 @@ class RelayService:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks = []
+        if self.siblings is not None:
+            await self.siblings.close()
         if self.upstreams is not None:
             await self.upstreams.close()
         if self.lanes is not None:

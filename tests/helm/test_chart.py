@@ -257,6 +257,10 @@ def test_alerts_fire_on_the_series_they_are_about(tmp_path: Path) -> None:
         {"series": f"relay_resync_queue{{{writer}}}", "values": "5x40"},      # stuck: never drains
         {"series": f"relay_resync_queue{{{standby}}}", "values": "40-1x40"},  # draining
         {"series": f'relay_broadcast_events_total{{{fanout}, event="too_slow"}}', "values": "0+2x40"},
+        {"series": f'relay_sibling_forwards_total{{{writer}, sibling="https://b.example", result="failed"}}',
+         "values": "0x20 0+1x20"},  # one change given up per minute from minute 21 on
+        {"series": f'relay_sibling_forwards_total{{{writer}, sibling="https://c.example", result="forwarded"}}',
+         "values": "0+5x40"},  # all well with this one
     ]
     tests = {"rule_files": ["rules.yaml"], "evaluation_interval": "1m", "tests": [{
         "interval": "1m", "input_series": series,
@@ -290,6 +294,14 @@ def test_alerts_fire_on_the_series_they_are_about(tmp_path: Path) -> None:
                  "exp_annotations": {"summary": "Resync backlog on ingest-a has not drained for 30m",
                                      "description": "5 accounts wait for a resync; see relay_resyncs_total{result} "
                                                     "for why they fail."}}]},
+            {"eval_time": "10m", "alertname": "RelaySiblingForwardsLost", "exp_alerts": []},
+            {"eval_time": "30m", "alertname": "RelaySiblingForwardsLost", "exp_alerts": [
+                {"exp_labels": {"severity": "warning", "namespace": "relays", "pod": "ingest-a",
+                                "sibling": "https://b.example"},
+                 "exp_annotations": {"summary": "9 changes not passed on to sibling https://b.example in 15 min",
+                                     "description": "Admin changes or requestCrawls made here were given up or "
+                                                    "dropped for this sibling (the relay's log names each): repeat "
+                                                    "them there."}}]},
             {"eval_time": "30m", "alertname": "RelayConsumersCutTooSlow", "exp_alerts": [
                 {"exp_labels": {"severity": "warning", "namespace": "relays", "pod": "fanout-a"},
                  "exp_annotations": {"summary": "30 consumers cut as too slow on fanout-a in 15 min",
@@ -314,9 +326,41 @@ def metric_names(expr: str) -> set[str]:
     return set(re.findall(r"\b(relay_[a-z_]+)\b", expr))
 
 
+#: Units a metric name may carry, as its last word (before ``_total`` for a counter): base units only.
+UNITS = ("seconds", "bytes")
+#: Words that make a name something other than Prometheus style (a unit not in base form, an age
+#: spelled as a phrase instead of ``_age_seconds``).
+NOT_PROMETHEUS_STYLE = ("since", "ms", "milliseconds", "kb", "mb", "kib", "mib", "minutes", "hours")
+
+
+def naming_problems(name: str) -> list[str]:
+    """What is wrong with a family name (as the text parser gives it: a counter without
+    ``_total``) by the Prometheus naming conventions: snake_case under ``relay_``, a unit only as
+    the last word and only in base units."""
+    words = name.split("_")
+    problems = []
+    if not re.fullmatch(r"relay_[a-z][a-z0-9_]*[a-z0-9]", name) or "" in words:
+        problems.append(f"{name}: not snake_case under relay_")
+    for unit in UNITS:
+        if unit in words[:-1]:
+            problems.append(f"{name}: the unit {unit!r} is not its last word")
+    problems += [f"{name}: {word!r} is not Prometheus style" for word in words if word in NOT_PROMETHEUS_STYLE]
+    return problems
+
+
+def test_naming_problems_catch_what_they_should() -> None:
+    assert naming_problems("relay_seconds_since_last_sequenced")  # the name it replaced
+    assert naming_problems("relay_bytes_out")
+    assert naming_problems("relay_fetch_ms")
+    for good in ("relay_last_sequenced_age_seconds", "relay_consumer_sent_bytes", "relay_hosts",
+                 "relay_ingest_to_broadcast_seconds", "relay_resync_held_bytes"):
+        assert naming_problems(good) == [], good
+
+
 async def test_every_metric_of_the_alerts_and_the_dashboard_is_on_a_running_relays_metrics(tmp_path: Path) -> None:
     """Each ``relay_*`` name in the rendered PrometheusRule and in the Grafana dashboard is on the
-    ``/metrics`` of a relay that follows a simulated host (a name is there when its family is
+    ``/metrics`` of a relay that follows a simulated host, and every family there is named in
+    Prometheus style (``naming_problems``) (a name is there when its family is
     declared: a labelled counter nothing has counted yet has no sample, but its name is right);
     the per-host account gauges carry that host."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -349,6 +393,9 @@ async def test_every_metric_of_the_alerts_and_the_dashboard_is_on_a_running_rela
     exported = {f.name + suffix for f in families for suffix in suffixes.get(f.type, ("",))}
     assert not in_rules - exported, f"rules use names /metrics lacks: {sorted(in_rules - exported)}"
     assert not in_dashboard - exported, f"the dashboard uses names /metrics lacks: {sorted(in_dashboard - exported)}"
+    # every relay_* family is named Prometheus style, with its unit (seconds, bytes) as the last word
+    problems = [p for f in families if f.name.startswith("relay_") for p in naming_problems(f.name)]
+    assert not problems, problems
     samples = {(s.name, s.labels.get("host")): s.value for f in families for s in f.samples}
     host = fleet.hosts[0].hostname
     assert samples[("relay_host_accounts", host)] == 1

@@ -52,15 +52,14 @@ async def running_relay(*, resolver: Resolver | None = None, store: Store | None
 
 
 @contextlib.asynccontextmanager
-async def serve_asgi(app: ASGIApp) -> AsyncIterator[str]:
-    """Serve ``app`` on 127.0.0.1:<ephemeral>; yields ``http://127.0.0.1:PORT``."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
+async def serve_asgi(app: ASGIApp, sock: socket.socket | None = None) -> AsyncIterator[str]:
+    """Serve ``app`` on 127.0.0.1:<ephemeral> (or on ``sock``, bound by the caller, whose port it
+    then knows before the app exists); yields ``http://127.0.0.1:PORT``. The socket is closed after."""
+    sock = sock or bound_socket()
     port = sock.getsockname()[1]
     # the protocol `relay serve` uses (uvicorn's sans-I/O WebSocket + batched subscribeRepos sends)
     config = uvicorn.Config(app, log_level="warning", lifespan="off", ws=BatchingWebSocketsProtocol,
-                            ws_per_message_deflate=False)
+                            ws_per_message_deflate=False, server_header=False)
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
@@ -74,6 +73,14 @@ async def serve_asgi(app: ASGIApp) -> AsyncIterator[str]:
         server.should_exit = True
         await asyncio.wait_for(task, 10)
         sock.close()
+
+
+def bound_socket() -> socket.socket:
+    """A TCP socket bound to 127.0.0.1:<ephemeral> (for ``serve_asgi``)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
 
 
 async def drop_schema_and_stream(pg_dsn: str, schema: str, redis_url: str, stream: str) -> None:

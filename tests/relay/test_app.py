@@ -211,7 +211,8 @@ async def test_takedown_emits_account_events(relay_factory, database_url: str) -
 
 async def test_consumer_accounting_counts_batched_frames(relay_factory) -> None:  # type: ignore[no-untyped-def]
     """Through the main port the relay sends replay batches with one write each (firehose.uvicorn_batch);
-    the consumer registry and relay_bytes_out_total still count every frame and byte."""
+    the consumer registry and relay_consumer_sent_bytes_total{encoding="cbor"} still count every frame and byte;
+    a JSON stream consumer's bytes are the JSON it was sent, counted under encoding="json"."""
     async with relay_factory(admin_token="tok") as relay, httpx.AsyncClient(base_url=relay.url) as http:
         auth = {"authorization": "Bearer tok"}
         for _ in range(6):  # 12 #account events in the store
@@ -224,7 +225,16 @@ async def test_consumer_accounting_counts_batched_frames(relay_factory) -> None:
         assert len(consumers) == 1
         assert (consumers[0]["framesSent"], consumers[0]["bytesSent"]) == (12, sum(map(len, frames)))
         text = (await http.get("/metrics")).text
-        assert f"relay_bytes_out_total {float(sum(map(len, frames)))}" in text
+        assert f'relay_consumer_sent_bytes_total{{encoding="cbor"}} {float(sum(map(len, frames)))}' in text
+        assert 'relay_consumer_sent_bytes_total{encoding="json"} 0.0' in text
+        # the JSON stream's consumers: the JSON text as sent, under its own encoding
+        async with connect(relay.url.replace("http://", "ws://") + "/subscribe?cursor=0") as ws:
+            messages = [await asyncio.wait_for(ws.recv(), 5) for _ in range(12)]
+        assert all(isinstance(m, str) and '"kind":"account"' in m for m in messages), messages[0]
+        text = (await http.get("/metrics")).text
+        json_bytes = sum(len(m.encode()) for m in messages)
+        assert f'relay_consumer_sent_bytes_total{{encoding="json"}} {float(json_bytes)}' in text
+        assert f'relay_consumer_sent_bytes_total{{encoding="cbor"}} {float(sum(map(len, frames)))}' in text
 
 
 def _decode(frame: bytes) -> tuple[dict, dict]:
