@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
@@ -35,29 +35,48 @@ class ConsumerInfo:
     connected_at: float
     frames_sent: int = 0
     bytes_sent: int = 0
+    #: what the consumer is sent: ``cbor`` (subscribeRepos), ``json`` or ``json+zstd`` (/subscribe)
+    encoding: str = "cbor"
 
     def view(self) -> dict[str, Any]:
         return {"id": self.id, "remote": self.remote, "userAgent": self.user_agent, "cursor": self.cursor,
-                "connectedAt": self.connected_at, "framesSent": self.frames_sent, "bytesSent": self.bytes_sent}
+                "connectedAt": self.connected_at, "framesSent": self.frames_sent, "bytesSent": self.bytes_sent,
+                "encoding": self.encoding}
 
 
 class ConsumerRegistry:
-    """Currently connected consumers."""
+    """Currently connected consumers, and the bytes and frames sent per encoding since start
+    (closed consumers included): the bytes written to each consumer's connection, as encoded for it."""
 
     def __init__(self, metrics: RelayMetrics) -> None:
         self.metrics = metrics
         self._ids = itertools.count(1)
         self._open: dict[int, ConsumerInfo] = {}
+        #: encoding -> [bytes, frames] of consumers already closed
+        self._closed: dict[str, list[int]] = {}
 
-    def open(self, remote: str, user_agent: str, cursor: str | None) -> ConsumerInfo:
-        info = ConsumerInfo(next(self._ids), remote, user_agent, cursor, time.time())
+    def open(self, remote: str, user_agent: str, cursor: str | None, encoding: str = "cbor") -> ConsumerInfo:
+        info = ConsumerInfo(next(self._ids), remote, user_agent, cursor, time.time(), encoding=encoding)
         self._open[info.id] = info
         self.metrics.consumers.set(len(self._open))
         return info
 
     def close(self, info: ConsumerInfo) -> None:
-        self._open.pop(info.id, None)
+        if self._open.pop(info.id, None) is not None:
+            done = self._closed.setdefault(info.encoding, [0, 0])
+            done[0] += info.bytes_sent
+            done[1] += info.frames_sent
         self.metrics.consumers.set(len(self._open))
+
+    def by_encoding(self) -> dict[str, dict[str, int]]:
+        """Per encoding: ``connected`` consumers now, ``bytesSent`` and ``framesSent`` since start."""
+        out = {enc: {"connected": 0, "bytesSent": b, "framesSent": f} for enc, (b, f) in self._closed.items()}
+        for info in self._open.values():
+            row = out.setdefault(info.encoding, {"connected": 0, "bytesSent": 0, "framesSent": 0})
+            row["connected"] += 1
+            row["bytesSent"] += info.bytes_sent
+            row["framesSent"] += info.frames_sent
+        return out
 
     @contextlib.asynccontextmanager
     async def tracking(self, connection: ServerConnection, session: ConsumerSession) -> AsyncIterator[None]:
@@ -88,12 +107,25 @@ class ConsumerRegistry:
         return len(self._open)
 
 
-class ConsumerTracking:
-    """ASGI middleware around the subscribeRepos WebSocket endpoint."""
+def jetstream_encoding(scope: Scope) -> str:
+    """A /subscribe connection's encoding: ``json+zstd`` when it asked for compression (query
+    ``compress=true`` or a ``zstdDictionary``, or a ``Socket-Encoding: zstd`` header), else ``json``."""
+    query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+    headers = dict(scope.get("headers", []))
+    zstd = (query.get("compress", [""])[-1] == "true" or bool(query.get("zstdDictionary"))
+            or b"zstd" in headers.get(b"socket-encoding", b""))
+    return "json+zstd" if zstd else "json"
 
-    def __init__(self, app: ASGIApp, registry: ConsumerRegistry) -> None:
+
+class ConsumerTracking:
+    """ASGI middleware around a consumer WebSocket endpoint; ``encoding(scope)`` names what the
+    connection is sent (default: ``cbor``, subscribeRepos)."""
+
+    def __init__(self, app: ASGIApp, registry: ConsumerRegistry,
+                 encoding: Callable[[Scope], str] | None = None) -> None:
         self.app = app
         self.registry = registry
+        self.encoding = encoding or (lambda scope: "cbor")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "websocket":
@@ -109,7 +141,8 @@ class ConsumerTracking:
         async def tracked_send(message: Message) -> None:
             nonlocal info
             if message["type"] == "websocket.accept" and info is None:
-                info = self.registry.open(f"{client[0]}:{client[1]}", headers.get("user-agent", ""), cursor)
+                info = self.registry.open(f"{client[0]}:{client[1]}", headers.get("user-agent", ""), cursor,
+                                          self.encoding(scope))
             elif message["type"] == "websocket.send" and info is not None:
                 size = len(message.get("bytes") or b"") + len((message.get("text") or "").encode())
                 info.frames_sent += 1
