@@ -128,7 +128,8 @@ def ingest_report(reports: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The writer's report among ``reports``: the process whose sequencer runs (else any with one)."""
     with_sequencer = [r for r in reports if r.get("sequencer")]
     running = [r for r in with_sequencer if r["sequencer"].get("state") == "running"]
-    return (running or with_sequencer or [None])[0]
+    found = running or with_sequencer
+    return found[0] if found else None
 
 
 async def data(request: Request) -> Response:
@@ -253,7 +254,8 @@ async def _in_process(request: Request, service: RelayService, path: str) -> Res
 
 
 def _admin_path(request: Request) -> str:
-    return "/admin/" + request.path_params["rest"]
+    rest: str = request.path_params["rest"]
+    return "/admin/" + rest
 
 
 async def admin_call(request: Request, service: RelayService) -> Response:

@@ -219,18 +219,19 @@ class ReplicaReporter:
             hosts[host] = {"eventsIn": n, "rate": _rate(n, prev_hosts.get(host), dt) if prev is not None else None}
         for host, rejected in ledger.items():
             hosts.setdefault(host, {"eventsIn": 0.0, "rate": None})["rejected"] = rejected
-        consumers = service.consumers.by_encoding()
+        counted = service.consumers.by_encoding()
         prev_enc: dict[str, dict[str, int]] = prev["encodings"] if prev is not None else {}
-        for enc, row in consumers.items():
-            before = prev_enc.get(enc)
-            row["bytesPerSecond"] = _rate(row["bytesSent"], before["bytesSent"] if before else 0.0, dt) \
-                if prev is not None else None
+        consumers: dict[str, dict[str, Any]] = {}
+        for enc, row in counted.items():
+            sent_before = prev_enc.get(enc, {}).get("bytesSent", 0)
+            consumers[enc] = {**row, "bytesPerSecond": _rate(row["bytesSent"], sent_before, dt)
+                              if prev is not None else None}
         broadcaster = service.broadcaster
         head = broadcaster.latest_seq if broadcaster is not None else 0
-        sessions = sorted(({"lag": max(0, head - (s.last_seq if s.last_seq is not None else head)),
-                            "lastSeq": s.last_seq, "cursor": s.cursor, "live": s.live}
-                           for s in (broadcaster.sessions if broadcaster is not None else ())),
-                          key=lambda s: -s["lag"])
+        sessions: list[dict[str, Any]] = sorted(
+            ({"lag": max(0, head - (s.last_seq if s.last_seq is not None else head)), "lastSeq": s.last_seq,
+              "cursor": s.cursor, "live": s.live} for s in (broadcaster.sessions if broadcaster is not None else ())),
+            key=lambda s: -int(s["lag"]))
         sequencer = service.sequencer
         resync = service.resync
         entries = resync.queue.entries() if resync is not None else []
@@ -267,7 +268,7 @@ class ReplicaReporter:
         }
         self._prev = {"time": now, "eventsIn": events_in, "eventsInTotal": total_in, "latencyCount": count,
                       "latencyBuckets": buckets, "sequencedTotal": sum(sequenced.values()),
-                      "encodings": {e: dict(r) for e, r in consumers.items()}}
+                      "encodings": counted}
         self._latest = report
         return report
 
