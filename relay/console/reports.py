@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -88,9 +89,14 @@ def _rate(now: float, before: float | None, dt: float) -> float | None:
     return None if before is None or dt <= 0 else max(0.0, (now - before) / dt)
 
 
+_SERVICES = itertools.count(1)
+
+
 def replica_id(role: str) -> str:
-    """``<host name>/<pid>/<role>``: unique per process of a deployment (pod names are unique)."""
-    return f"{socket.gethostname()}/{os.getpid()}/{role}"
+    """``<host name>/<pid>/<role>``: unique per process of a deployment (pod names are unique);
+    a second service in one process (tests) adds ``#<n>``."""
+    n = next(_SERVICES)
+    return f"{socket.gethostname()}/{os.getpid()}/{role}" + (f"#{n}" if n > 1 else "")
 
 
 class ReplicaReporter:

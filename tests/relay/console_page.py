@@ -16,6 +16,7 @@ from pathlib import Path
 
 import websockets
 from playwright.async_api import Dialog, Page, async_playwright
+from playwright.async_api import TimeoutError as PlaywrightTimeout
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = Path(os.environ.get("RELAY_TEST_ARTIFACTS", ROOT / "test-artifacts"))
@@ -65,9 +66,14 @@ async def login(page: Page, token: str) -> None:
 
 async def flashed(page: Page, contains: str) -> str:
     """Wait for the action's result line to report success and contain ``contains``; return it."""
-    await page.wait_for_function(
-        "([want]) => { const f = document.getElementById('flash');"
-        " return f.dataset.result === 'ok' && f.textContent.includes(want); }", arg=[contains], timeout=WAIT_MS)
+    try:
+        await page.wait_for_function(
+            "([want]) => { const f = document.getElementById('flash');"
+            " return f.dataset.result === 'ok' && f.textContent.includes(want); }", arg=[contains], timeout=WAIT_MS)
+    except PlaywrightTimeout:
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        await page.screenshot(path=str(ARTIFACTS / "console-failed.png"), full_page=True)
+        raise AssertionError(f"no {contains!r}; the page says {await page.locator('#flash').inner_text()!r}") from None
     return await page.locator("#flash").inner_text()
 
 

@@ -10,10 +10,9 @@ written to ``$RELAY_TEST_ARTIFACTS`` and checked (a real image, not blank, with 
 
 from __future__ import annotations
 
-from typing import Any
-
 import httpx
 
+from backfill.store import Store
 from backfill.types import HostState
 from relay.sim import SimConfig, SimFleet
 from tests.relay.conftest import RelayFactory
@@ -57,7 +56,7 @@ async def test_console_every_action_in_chromium(relay_factory: RelayFactory) -> 
                 fleet.inject("bad_signature", victim)
                 await fleet.generate(20)
                 await settle(http, fleet, {a.hostname, b.hostname})
-                await _drive(relay, http, fleet, cbor, json_consumer)
+                await drive(relay.url, http, store, fleet, cbor, json_consumer)
     finally:
         await fleet.stop()
 
@@ -72,17 +71,20 @@ async def settle(http: httpx.AsyncClient, fleet: SimFleet, hosts: set[str]) -> N
     await until_async(done, "every accepted event to be sequenced")
 
 
-async def _drive(relay: Any, http: httpx.AsyncClient, fleet: SimFleet, cbor: WireCounter,
-                 json_consumer: WireCounter) -> None:
+async def drive(url: str, http: httpx.AsyncClient, store: Store, fleet: SimFleet, cbor: WireCounter,
+                json_consumer: WireCounter) -> None:
+    """Every console action through the page at ``url`` (one process, or a fan-out of a
+    deployment), each checked where it lands: ``http`` is a client of the relay that holds the
+    hosts (the process itself, or the ingest) with the admin token; ``store`` its store."""
     a, b, c, d = fleet.hosts
     dialogs: list[str] = []
-    async with console(relay.url, dialogs) as page:
+    async with console(url, dialogs) as page, httpx.AsyncClient(base_url=url) as here:
         # -- public view: host table served in pages by the server; no action anywhere
         await shown(page, "#host-page", f"1–50 of {BULK_HOSTS + 2:,}")
         assert await page.locator("button[data-action]").count() == 0
         assert not await page.locator("#accounts").is_visible()
-        assert (await http.get("/dashboard/api/accounts?q=x", headers={"authorization": ""})).status_code == 401
-        assert (await http.get("/dashboard/api/accounts?q=x", headers={"authorization": "Bearer no"})).status_code == 403
+        assert (await here.get("/dashboard/api/accounts?q=x")).status_code == 401
+        assert (await here.get("/dashboard/api/accounts?q=x", headers={"authorization": "Bearer no"})).status_code == 403
         await page.click("#host-next")
         await shown(page, "#host-page", f"51–100 of {BULK_HOSTS + 2:,}")
         await page.fill("#host-q", b.hostname.split(":")[1])  # the port: only host b matches
@@ -121,7 +123,7 @@ async def _drive(relay: Any, http: httpx.AsyncClient, fleet: SimFleet, cbor: Wir
         assert [t.reason for t in rejected] == ["bad_signature"]
         await valued(page, '#detail-verdicts tr[data-verdict="reject/bad_signature"] td[data-field="count"]', 1)
         await shown(page, '#detail-connection [data-field="connected"]', "true")
-        stored = await relay.service.store.get_host(a.hostname)
+        stored = await store.get_host(a.hostname)
         await shown(page, '#detail-kv [data-field="cursor"]', f"{stored.cursor:,}")
         # limits
         await page.fill("#limit-accounts", "2")
@@ -134,12 +136,12 @@ async def _drive(relay: Any, http: httpx.AsyncClient, fleet: SimFleet, cbor: Wir
         # block, then unblock (a confirmation first)
         await page.click("#detail-block")
         await flashed(page, f"block {a.hostname}: done")
-        assert (await relay.service.store.get_host(a.hostname)).status == "banned"
+        assert (await store.get_host(a.hostname)).status == "banned"
         assert any("Block" in m for m in dialogs)
         await shown(page, "#detail-block", "unblock")
         await page.click("#detail-block")
         await flashed(page, f"unblock {a.hostname}: done")
-        assert (await relay.service.store.get_host(a.hostname)).status == "active"
+        assert (await store.get_host(a.hostname)).status == "active"
         # resync every account of the host
         await page.click("#detail-resync")
         text = await flashed(page, f"resync host {a.hostname}: done")
@@ -201,7 +203,7 @@ async def _drive(relay: Any, http: httpx.AsyncClient, fleet: SimFleet, cbor: Wir
                 "unban_domain", "set_local_status", "resync_account", "set_crawling"} <= actions, actions
 
         # consumers: bytes per encoding as the clients received them
-        await until_async(lambda: _quiet(http), "delivery to finish")
+        await until_async(lambda: _quiet(here), "delivery to finish")
         for encoding, client in (("cbor", cbor), ("json", json_consumer)):
             assert client.bytes > 0
             await valued(page, f'#encodings tr[data-encoding="{encoding}"] td[data-field="bytesSent"]', client.bytes)
