@@ -11,6 +11,7 @@ written to ``$RELAY_TEST_ARTIFACTS`` and checked (a real image, not blank, with 
 from __future__ import annotations
 
 import httpx
+import pytest
 
 from backfill.store import Store
 from backfill.types import HostState
@@ -29,6 +30,8 @@ from tests.relay.console_page import (
 from tests.relay.e2e import crawl, metric_value
 from tests.waiting import until_async
 
+#: a long browser flow on a loaded machine
+pytestmark = pytest.mark.timeout(600)
 TOKEN = "console-token"
 BULK_HOSTS = 1500
 
@@ -124,6 +127,7 @@ async def drive(url: str, http: httpx.AsyncClient, store: Store, fleet: SimFleet
         await valued(page, '#detail-verdicts tr[data-verdict="reject/bad_signature"] td[data-field="count"]', 1)
         await shown(page, '#detail-connection [data-field="connected"]', "true")
         stored = await store.get_host(a.hostname)
+        assert stored is not None
         await shown(page, '#detail-kv [data-field="cursor"]', f"{stored.cursor:,}")
         # limits
         await page.fill("#limit-accounts", "2")
@@ -136,12 +140,12 @@ async def drive(url: str, http: httpx.AsyncClient, store: Store, fleet: SimFleet
         # block, then unblock (a confirmation first)
         await page.click("#detail-block")
         await flashed(page, f"block {a.hostname}: done")
-        assert (await store.get_host(a.hostname)).status == "banned"
+        assert await _status(store, a.hostname) == "banned"
         assert any("Block" in m for m in dialogs)
         await shown(page, "#detail-block", "unblock")
         await page.click("#detail-block")
         await flashed(page, f"unblock {a.hostname}: done")
-        assert (await store.get_host(a.hostname)).status == "active"
+        assert await _status(store, a.hostname) == "active"
         # resync every account of the host
         await page.click("#detail-resync")
         text = await flashed(page, f"resync host {a.hostname}: done")
@@ -215,4 +219,10 @@ async def drive(url: str, http: httpx.AsyncClient, store: Store, fleet: SimFleet
 async def _quiet(http: httpx.AsyncClient) -> bool:
     """Nothing sequenced is waiting for a consumer (every session is at the broadcast head)."""
     data = (await http.get("/dashboard/data")).json()
-    return data["consumers"]["maxLag"] == 0
+    return bool(data["consumers"]["maxLag"] == 0)
+
+
+async def _status(store: Store, hostname: str) -> str:
+    host = await store.get_host(hostname)
+    assert host is not None
+    return host.status

@@ -14,6 +14,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 import httpx
+import pytest
 
 from backfill.types import HostState
 from relay.config import RelayConfig
@@ -24,6 +25,8 @@ from tests.relay.e2e import crawl, metric_value
 from tests.relay.helpers import drop_schema_and_stream, serve_asgi
 from tests.relay.test_console import BULK_HOSTS, TOKEN, drive, settle
 
+#: a long browser flow on a loaded machine
+pytestmark = pytest.mark.timeout(600)
 ROWS = "#replicas tbody tr"
 
 
