@@ -112,7 +112,9 @@ def authenticate(service: RelayService, request: Request) -> str:
     return result
 
 
-def _authorize(request: Request) -> None:
+def authorize(request: Request) -> None:
+    """Refuse ``request`` unless it carries the admin token: 404 ``AdminDisabled``, 401
+    ``AuthRequired`` or 403 ``InvalidToken`` (:func:`authenticate`: counted and rate-limited)."""
     result = authenticate(_service(request), request)
     if result == "disabled":
         raise XrpcError(404, "AdminDisabled", "the admin API is off (set RELAY_ADMIN_TOKEN)")
@@ -160,7 +162,7 @@ def _admin(handler: AdminHandler) -> Callable[[Request], Awaitable[Response]]:
     and ``CrawlRefused`` to 400 with its XRPC error name."""
 
     async def wrapped(request: Request) -> Response:
-        _authorize(request)
+        authorize(request)
         try:
             return await handler(request, _service(request))
         except KeyError as exc:

@@ -42,7 +42,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from backfill.types import HostState
-from relay.admin import authenticate
+from relay.admin import authenticate, authorize
 from relay.client_limits import RateLimited
 from relay.console.reports import public
 from relay.xrpc import XrpcError, int_param
@@ -112,16 +112,6 @@ def admin_level(request: Request, service: RelayService) -> bool | None:
     if result in ("wrong", "missing"):
         return None
     return result == "ok"
-
-
-def _require_admin(request: Request, service: RelayService) -> None:
-    result = authenticate(service, request)
-    if result == "disabled":
-        raise XrpcError(404, "AdminDisabled", "the admin API is off (set RELAY_ADMIN_TOKEN)")
-    if result == "missing":
-        raise XrpcError(401, "AuthRequired", "Authorization: Bearer <RELAY_ADMIN_TOKEN> required")
-    if result == "wrong":
-        raise XrpcError(403, "InvalidToken", "wrong admin token")
 
 
 def ingest_report(reports: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -229,10 +219,10 @@ def on_ingest(handler: Callable[[Request, RelayService], Awaitable[Response]], *
     async def endpoint(request: Request) -> Response:
         service = _service(request)
         if service.hosts is None:
-            _require_admin(request, service)
+            authorize(request)
             return await _forward(request, service, request.url.path)
         if not checks_token:
-            _require_admin(request, service)
+            authorize(request)
         return await handler(request, service)
 
     return endpoint

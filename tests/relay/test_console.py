@@ -90,6 +90,9 @@ async def drive(url: str, http: httpx.AsyncClient, store: Store, fleet: SimFleet
         assert (await here.get("/dashboard/api/accounts?q=x", headers={"authorization": "Bearer no"})).status_code == 403
         await page.click("#host-next")
         await shown(page, "#host-page", f"51–100 of {BULK_HOSTS + 2:,}")
+        # by name: the two sim hosts (127.0.0.1:…), then pds0000…; the second page starts at the 51st
+        await page.wait_for_function("document.querySelector('#hosts tbody tr').dataset.host === 'pds0048.bulk.example'",
+                                     timeout=30_000)
         await page.fill("#host-q", b.hostname.split(":")[1])  # the port: only host b matches
         await shown(page, "#host-page", "1–1 of 1")
         await shown(page, f'#hosts tr[data-host="{b.hostname}"] td[data-field="status"]', "active")
