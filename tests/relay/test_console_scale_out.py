@@ -71,8 +71,8 @@ async def test_console_scale_out_in_chromium(pg_dsn: str, redis_url: str) -> Non
                     await fleet.generate(20)
                     await settle(http, fleet, {a.hostname, b.hostname})
                     await _deployment_shown(page_url, ingest, other, http, fleet)
-                    await _refusals(lone_url, page_url, http)
                     await drive(page_url, http, ingest.store, fleet, cbor, json_consumer)
+                    await _refusals(lone_url, page_url, http)
     finally:
         await fleet.stop()
         await drop_schema_and_stream(pg_dsn, schema, redis_url, stream)
@@ -107,12 +107,13 @@ async def _deployment_shown(page_url: str, ingest: RelayService, other: RelaySer
 async def _refusals(lone_url: str, page_url: str, http: httpx.AsyncClient) -> None:
     """A fan-out without RELAY_CONSOLE_INGEST_URL has no actions; a wrong token is refused on the
     fan-out and never reaches the ingest."""
+    before = (await http.get("/admin/crawling")).json()["enabled"]
     async with httpx.AsyncClient(timeout=30) as client:
-        r = await client.post(lone_url + "/dashboard/api/admin/crawling", json={"enabled": False},
+        r = await client.post(lone_url + "/dashboard/api/admin/crawling", json={"enabled": not before},
                               headers={"authorization": f"Bearer {TOKEN}"})
         assert r.status_code == 501 and r.json()["error"] == "ActionsUnavailable"
         wrong_before = metric_value((await http.get("/metrics")).text, "relay_admin_requests_total", result="wrong")
-        r = await client.post(page_url + "/dashboard/api/admin/crawling", json={"enabled": False},
+        r = await client.post(page_url + "/dashboard/api/admin/crawling", json={"enabled": not before},
                               headers={"authorization": "Bearer nope"})
         assert r.status_code == 403 and r.json()["error"] == "InvalidToken"
         wrong_after = metric_value((await http.get("/metrics")).text, "relay_admin_requests_total", result="wrong")
@@ -120,4 +121,4 @@ async def _refusals(lone_url: str, page_url: str, http: httpx.AsyncClient) -> No
     async with console(lone_url) as page:
         await page.wait_for_function("document.getElementById('flash').textContent.includes('actions unavailable')",
                                      timeout=30_000)
-    assert (await http.get("/admin/crawling")).json()["enabled"] is True
+    assert (await http.get("/admin/crawling")).json()["enabled"] is before
