@@ -67,6 +67,18 @@ def by_label(found: Samples, name: str, label: str) -> dict[str, float]:
     return out
 
 
+def _read_registry(registry: CollectorRegistry, prev_hosts: dict[str, float] | None,
+                   dt: float) -> tuple[Samples, dict[str, float], dict[str, dict[str, Any]]]:
+    """Every sample of ``registry``, ``relay_events_in_total`` per host, and per host its frames in
+    and rate since ``prev_hosts`` (``dt`` seconds ago; None: no rate yet). Run in a worker thread."""
+    found = samples(registry)
+    events_in = by_label(found, "relay_events_in_total", "host")
+    before = prev_hosts or {}
+    hosts = {host: {"eventsIn": n, "rate": None if prev_hosts is None else _rate(n, before.get(host), dt)}
+             for host, n in events_in.items()}
+    return found, events_in, hosts
+
+
 def quantile(buckets: list[tuple[str, float]], count: float, q: float) -> float | None:
     """The ``q`` quantile of a cumulative histogram (``[(le, cumulative)]``, ``+Inf`` last),
     linear inside the bucket; None without observations."""
@@ -151,16 +163,18 @@ class ReplicaReporter:
         report = await self.collect()
         if self.redis is not None:
             try:
-                await asyncio.wait_for(self.redis.hset(self.key, self.id, json.dumps(report)), 2.0)
+                payload = await asyncio.to_thread(json.dumps, report)  # large with many hosts: off the loop
+                await asyncio.wait_for(self.redis.hset(self.key, self.id, payload), 2.0)
                 self.redis_error = None
             except Exception as exc:
                 self.redis_error = f"{type(exc).__name__}: {exc}"[:200]
         return report
 
     async def local(self) -> dict[str, Any]:
-        """This process's report, at most ``interval`` old (collected now if older)."""
+        """This process's latest report (the loop collects one every ``interval``; collected now
+        when there is none yet, or the loop has not delivered one for ``stale_after``)."""
         latest = self._latest
-        if latest is None or self.clock() - latest["time"] >= self.interval:
+        if latest is None or self.clock() - latest["time"] >= self.stale_after:
             latest = await self.collect()
         return latest
 
@@ -200,13 +214,12 @@ class ReplicaReporter:
         service = self.service
         now = self.clock()
         reasons = await service.readiness()  # also refreshes relay_current_seq, store and sequencer gauges
-        if service.hosts is not None:
-            with contextlib.suppress(Exception):
-                await service.hosts.refresh_status_gauge()
-        found = samples(service.metrics.registry)
+        # every series of the registry (thousands of hosts' among them): read and summed per host
+        # off the event loop, as a scrape renders them (RelayMetrics.render_off_loop)
         prev = self._prev
         dt = now - prev["time"] if prev is not None else 0.0
-        events_in = by_label(found, "relay_events_in_total", "host")
+        found, events_in, hosts = await asyncio.to_thread(_read_registry, service.metrics.registry,
+                                                          prev["eventsIn"] if prev is not None else None, dt)
         total_in = sum(events_in.values())
         sequenced = by_label(found, "relay_events_sequenced_total", "type")
         buckets = [(lab["le"], v) for lab, v in found.get("relay_ingest_to_broadcast_seconds_bucket", [])]
@@ -218,12 +231,7 @@ class ReplicaReporter:
             lat_count, window = count - prev["latencyCount"], f"last {dt:.0f} s"
         else:
             buckets_now, lat_count = buckets, count
-        prev_hosts: dict[str, float] = prev["eventsIn"] if prev is not None else {}
-        ledger = service.host_ledger.totals()
-        hosts: dict[str, dict[str, Any]] = {}
-        for host, n in events_in.items():
-            hosts[host] = {"eventsIn": n, "rate": _rate(n, prev_hosts.get(host), dt) if prev is not None else None}
-        for host, rejected in ledger.items():
+        for host, rejected in service.host_ledger.totals().items():
             hosts.setdefault(host, {"eventsIn": 0.0, "rate": None})["rejected"] = rejected
         counted = service.consumers.by_encoding()
         prev_enc: dict[str, dict[str, int]] = prev["encodings"] if prev is not None else {}
@@ -261,7 +269,6 @@ class ReplicaReporter:
                 "latency": {"p50": quantile(buckets_now, lat_count, 0.5), "p99": quantile(buckets_now, lat_count, 0.99),
                             "window": window, "count": count}},
             "hosts": hosts if sequencer is not None else {},
-            "hostStatuses": by_label(found, "relay_hosts", "status") if service.hosts is not None else {},
             "consumers": {"count": len(service.consumers), "byEncoding": consumers, "sessions": sessions[:SESSIONS_IN_REPORT],
                           "maxLag": sessions[0]["lag"] if sessions else 0, "connections": service.consumers.list()},
             "resync": None if resync is None else {
