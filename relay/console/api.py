@@ -42,7 +42,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from backfill.types import HostState
-from relay.admin import authenticate, authorize
+from relay.admin import _admin_host_view, authenticate, authorize
 from relay.client_limits import RateLimited
 from relay.console.reports import public
 from relay.xrpc import XrpcError, int_param
@@ -257,8 +257,6 @@ async def request_crawl(request: Request, service: RelayService) -> Response:
 
 
 async def host_detail(request: Request, service: RelayService) -> Response:
-    from relay.admin import _admin_host_view
-
     hostname = request.path_params["hostname"].lower()
     host = await service.store.get_host(hostname)
     if host is None:

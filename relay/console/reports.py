@@ -39,7 +39,8 @@ log = logging.getLogger("relay.console")
 
 #: How many desynchronized accounts a report carries (the oldest first).
 DESYNC_IN_REPORT = 200
-#: How many consumer sessions (the most lagging first) a report carries.
+#: How many consumer sessions (the most lagging first) and connections (the most bytes sent
+#: first) a report carries; ``count`` and the per-encoding totals always cover them all.
 SESSIONS_IN_REPORT = 100
 
 Samples = dict[str, list[tuple[dict[str, str], float]]]
@@ -270,7 +271,7 @@ class ReplicaReporter:
                             "window": window, "count": count}},
             "hosts": hosts if sequencer is not None else {},
             "consumers": {"count": len(service.consumers), "byEncoding": consumers, "sessions": sessions[:SESSIONS_IN_REPORT],
-                          "maxLag": sessions[0]["lag"] if sessions else 0, "connections": service.consumers.list()},
+                          "maxLag": sessions[0]["lag"] if sessions else 0, "connections": sorted(service.consumers.list(), key=lambda c: -int(c["bytesSent"]))[:SESSIONS_IN_REPORT]},
             "resync": None if resync is None else {
                 "queue": len(entries), "results": by_label(found, "relay_resyncs_total", "result"),
                 "oldest": [{"did": e.did, "since": e.since, "state": e.state, "attempts": e.attempts,
