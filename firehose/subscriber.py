@@ -181,6 +181,8 @@ class HostSubscriber:
         #: ``time.monotonic()`` when the current (or last) connection opened
         self.connected_at = 0.0
         self._delivered = 0  # frames delivered on the current (or last) connection
+        #: the last failure of a connection: (wall-clock seconds, "reason: detail"); None: none yet
+        self.last_error: tuple[float, str] | None = None
         #: the cursor the current (or last) connection asked for, and the last seq read on it
         self._asked: int | None = None
         self._last_seq: int | None = None
@@ -235,6 +237,7 @@ class HostSubscriber:
                 await self._connect_once()
                 reset_now = False
             except _Reset as r:
+                self.last_error = (time.time(), f"{r.reason}: {r}")
                 if not self._acked:  # nothing to reset (no cursor, or 0): a host that misbehaves anyway
                     self._count(r.reason)
                     reset_now = False
@@ -243,6 +246,7 @@ class HostSubscriber:
                     reset_now = True
             except (OSError, ConnectionClosed, InvalidHandshake, InvalidStatus, TimeoutError) as exc:
                 reset_now = False
+                self.last_error = (time.time(), f"{type(exc).__name__}: {exc}"[:300])
                 if isinstance(exc, ConnectionClosed) and exc.sent is not None and exc.sent.code == 1009:
                     self._skip_oversized()
                 else:

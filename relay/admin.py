@@ -21,6 +21,8 @@ the admin API and the dashboard alike; each ``RelayService`` has one failure tab
 | GET/POST | /admin/domain-bans | list / ``{domain}`` ban (blocks matching hosts) |
 | DELETE | /admin/domain-bans/{domain} | lift a ban |
 | POST | /admin/accounts/{did}/takedown · /reverse-takedown | emits ``#account`` |
+| POST | /admin/accounts/{did}/resync | mark the account desynchronized and queue its resync (full fetch + verify, then ``#sync``) |
+| POST | /admin/hosts/{hostname}/resync | the same for every account the relay holds on the host: ``{queued}`` |
 | GET | /admin/accounts/{did} | stored account state |
 | GET | /admin/desynchronized | ``?limit`` accounts waiting for a resync, longest first: since when, failed attempts, last failure, next retry |
 | GET | /admin/consumers | connected subscribeRepos consumers |
@@ -113,7 +115,9 @@ def authenticate(service: RelayService, request: Request) -> str:
     return result
 
 
-def _authorize(request: Request) -> None:
+def authorize(request: Request) -> None:
+    """Refuse ``request`` unless it carries the admin token: 404 ``AdminDisabled``, 401
+    ``AuthRequired`` or 403 ``InvalidToken`` (:func:`authenticate`: counted and rate-limited)."""
     result = authenticate(_service(request), request)
     if result == "disabled":
         raise XrpcError(404, "AdminDisabled", "the admin API is off (set RELAY_ADMIN_TOKEN)")
@@ -162,7 +166,7 @@ def _admin(handler: AdminHandler, *, forward: bool = False) -> Callable[[Request
     passed on to the sibling relays (``relay.siblings``; queued, never waited for)."""
 
     async def wrapped(request: Request) -> Response:
-        _authorize(request)
+        authorize(request)
         service = _service(request)
         try:
             response = await handler(request, service)
@@ -287,6 +291,44 @@ async def reverse_takedown(request: Request, service: RelayService) -> Response:
     return JSONResponse(_account_view(state))
 
 
+async def resync_account(request: Request, service: RelayService) -> Response:
+    """Queue a stored account for a resync (404 for an account the relay does not hold)."""
+    did = request.path_params["did"]
+    if await service.store.get_account(did) is None:
+        raise KeyError(did)
+    assert service.lanes is not None, "admin API without account lanes"
+    await service.lanes.mark_for_resync(did, None)
+    await _hosts(service).record_action("resync_account", did)
+    state = await service.store.get_account(did)
+    assert state is not None
+    return JSONResponse(_account_view(state))
+
+
+#: Accounts read per page while a host's accounts are queued for a resync.
+RESYNC_PAGE = 1000
+
+
+async def resync_host(request: Request, service: RelayService) -> Response:
+    """Queue every account the relay holds on the host for a resync: the account table is read in
+    pages of ``RESYNC_PAGE`` (the whole table: a long request on a large relay). ``{queued}``."""
+    hostname = request.path_params["hostname"].lower()
+    if await service.store.get_host(hostname) is None:
+        raise KeyError(hostname)
+    assert service.lanes is not None, "admin API without account lanes"
+    queued, after = 0, None
+    while True:
+        page = await service.store.list_accounts(after_did=after, limit=RESYNC_PAGE)
+        for state in page:
+            if state.host == hostname:
+                await service.lanes.mark_for_resync(state.did, hostname)
+                queued += 1
+        if len(page) < RESYNC_PAGE:
+            break
+        after = page[-1].did
+    await _hosts(service).record_action("resync_host", hostname, queued=queued)
+    return JSONResponse({"hostname": hostname, "queued": queued})
+
+
 async def consumers(request: Request, service: RelayService) -> Response:
     return JSONResponse({"consumers": service.consumers.list()})
 
@@ -321,6 +363,8 @@ def admin_routes() -> list[BaseRoute]:
         Route("/admin/desynchronized", _admin(desynchronized), methods=["GET"]),
         Route("/admin/accounts/{did}/takedown", _admin(takedown, forward=True), methods=["POST"]),
         Route("/admin/accounts/{did}/reverse-takedown", _admin(reverse_takedown, forward=True), methods=["POST"]),
+        Route("/admin/accounts/{did}/resync", _admin(resync_account), methods=["POST"]),
+        Route("/admin/hosts/{hostname}/resync", _admin(resync_host), methods=["POST"]),
         Route("/admin/consumers", _admin(consumers), methods=["GET"]),
         Route("/admin/crawling", _admin(crawling), methods=["GET", "POST"]),
         Route("/admin/audit", _admin(audit), methods=["GET"]),

@@ -78,6 +78,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("plc_url", "RELAY_PLC_URL", "--plc-url", "https://plc.directory", "PLC directory for did:plc"),
     Setting("admin_token", "RELAY_ADMIN_TOKEN", "--admin-token", "",
             "Bearer token for /admin/ (admin API is off when empty)"),
+    Setting("console_ingest_url", "RELAY_CONSOLE_INGEST_URL", "--console-ingest-url", "",
+            "fan-out: base URL of the ingest's HTTP port (e.g. http://relay-ingest:2470); the operator "
+            "console's actions and admin views on a fan-out are forwarded there with the operator's token "
+            "(empty: read-only console on fan-outs)"),
     Setting("allow_insecure_hosts", "RELAY_ALLOW_INSECURE_HOSTS", "--allow-insecure-hosts", "false",
             "allow ws:// / http:// upstreams, host:port names and loopback/private addresses; "
             "loopback hosts are then not rate-limited (local testing only)",
@@ -276,6 +280,7 @@ class RelayConfig:
     ws_deflate: bool = False
     plc_url: str = "https://plc.directory"
     admin_token: str = ""
+    console_ingest_url: str = ""
     allow_insecure_hosts: bool = False
     replay_window: float = 72 * 3600.0
     trusted_domains: tuple[str, ...] = field(default_factory=tuple)
@@ -360,6 +365,9 @@ class RelayConfig:
             raise ConfigError("bad_dns_servers", f"RELAY_DNS_SERVERS: expected ip[:port],…; got {config.dns_servers!r}") from None
         if not config.redis_stream:
             raise ConfigError("bad_redis_stream", "RELAY_REDIS_STREAM must not be empty")
+        if config.console_ingest_url and not re.match(r"^https?://[^/]", config.console_ingest_url):
+            raise ConfigError("bad_console_ingest_url",
+                              f"RELAY_CONSOLE_INGEST_URL: expected http(s)://host…, got {config.console_ingest_url!r}")
         if not re.match(r"^https?://[^/]", config.plc_url):
             raise ConfigError("bad_plc_url", f"RELAY_PLC_URL: expected http(s)://host…, got {config.plc_url!r}")
         for name, env in (("redis_timeout", "RELAY_REDIS_TIMEOUT"), ("redis_connect_timeout", "RELAY_REDIS_CONNECT_TIMEOUT"),

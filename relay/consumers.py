@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
@@ -36,29 +36,48 @@ class ConsumerInfo:
     connected_at: float
     frames_sent: int = 0
     bytes_sent: int = 0
+    #: what the consumer is sent: ``cbor`` (subscribeRepos), ``json`` or ``json+zstd`` (/subscribe)
+    encoding: str = "cbor"
 
     def view(self) -> dict[str, Any]:
         return {"id": self.id, "remote": self.remote, "userAgent": self.user_agent, "cursor": self.cursor,
-                "connectedAt": self.connected_at, "framesSent": self.frames_sent, "bytesSent": self.bytes_sent}
+                "connectedAt": self.connected_at, "framesSent": self.frames_sent, "bytesSent": self.bytes_sent,
+                "encoding": self.encoding}
 
 
 class ConsumerRegistry:
-    """Currently connected consumers."""
+    """Currently connected consumers, and the bytes and frames sent per encoding since start
+    (closed consumers included): the bytes written to each consumer's connection, as encoded for it."""
 
     def __init__(self, metrics: RelayMetrics) -> None:
         self.metrics = metrics
         self._ids = itertools.count(1)
         self._open: dict[int, ConsumerInfo] = {}
+        #: encoding -> [bytes, frames] of consumers already closed
+        self._closed: dict[str, list[int]] = {}
 
-    def open(self, remote: str, user_agent: str, cursor: str | None) -> ConsumerInfo:
-        info = ConsumerInfo(next(self._ids), remote, user_agent, cursor, time.time())
+    def open(self, remote: str, user_agent: str, cursor: str | None, encoding: str = "cbor") -> ConsumerInfo:
+        info = ConsumerInfo(next(self._ids), remote, user_agent, cursor, time.time(), encoding=encoding)
         self._open[info.id] = info
         self.metrics.consumers.set(len(self._open))
         return info
 
     def close(self, info: ConsumerInfo) -> None:
-        self._open.pop(info.id, None)
+        if self._open.pop(info.id, None) is not None:
+            done = self._closed.setdefault(info.encoding, [0, 0])
+            done[0] += info.bytes_sent
+            done[1] += info.frames_sent
         self.metrics.consumers.set(len(self._open))
+
+    def by_encoding(self) -> dict[str, dict[str, int]]:
+        """Per encoding: ``connected`` consumers now, ``bytesSent`` and ``framesSent`` since start."""
+        out = {enc: {"connected": 0, "bytesSent": b, "framesSent": f} for enc, (b, f) in self._closed.items()}
+        for info in self._open.values():
+            row = out.setdefault(info.encoding, {"connected": 0, "bytesSent": 0, "framesSent": 0})
+            row["connected"] += 1
+            row["bytesSent"] += info.bytes_sent
+            row["framesSent"] += info.frames_sent
+        return out
 
     @contextlib.asynccontextmanager
     async def tracking(self, connection: ServerConnection, session: ConsumerSession) -> AsyncIterator[None]:
@@ -89,18 +108,30 @@ class ConsumerRegistry:
         return len(self._open)
 
 
-class ConsumerTracking:
-    """ASGI middleware around a stream's WebSocket endpoint: registers the consumer and counts
-    what is written to it as sent, in ``relay_consumer_sent_bytes_total{encoding}`` (``cbor`` for
-    subscribeRepos, ``json`` for the JSON stream). It also names the relay in the handshake's
-    answer (``Server: atproto-relay``, ``relay.siblings.with_server_header``): these are the app's
-    only WebSocket endpoints, and the send this middleware wraps anyway is the one place where
-    that costs nothing per frame."""
+def jetstream_encoding(scope: Scope) -> str:
+    """A /subscribe connection's encoding: ``json+zstd`` when it asked for compression (query
+    ``compress=true`` or a ``zstdDictionary``, or a ``Socket-Encoding: zstd`` header), else ``json``."""
+    query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+    headers = dict(scope.get("headers", []))
+    zstd = (query.get("compress", [""])[-1] == "true" or bool(query.get("zstdDictionary"))
+            or b"zstd" in headers.get(b"socket-encoding", b""))
+    return "json+zstd" if zstd else "json"
 
-    def __init__(self, app: ASGIApp, registry: ConsumerRegistry, encoding: str = "cbor") -> None:
+
+class ConsumerTracking:
+    """ASGI middleware around a consumer WebSocket endpoint: registers the consumer and counts
+    what is written to it as sent, in ``relay_consumer_sent_bytes_total{encoding}`` (``cbor`` for
+    subscribeRepos, ``json`` for the JSON stream, compressed or not); ``encoding(scope)`` names what
+    the connection is sent (default ``cbor``; the consumer list tells ``json`` from ``json+zstd``).
+    It also names the relay in the handshake's answer (``Server: atproto-relay``,
+    ``relay.siblings.with_server_header``): these are the app's only WebSocket endpoints, and the
+    send this middleware wraps anyway is the one place where that costs nothing per frame."""
+
+    def __init__(self, app: ASGIApp, registry: ConsumerRegistry,
+                 encoding: Callable[[Scope], str] | None = None) -> None:
         self.app = app
         self.registry = registry
-        self.encoding = encoding
+        self.encoding = encoding or (lambda scope: "cbor")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "websocket":
@@ -112,12 +143,14 @@ class ConsumerTracking:
         cursor = next((p.split("=", 1)[1] for p in query.split("&") if p.startswith("cursor=")), None)
         info: ConsumerInfo | None = None
         metrics = self.registry.metrics
-        sent_bytes = metrics.child(metrics.bytes_out, self.encoding)
+        encoding = self.encoding(scope)
+        sent_bytes = metrics.child(metrics.bytes_out, "json" if encoding.startswith("json") else encoding)
 
         async def tracked_send(message: Message) -> None:
             nonlocal info
             if message["type"] == "websocket.accept" and info is None:
-                info = self.registry.open(f"{client[0]}:{client[1]}", headers.get("user-agent", ""), cursor)
+                info = self.registry.open(f"{client[0]}:{client[1]}", headers.get("user-agent", ""), cursor,
+                                          encoding)
                 message = with_server_header(message)
             elif message["type"] == "websocket.send" and info is not None:
                 size = len(message.get("bytes") or b"") + len((message.get("text") or "").encode())

@@ -22,6 +22,7 @@ from starlette.types import Receive, Scope, Send
 from relay.app import health, metrics, ready
 from relay.dashboard import dashboard_routes
 from relay.siblings import ServerHeader
+from relay.xrpc import XrpcError
 
 if TYPE_CHECKING:
     from relay.service import RelayService
@@ -34,12 +35,18 @@ async def _not_ready(request: Request) -> Response:
                          "reasons": reasons}, status_code=503, headers={"retry-after": "5"})
 
 
+async def _xrpc_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, XrpcError)
+    return exc.response()
+
+
 def early_app(service: RelayService) -> Starlette:
     """Probes, metrics and dashboard; 503 for anything else."""
     routes: list[BaseRoute] = [Route("/_health", health), Route("/_ready", ready), Route("/metrics", metrics)]
     routes += dashboard_routes()
     routes.append(Route("/{rest:path}", _not_ready, methods=["GET", "HEAD", "POST", "PUT", "DELETE"]))
-    app = Starlette(routes=routes, middleware=[Middleware(ServerHeader)])
+    app = Starlette(routes=routes, middleware=[Middleware(ServerHeader)],
+                    exception_handlers={XrpcError: _xrpc_error})
     app.state.service = service
     return app
 

@@ -23,6 +23,7 @@ Failures raise ``IdentityError`` with a ``reason`` from ``REASONS``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -522,6 +523,39 @@ class IdentityResolver:
         self._handle_checks[key] = task
         task.add_done_callback(lambda _: self._handle_checks.pop(key, None))
         return task
+
+    async def resolve_handle(self, handle: str) -> str | None:
+        """The DID ``handle`` names (resolver service, else DNS TXT ``_atproto.<handle>``, else
+        ``https://<handle>/.well-known/atproto-did``), only when that DID's document claims the
+        handle back (bidirectional); None otherwise. For operator look-ups (not cached)."""
+        handle = handle.strip().lower().lstrip("@")
+        did: str | None = None
+        try:
+            async with asyncio.timeout(self.handle_timeout):
+                if self._resolver is not None:
+                    status, body = await self._resolver.get(
+                        "/xrpc/com.atproto.identity.resolveHandle?" + urlencode({"handle": handle}),
+                        max_bytes=MAX_DOC_BYTES)
+                    found = json.loads(body).get("did") if status == 200 else None
+                    did = found if isinstance(found, str) else None
+                else:
+                    if self.txt_lookup is not None and len(handle) <= 244:
+                        with contextlib.suppress(dns.exception.DNSException, OSError, ValueError):
+                            did = did_from_txt(await self.txt_lookup(f"_atproto.{handle}"))
+                    if did is None:
+                        status, raw, _ = await self.safe.get(f"https://{handle}/.well-known/atproto-did",
+                                                             max_bytes=2048)
+                        text = raw.decode("utf-8", "replace").strip()
+                        did = text if status == 200 and text.startswith("did:") else None
+        except (TimeoutError, HttpError, httpx.HTTPError, SSRFError, ValueError, AttributeError):
+            return None
+        if did is None:
+            return None
+        try:
+            ident = await self.resolve(did)
+        except IdentityError:
+            return None
+        return did if ident.handle == handle else None
 
     async def verify_handle(self, handle: str, did: str) -> bool:
         """True when ``handle`` resolves back to ``did`` (bidirectional verification).

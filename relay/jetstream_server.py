@@ -51,7 +51,7 @@ from firehose.reasons import Reason
 from firehose.serve_asgi import deny_websocket, upgrade_required
 from firehose.state import SequencedEvent
 from firehose.uvicorn_batch import PROBE, SEND_BATCH
-from relay.consumers import ConsumerRegistry, ConsumerTracking
+from relay.consumers import ConsumerRegistry, ConsumerTracking, jetstream_encoding
 from relay.metrics import RelayMetrics
 
 log = logging.getLogger("relay.jetstream")
@@ -311,4 +311,4 @@ def jetstream_server(broadcaster: Broadcaster, metrics: RelayMetrics, consumers:
         metrics.child(metrics.jetstream_messages, "true" if compressed else "false").inc(n)
 
     return JetstreamServer(broadcaster, converter, count=count, count_messages=count_messages,
-                           wrap=lambda app: ConsumerTracking(app, consumers, "json"))
+                           wrap=lambda app: ConsumerTracking(app, consumers, jetstream_encoding))

@@ -40,6 +40,9 @@ from firehose.pipeline import ValidationPool
 from firehose.publisher import BusPublisher, classify_bus_error
 from firehose.state import AccountState, SequencedEvent
 from relay.config import RelayConfig, parse_nameservers
+from relay.console.api import HostIndex
+from relay.console.ledger import HostLedger
+from relay.console.reports import ReplicaReporter
 from relay.consumers import ConsumerRegistry, ConsumerTracking
 from relay.fdlimit import hosts_allowed, raise_open_file_limit
 from relay.hosts import HostManager, HostPolicy
@@ -54,7 +57,7 @@ from relay.identity import (
 from relay.identity_store import PersistedIdentities
 from relay.ingest.admission import Admission
 from relay.ingest.hostruns import Upstreams
-from relay.ingest.lanes import AccountLanes, retry_pauses
+from relay.ingest.lanes import FRAME_HOST, AccountLanes, retry_pauses
 from relay.ingest.resync import ResyncManager
 from relay.ingest.resync_queue import ResyncQueue
 from relay.jetstream_server import JetstreamServer, jetstream_server
@@ -148,6 +151,11 @@ class RelayService:
         self.healer: StatusHealer | None = None
         #: passes admin changes and requestCrawls on to RELAY_SIBLING_RELAYS (``relay.siblings``; not in a fan-out)
         self.siblings: SiblingForwarder | None = None
+        #: the operator console: verdicts per host, this process's report (shared through Redis in
+        #: scale-out) and the host table's index (``relay.console``)
+        self.host_ledger = HostLedger()
+        self.reporter = ReplicaReporter(self, redis=lambda: self._redis, key=f"{self.bus_stream}:console")
+        self.console_hosts = HostIndex(self)
 
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
@@ -180,6 +188,7 @@ class RelayService:
         else:
             self.bus = InProcessBus()
             cache = MemoryIdentityCache()
+        self.reporter.start()
         self.identities = PersistedIdentities(self.store)
         self.identities.start()
         self.identity = IdentityResolver(plc_url=config.plc_url, safe_client=self.safe, cache=cache,
@@ -334,6 +343,7 @@ class RelayService:
 
     def _count(self, kind: str, reason: str) -> None:
         self.metrics.child(self.metrics.verdicts, kind, reason).inc()
+        self.host_ledger.count(FRAME_HOST.get(), kind, reason)
 
     async def _housekeeping(self, interval: float = 5.0) -> None:
         """Host status watch, retention trim."""
@@ -383,6 +393,7 @@ class RelayService:
     async def stop(self) -> None:
         """Stop whatever ``start()`` got to (also after a failed or cancelled start)."""
         self._phase = "stopping"
+        await self.reporter.close()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:

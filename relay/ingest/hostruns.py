@@ -36,6 +36,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from datetime import datetime
+from typing import Any
 
 from backfill.errors import BackfillError
 from backfill.sequencer import Sequencer
@@ -50,7 +51,7 @@ from relay.config import RelayConfig
 from relay.hosts import HostPolicy, host_base_url
 from relay.ingest.admission import Admission
 from relay.ingest.budget import ByteBudget
-from relay.ingest.lanes import AccountLanes, Count, Work
+from relay.ingest.lanes import FRAME_HOST, AccountLanes, Count, Work
 from relay.jsonlog import fields
 from relay.metrics import RelayMetrics
 from relay.ssrf import AddressGuard, split_host_port
@@ -240,6 +241,7 @@ class Upstreams:
     async def _run_host(self, run: _HostRun) -> None:
         """Run the host's subscriber; when it must be restarted (a frame was not stored, or it
         failed unexpectedly) start a new one, with a new fence, from the acknowledged cursor."""
+        FRAME_HOST.set(run.hostname)  # this task's own context: its counts are the host's
         backoff = Backoff(1.0, 30.0)
         while not self._closed and self._runs.get(run.hostname) is run:
             subscriber = run.subscriber
@@ -430,6 +432,19 @@ class Upstreams:
         """The upstream seq of the last frame read from ``hostname`` (None: none yet, or not followed)."""
         run = self._runs.get(hostname)
         return None if run is None else run.last_read
+
+    def connection(self, hostname: str) -> dict[str, Any] | None:
+        """``hostname``'s upstream connection for the operator console (None: not followed):
+        ``connected``, ``lastError`` (``{at, message}`` or None), ``lastRead`` (upstream seq),
+        ``watermark``, ``outstanding`` frames, ``restarts``, and the subscriber's counted reasons."""
+        run = self._runs.get(hostname)
+        if run is None:
+            return None
+        sub = run.subscriber
+        error = sub.last_error
+        return {"connected": sub.connected.is_set(), "lastRead": run.last_read, "watermark": run.watermark,
+                "outstanding": run.outstanding, "restarts": run.restarts, "counters": dict(sub.counters),
+                "lastError": None if error is None else {"at": error[0], "message": error[1]}}
 
     def watermark(self, hostname: str) -> int | None:
         """``hostname``'s watermark: the highest upstream seq such that it and every frame read

@@ -38,6 +38,7 @@ their durable state, in one bounded LRU (reloaded from the store on a miss).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import hashlib
 import logging
@@ -92,6 +93,9 @@ HELD_FRAME_OVERHEAD = 512
 _NO_BODY: dict[str, Any] = {}
 
 Count = Callable[[str, str], None]
+#: The host whose frame the current task is judging (a lane's task while in ``_frame``, a host
+#: run's task throughout): ``count`` callbacks read it to count verdicts per host as well.
+FRAME_HOST: contextvars.ContextVar[str | None] = contextvars.ContextVar("frame_host", default=None)
 M = TypeVar("M", IdentityMessage, AccountMessage)
 
 
@@ -364,6 +368,7 @@ class AccountLanes:
     # -- judging an upstream frame -------------------------------------------------------------
     async def _frame(self, lane: _Lane, work: Work) -> None:
         event: PendingEvent | None = None
+        host_token = FRAME_HOST.set(work.hostname)
         try:
             if lane.inflight and lane.inflight_host != work.hostname:
                 # Each host run hands its accepted events to the sequencer itself, in its own order.
@@ -390,6 +395,7 @@ class AccountLanes:
             self.count("reject", Reason.INTERNAL_ERROR)
             log.exception("judging a frame failed", extra=fields(host=work.hostname, did=work.did))
         finally:
+            FRAME_HOST.reset(host_token)
             if event is not None:
                 lane.inflight_host = work.hostname
             elif lane.durable is None and not lane.inflight:  # nothing of the account is stored

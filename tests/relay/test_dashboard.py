@@ -7,28 +7,16 @@ screenshot is written to ``$RELAY_TEST_ARTIFACTS`` (default ``test-artifacts/``)
 
 from __future__ import annotations
 
-import os
-import shutil
-from pathlib import Path
-
 import httpx
-from playwright.async_api import Page, async_playwright
+from playwright.async_api import Page
 
 from relay.sim import SimConfig, SimFleet
 from tests.relay.conftest import RelayFactory
+from tests.relay.console_page import console, screenshot
 from tests.relay.e2e import crawl, metric_value
 from tests.waiting import until_async
 
-ROOT = Path(__file__).resolve().parents[2]
-ARTIFACTS = Path(os.environ.get("RELAY_TEST_ARTIFACTS", ROOT / "test-artifacts"))
 TOKEN = "dash-token"
-
-
-def chromium() -> str:
-    """Debian's Chromium (``./run`` installs it); Playwright downloads no browser of its own."""
-    path = os.environ.get("RELAY_TEST_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
-    assert path, "chromium is not installed (./run test installs Debian's chromium package)"
-    return path
 
 
 def number(text: str | None) -> float:
@@ -63,53 +51,45 @@ async def test_dashboard_matches_metrics_in_chromium(relay_factory: RelayFactory
             await until_async(all_sequenced, "every accepted event to be sequenced")
             metrics = (await http.get("/metrics")).text  # traffic has stopped: these numbers hold
 
-            async with async_playwright() as pw:
-                browser = await pw.chromium.launch(executable_path=chromium(), args=["--no-sandbox"])
-                try:
-                    page = await browser.new_page(viewport={"width": 1400, "height": 900})
-                    await page.goto(relay.url + "/dashboard?interval=300")
-                    await settled_polls(page, 3)
-                    assert await shown(page, "#seq") == metric_value(metrics, "relay_current_seq") > 0
-                    assert await shown(page, "#sequenced-total") == metric_value(metrics, "relay_events_sequenced_total")
-                    assert await shown(page, "#events-in") == metric_value(metrics, "relay_events_in_total")
-                    assert await shown(page, "#consumers") == metric_value(metrics, "relay_consumers")
-                    assert await shown(page, "#resync-queue") == metric_value(metrics, "relay_resync_queue")
-                    assert await page.locator("#store").text_content() == "up"
-                    for kind in ("#commit", "#identity", "#account"):
-                        cell = f'#sequenced tr[data-type="{kind}"] td[data-field="count"]'
-                        assert await shown(page, cell) == metric_value(metrics, "relay_events_sequenced_total", type=kind)
-                    verdict = '#verdicts tr[data-verdict="accept/ok"] td[data-field="count"]'
-                    assert await shown(page, verdict) == metric_value(metrics, "relay_verdicts_total",
-                                                                      kind="accept", reason="ok")
-                    for host in fleet.hosts:
-                        row = f'#hosts tr[data-host="{host.hostname}"]'
-                        assert await shown(page, row + ' td[data-field="eventsIn"]') == \
-                            metric_value(metrics, "relay_events_in_total", host=host.hostname) > 0
-                        assert await page.locator(row + ' td[data-field="status"]').text_content() == "active"
-                        assert await shown(page, row + ' td[data-field="accounts"]') == 4
-                        stored = await relay.service.store.get_host(host.hostname)
-                        assert stored is not None and await shown(page, row + ' td[data-field="cursor"]') == stored.cursor
-                    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-                    await page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
-                    assert (ARTIFACTS / "dashboard.png").stat().st_size > 10_000
+            async with console(relay.url) as page:
+                await settled_polls(page, 3)
+                assert await shown(page, "#seq") == metric_value(metrics, "relay_current_seq") > 0
+                assert await shown(page, "#sequenced-total") == metric_value(metrics, "relay_events_sequenced_total")
+                assert await shown(page, "#events-in") == metric_value(metrics, "relay_events_in_total")
+                assert await shown(page, "#consumers") == metric_value(metrics, "relay_consumers")
+                assert await shown(page, "#resync-queue") == metric_value(metrics, "relay_resync_queue")
+                assert await page.locator("#store").text_content() == "up"
+                for kind in ("#commit", "#identity", "#account"):
+                    cell = f'#sequenced tr[data-type="{kind}"] td[data-field="count"]'
+                    assert await shown(page, cell) == metric_value(metrics, "relay_events_sequenced_total", type=kind)
+                verdict = '#verdicts tr[data-verdict="accept/ok"] td[data-field="count"]'
+                assert await shown(page, verdict) == metric_value(metrics, "relay_verdicts_total",
+                                                                  kind="accept", reason="ok")
+                for host in fleet.hosts:
+                    row = f'#hosts tr[data-host="{host.hostname}"]'
+                    assert await shown(page, row + ' td[data-field="eventsIn"]') == \
+                        metric_value(metrics, "relay_events_in_total", host=host.hostname) > 0
+                    assert await page.locator(row + ' td[data-field="status"]').text_content() == "active"
+                    assert await shown(page, row + ' td[data-field="accounts"]') == 4
+                    stored = await relay.service.store.get_host(host.hostname)
+                    assert stored is not None and await shown(page, row + ' td[data-field="cursor"]') == stored.cursor
+                await screenshot(page, "dashboard", ["Relay console", fleet.hosts[0].hostname])
 
-                    # read-only without the token: no mutating control on the page
-                    assert await page.locator("button[data-action]").count() == 0
-                    assert (await http.get("/dashboard/data", headers={"authorization": "Bearer nope"})).status_code == 403
-                    # with it: connections are listed and a host can be blocked (through the admin API)
-                    await page.fill("#token", TOKEN)
-                    await page.click("#token-set")
-                    target = fleet.hosts[0].hostname
-                    button = f'#hosts tr[data-host="{target}"] button[data-action="block"]'
-                    await page.wait_for_selector(button, timeout=20_000)
-                    await page.click(button)
-                    await page.wait_for_selector(f'#hosts tr[data-host="{target}"] button[data-action="unblock"]',
-                                                 timeout=20_000)
-                    listed = (await http.get("/admin/hosts", headers={"authorization": f"Bearer {TOKEN}"})).json()
-                    assert {h["hostname"]: h["status"] for h in listed["hosts"]}[target] == "banned"
-                    audit = (await http.get("/admin/audit", headers={"authorization": f"Bearer {TOKEN}"})).json()
-                    assert any(a["target"] == target for a in audit["actions"])
-                finally:
-                    await browser.close()
+                # read-only without the token: no mutating control on the page
+                assert await page.locator("button[data-action]").count() == 0
+                assert (await http.get("/dashboard/data", headers={"authorization": "Bearer nope"})).status_code == 403
+                # with it: connections are listed and a host can be blocked (through the admin API)
+                await page.fill("#token", TOKEN)
+                await page.click("#token-set")
+                target = fleet.hosts[0].hostname
+                button = f'#hosts tr[data-host="{target}"] button[data-action="block"]'
+                await page.wait_for_selector(button, timeout=20_000)
+                await page.click(button)
+                await page.wait_for_selector(f'#hosts tr[data-host="{target}"] button[data-action="unblock"]',
+                                             timeout=20_000)
+                listed = (await http.get("/admin/hosts", headers={"authorization": f"Bearer {TOKEN}"})).json()
+                assert {h["hostname"]: h["status"] for h in listed["hosts"]}[target] == "banned"
+                audit = (await http.get("/admin/audit", headers={"authorization": f"Bearer {TOKEN}"})).json()
+                assert any(a["target"] == target for a in audit["actions"])
     finally:
         await fleet.stop()
