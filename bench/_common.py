@@ -146,9 +146,15 @@ class RelayProc:
         sem = asyncio.Semaphore(concurrency)
         async with httpx.AsyncClient(base_url=self.url, timeout=60) as http:
             async def one(h: str) -> None:
-                async with sem:
-                    r = await http.post("/xrpc/com.atproto.sync.requestCrawl", json={"hostname": h})
-                r.raise_for_status()
+                for attempt in range(5):  # idempotent: a relay busy with the first hosts may be slow to answer
+                    try:
+                        async with sem:
+                            r = await http.post("/xrpc/com.atproto.sync.requestCrawl", json={"hostname": h})
+                        r.raise_for_status()
+                        return
+                    except httpx.TimeoutException:
+                        if attempt == 4:
+                            raise
 
             if concurrency <= 1:
                 for h in hostnames:
