@@ -12,7 +12,7 @@ import asyncpg
 import pytest
 
 from backfill.store import Store
-from relay.sim.plc import SimPLC
+from sim.plc import SimPLC
 from relay.ssrf import Resolver
 from tests.relay.helpers import RunningRelay, running_relay
 

@@ -21,7 +21,7 @@ from firehose.uvicorn_batch import BatchingWebSocketsProtocol
 from relay.config import RelayConfig
 from relay.ingest.lanes import Work
 from relay.service import RelayService
-from relay.sim.host import SimHost
+from sim.host import SimHost
 from relay.ssrf import Resolver
 
 

@@ -13,8 +13,8 @@ from relay.config import RelayConfig
 from relay.hosts import HostPolicy
 from relay.identity import IdentityResolver, MemoryIdentityCache
 from relay.ingest.admission import HOST_TTL, Admission
-from relay.sim.ident import SigningKey, did_document, plc_did
-from relay.sim.plc import SimPLC
+from sim.ident import SigningKey, did_document, plc_did
+from sim.plc import SimPLC
 from relay.ssrf import AddressGuard, SafeClient
 
 HOST = "pds.example.com"

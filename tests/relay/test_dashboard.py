@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 from playwright.async_api import Page, async_playwright
 
-from relay.sim import SimConfig, SimFleet
+from sim import SimConfig, SimFleet
 from tests.relay.conftest import RelayFactory
 from tests.relay.e2e import crawl, metric_value
 from tests.waiting import until_async

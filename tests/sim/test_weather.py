@@ -12,7 +12,7 @@ import pytest
 from firehose.frames import FrameError, decode_frame
 from relay.config import parse_nameservers
 from relay.identity import did_from_txt, dns_txt_lookup
-from relay.sim import Delay, SimConfig, SimFleet
+from sim import Delay, SimConfig, SimFleet
 from relay.ssrf import SSRFError
 
 GET_REPO = "/xrpc/com.atproto.sync.getRepo"
