@@ -44,7 +44,7 @@ COPY firehose ./firehose
 COPY backfill ./backfill
 COPY relay ./relay
 COPY spark ./spark
-COPY migrations ./migrations
+COPY sim ./sim
 # the project itself (not editable), built with the pinned setuptools; its dependencies are already there
 RUN /opt/relay/bin/pip install --no-cache-dir --no-deps --no-build-isolation . \
  && /opt/relay/bin/pip check
@@ -53,8 +53,6 @@ RUN /opt/relay/bin/pip install --no-cache-dir --no-deps --no-build-isolation . \
 RUN relay native build \
  && relay native status | grep -q "native build: ok" \
  && /opt/relay/bin/pip uninstall -y mypy
-# migrations are read from beside the packages
-RUN cp -r migrations "$(/opt/relay/bin/python -I -c 'import backfill, pathlib; print(pathlib.Path(backfill.__file__).parent.parent)')/"
 
 FROM base AS runtime
 RUN groupadd --system --gid 10001 relay \
