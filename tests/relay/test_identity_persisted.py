@@ -16,9 +16,9 @@ from backfill.store import Store, open_store
 from relay.identity import IdentityError, IdentityResolver, MemoryIdentityCache
 from relay.identity_store import PersistedIdentities
 from relay.metrics import RelayMetrics
+from relay.ssrf import AddressGuard, SafeClient
 from sim.ident import SigningKey, did_document, plc_did
 from sim.plc import SimPLC
-from relay.ssrf import AddressGuard, SafeClient
 
 PDS = "http://127.0.0.1:9"
 DAY = 86400.0
