@@ -1,7 +1,7 @@
 # syntax=docker/dockerfile:1
 # The relay's container image, in three stages:
-#   build   — Debian's Python 3.11 (PGO+LTO) in a venv with the project, and the compiled mst build
-#             (mypyc, `relay native build`) in it; compilers and mypy stay in this stage
+#   build   — Debian's Python 3.11 (PGO+LTO) in a venv with the project, whose package build
+#             (setup.py) compiles mst's hot path with mypyc; compilers and mypy stay in this stage
 #   runtime — the venv alone on a slim Debian, as an unprivileged user (target `runtime`, the default
 #             image the Helm chart's `image` names)
 #   spark   — runtime plus Java 17 and the PostgreSQL JDBC driver, for `relay spark …` (the chart's
@@ -28,33 +28,31 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 # Dependencies first, in a layer that changes only with pyproject.toml or constraints.txt: the
-# project's requirements (and the `native` extra, for the mst build) read from pyproject.toml, at the
-# pinned versions; pyspark (and pyarrow) only in the spark stage. Behind a TLS-intercepting proxy,
-# pass its CA bundle: --secret id=pip-ca,src=/etc/ssl/certs/ca-certificates.crt
+# project's requirements and its build requirements ([build-system] requires: setuptools and mypy,
+# for the mst build) read from pyproject.toml, at the pinned versions; pyspark (and pyarrow) only in
+# the spark stage. Behind a TLS-intercepting proxy, pass its CA bundle:
+# --secret id=pip-ca,src=/etc/ssl/certs/ca-certificates.crt
 COPY pyproject.toml constraints.txt ./
 RUN --mount=type=secret,id=pip-ca \
     if [ -s /run/secrets/pip-ca ]; then export PIP_CERT=/run/secrets/pip-ca; fi \
  && python3.11 -m venv /opt/relay \
  && /opt/relay/bin/pip install --no-cache-dir -c constraints.txt --upgrade pip \
- && python3.11 -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; print("\n".join(p["dependencies"] + p["optional-dependencies"]["native"]))' > requirements.txt \
+ && python3.11 -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb")); print("\n".join(p["project"]["dependencies"] + p["build-system"]["requires"]))' > requirements.txt \
  && /opt/relay/bin/pip install --no-cache-dir -c constraints.txt -r requirements.txt
-COPY README.md ./
+COPY README.md setup.py ./
 COPY mst ./mst
 COPY firehose ./firehose
 COPY backfill ./backfill
 COPY relay ./relay
 COPY spark ./spark
-COPY migrations ./migrations
-# the project itself (not editable), built with the pinned setuptools; its dependencies are already there
-RUN /opt/relay/bin/pip install --no-cache-dir --no-deps --no-build-isolation . \
+COPY sim ./sim
+# the project itself (not editable), built with the pinned setuptools and mypy (its build compiles
+# mst._native_node / _invert / _car; RELAY_REQUIRE_COMPILED makes a failed compile fail the image);
+# its dependencies are already there. Then the build requirements' Python side goes.
+RUN RELAY_REQUIRE_COMPILED=1 /opt/relay/bin/pip install --no-cache-dir --no-deps --no-build-isolation . \
+ && relay native status | grep -q "mst: compiled" \
+ && /opt/relay/bin/pip uninstall -y mypy librt ast-serialize pathspec mypy-extensions \
  && /opt/relay/bin/pip check
-# compile mst.node / mst.invert / mst.car into site-packages/.native (checked against the sources'
-# SHA-256 at import), then drop the compiler toolchain's Python side
-RUN relay native build \
- && relay native status | grep -q "native build: ok" \
- && /opt/relay/bin/pip uninstall -y mypy
-# migrations are read from beside the packages
-RUN cp -r migrations "$(/opt/relay/bin/python -I -c 'import backfill, pathlib; print(pathlib.Path(backfill.__file__).parent.parent)')/"
 
 FROM base AS runtime
 RUN groupadd --system --gid 10001 relay \

@@ -1,4 +1,5 @@
-"""PostgreSQL backend (asyncpg). See ``backfill.store`` for the contract of every method.
+"""PostgreSQL backend (asyncpg). See ``backfill.store`` for the contract of every method and
+``backfill.sql_store`` for the half shared with SQLite; this module keeps PostgreSQL's dialect.
 
 Events are written with binary ``COPY`` inside the batch transaction; the frame column is
 ``STORAGE EXTERNAL`` (no compression attempts on CAR bytes). Locks are advisory locks keyed by
@@ -8,50 +9,41 @@ database and schema, so several relays (or tests) can share a server in separate
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import asyncpg
 
 from backfill.errors import MigrationError, SequencerConflictError, SequencerLockedError
-from backfill.identities import (
-    FRESHER_ONLY,
-    IDENTITY_COLS,
-    Identity,
-    IdentityWrite,
-    identity_from_row,
-    identity_row,
-)
+from backfill.identities import FRESHER_ONLY, IDENTITY_COLS, IdentityWrite, identity_row
 from backfill.migrations import discover
+from backfill.sql_store import ACCOUNT_COLS, UPSERT_ACCOUNT_SQL, SqlStore
 from backfill.store import (
-    PENDING_REPAIRS_SQL,
-    REPAIR_DONE_SQL,
     BatchWrite,
-    Store,
     WriterLease,
-    audit_entry,
     host_count_deltas,
     retention_prefix,
     writer_identity,
 )
-from backfill.types import HostState
-from firehose.state import AccountState, SequencedEvent, account_row
+from firehose.state import AccountState, account_row
 
 _SCHEMA_RE = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 
 
+@functools.lru_cache(maxsize=256)
 def _numbered(sql: str) -> str:
-    """A statement written with ``?`` placeholders (shared with SQLite) in asyncpg's ``$n`` form."""
+    """A statement written with ``?`` placeholders (``backfill.sql_store``) in asyncpg's ``$n`` form."""
     parts = sql.split("?")
     return parts[0] + "".join(f"${i}{part}" for i, part in enumerate(parts[1:], start=1))
 
-_ACCOUNT_COLS = "did, host, upstream_status, local_status, rev, commit_cid, data_cid, sync_state, updated_at"
-_HOST_COLS = (
-    "hostname, status, upstream_cursor, account_limit, trusted, rate_limit_per_second, "
-    "rate_limit_per_hour, rate_limit_per_day, last_seen, account_count, created_at, is_relay, lenient_sync"
-)
+
+def _changed(status: str) -> int:
+    """Rows changed, from a command status such as ``UPDATE 1`` or ``INSERT 0 1``."""
+    return int(status.rsplit(" ", 1)[1])
+
 
 # Batch write of account state from the sequencer: the batch is COPYed into a per-connection
 # temporary staging table (binary COPY: far cheaper to encode than nine text arrays), then one
@@ -73,8 +65,8 @@ FROM pg_temp.{_STAGE} s
 WHERE a.did = s.did
 """
 _SQL_INSERT_ACCOUNTS = f"""
-INSERT INTO accounts ({_ACCOUNT_COLS})
-SELECT {_ACCOUNT_COLS} FROM pg_temp.{_STAGE} s
+INSERT INTO accounts ({ACCOUNT_COLS})
+SELECT {ACCOUNT_COLS} FROM pg_temp.{_STAGE} s
 WHERE NOT EXISTS (SELECT 1 FROM accounts a WHERE a.did = s.did)
 ON CONFLICT (did) DO UPDATE SET
     host = EXCLUDED.host, upstream_status = EXCLUDED.upstream_status, local_status = EXCLUDED.local_status,
@@ -100,14 +92,6 @@ SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::bool[],
 """
 
 
-def _account(row: asyncpg.Record) -> AccountState:
-    return AccountState(*row)
-
-
-def _host(row: asyncpg.Record) -> HostState:
-    return HostState(*row)
-
-
 #: asyncpg errors that mean the server is unreachable, restarting or shutting down (SQLSTATE classes
 #: 08 connection exception, 57 operator intervention, 53300 too many connections), or that the
 #: client connection is gone; anything else (data, constraint, syntax) is not retried.
@@ -120,7 +104,7 @@ _TRANSIENT_PG: tuple[type[BaseException], ...] = (
 )
 
 
-class PostgresStore(Store):
+class PostgresStore(SqlStore):
     backend = "postgres"
 
     def __init__(self, dsn: str, schema: str | None, pool: asyncpg.Pool) -> None:
@@ -198,10 +182,6 @@ class PostgresStore(Store):
             await conn.close()
         return applied_now
 
-    async def applied_migrations(self) -> list[int]:
-        rows = await self._pool.fetch("SELECT version FROM schema_migrations ORDER BY version")
-        return [r[0] for r in rows]
-
     async def close(self) -> None:
         if not self._closed:
             self._closed = True
@@ -244,154 +224,46 @@ class PostgresStore(Store):
         name = (row[0] or "").removeprefix("relay-writer ") or "unnamed client"
         return f"{name} (PostgreSQL backend {row[2]}" + (f", from {row[1]})" if row[1] else ")")
 
-    # -- events ------------------------------------------------------------------------------
-    async def read_after(self, cursor: int, limit: int = 1000) -> list[SequencedEvent]:
-        rows = await self._pool.fetch(
-            "SELECT seq, did, kind, time, frame FROM events WHERE seq > $1 ORDER BY seq LIMIT $2",
-            cursor,
-            limit,
-        )
-        return [SequencedEvent(r[0], r[1], r[2], r[3], r[4]) for r in rows]
+    # -- the dialect's primitives (see backfill.sql_store) ------------------------------------
+    async def _fetch(self, sql: str, *args: Any) -> list[asyncpg.Record]:
+        return await self._pool.fetch(_numbered(sql), *args)
 
-    async def oldest_seq(self) -> int | None:
-        return await self._pool.fetchval("SELECT seq FROM events ORDER BY seq LIMIT 1")
+    async def _fetchval(self, sql: str, *args: Any) -> Any:
+        return await self._pool.fetchval(_numbered(sql), *args)
 
-    async def latest_seq(self) -> int:
-        return await self._pool.fetchval("SELECT value FROM relay_meta WHERE key = 'seq_high_water'")
+    async def _execute(self, sql: str, *args: Any) -> int:
+        return _changed(await self._pool.execute(_numbered(sql), *args))
 
-    async def count_events(self) -> int:
-        return await self._pool.fetchval("SELECT count(*) FROM events")
+    async def _fetch_in(self, select: str, column: str, keys: list[str]) -> list[asyncpg.Record]:
+        return await self._pool.fetch(f"{select} WHERE {column} = ANY($1::text[])", keys)
 
-    async def events_bytes(self) -> int:
-        return await self._pool.fetchval("SELECT value FROM relay_meta WHERE key = 'events_bytes'")
+    async def _trim_step(self, batch: int, cutoff: float | None, max_bytes: int | None) -> int:
+        async with self._pool.acquire() as conn, conn.transaction():
+            rows = await conn.fetch("SELECT seq, time, octet_length(frame) FROM events ORDER BY seq LIMIT $1", batch)
+            if not rows:  # empty window (maybe truncated by hand): the byte counter restarts
+                await conn.execute("UPDATE relay_meta SET value = 0 WHERE key = 'events_bytes'")
+                return 0
+            excess = 0
+            if max_bytes is not None:
+                stored = await conn.fetchval("SELECT value FROM relay_meta WHERE key = 'events_bytes'")
+                excess = max(0, stored - max_bytes)
+            count, freed = retention_prefix(rows, cutoff, excess)
+            if count:
+                await conn.execute("DELETE FROM events WHERE seq >= $1 AND seq <= $2", rows[0][0], rows[count - 1][0])
+                await conn.execute(
+                    "UPDATE relay_meta SET value = GREATEST(0, value - $1) WHERE key = 'events_bytes'", freed
+                )
+            return count
 
-    async def trim(
-        self,
-        older_than_seconds: float | None = None,
-        max_bytes: int | None = None,
-        batch: int = 2000,
-        *,
-        now: float | None = None,
-    ) -> int:
-        if older_than_seconds is None and max_bytes is None:
-            return 0
-        cutoff = None if older_than_seconds is None else (now or time.time()) - older_than_seconds
-        total = 0
-        async with self._pool.acquire() as conn:
-            while True:
-                async with conn.transaction():
-                    rows = await conn.fetch(
-                        "SELECT seq, time, octet_length(frame) FROM events ORDER BY seq LIMIT $1", batch
-                    )
-                    if not rows:
-                        # Empty window (maybe truncated by hand): the byte counter restarts.
-                        await conn.execute("UPDATE relay_meta SET value = 0 WHERE key = 'events_bytes'")
-                        return total
-                    excess = 0
-                    if max_bytes is not None:
-                        stored = await conn.fetchval(
-                            "SELECT value FROM relay_meta WHERE key = 'events_bytes'"
-                        )
-                        excess = max(0, stored - max_bytes)
-                    count, freed = retention_prefix(rows, cutoff, excess)
-                    if count:
-                        await conn.execute(
-                            "DELETE FROM events WHERE seq >= $1 AND seq <= $2", rows[0][0], rows[count - 1][0]
-                        )
-                        await conn.execute(
-                            "UPDATE relay_meta SET value = GREATEST(0, value - $1) WHERE key = 'events_bytes'",
-                            freed,
-                        )
-                total += count
-                if count < batch:
-                    return total
-                await asyncio.sleep(0)  # let ingest and readers in between batches
-
-    # -- accounts ----------------------------------------------------------------------------
-    async def get_account(self, did: str) -> AccountState | None:
-        row = await self._pool.fetchrow(f"SELECT {_ACCOUNT_COLS} FROM accounts WHERE did = $1", did)
-        return None if row is None else _account(row)
-
-    async def account_heads(self, dids: Iterable[str]) -> dict[str, tuple[str | None, str | None]]:
-        rows = await self._pool.fetch(
-            "SELECT did, host, rev FROM accounts WHERE did = ANY($1::text[])", list(dids)
-        )
-        return {r[0]: (r[1], r[2]) for r in rows}
-
-    async def get_accounts(self, dids: Iterable[str]) -> dict[str, AccountState]:
-        rows = await self._pool.fetch(
-            f"SELECT {_ACCOUNT_COLS} FROM accounts WHERE did = ANY($1::text[])", list(dids)
-        )
-        return {r[0]: _account(r) for r in rows}
-
+    # -- the multi-statement writes ----------------------------------------------------------
     async def upsert_account(self, state: AccountState) -> None:
         async with self._pool.acquire() as conn, conn.transaction():
             old_host = await conn.fetchrow("SELECT host FROM accounts WHERE did = $1 FOR UPDATE", state.did)
-            await conn.execute(
-                f"INSERT INTO accounts ({_ACCOUNT_COLS}) VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9) "
-                "ON CONFLICT (did) DO UPDATE SET host = EXCLUDED.host, "
-                "upstream_status = EXCLUDED.upstream_status, local_status = EXCLUDED.local_status, "
-                "rev = EXCLUDED.rev, commit_cid = EXCLUDED.commit_cid, data_cid = EXCLUDED.data_cid, "
-                "sync_state = EXCLUDED.sync_state, updated_at = EXCLUDED.updated_at",
-                state.did,
-                state.host,
-                state.upstream_status,
-                state.local_status,
-                state.rev,
-                state.commit_cid,
-                state.data_cid,
-                state.sync_state,
-                state.updated_at or time.time(),
-            )
+            await conn.execute(_numbered(UPSERT_ACCOUNT_SQL), *account_row(state)[:8], state.updated_at or time.time())
             deltas = host_count_deltas(old_host is not None, old_host[0] if old_host else None, state.host)
             if deltas:
-                await conn.execute(
-                    _SQL_UPDATE_HOSTS,
-                    list(deltas),
-                    [None] * len(deltas),
-                    [None] * len(deltas),
-                    list(deltas.values()),
-                    time.time(),
-                )
-
-    async def list_accounts(self, after_did: str | None = None, limit: int = 500) -> list[AccountState]:
-        rows = await self._pool.fetch(
-            f"SELECT {_ACCOUNT_COLS} FROM accounts WHERE did > $1 ORDER BY did LIMIT $2",
-            after_did or "",
-            limit,
-        )
-        return [_account(r) for r in rows]
-
-    async def accounts_by_sync_state(
-        self, state: str, limit: int = 500, *, after_did: str | None = None
-    ) -> list[AccountState]:
-        # The extra predicate lets the planner use the partial index for every non-synced state.
-        partial = " AND sync_state <> 'synced'" if state != "synced" else ""
-        rows = await self._pool.fetch(
-            f"SELECT {_ACCOUNT_COLS} FROM accounts WHERE sync_state = $1{partial} AND did > $3 "
-            "ORDER BY did LIMIT $2",
-            state,
-            limit,
-            after_did or "",
-        )
-        return [_account(r) for r in rows]
-
-    async def count_accounts(self, host: str | None = None) -> int:
-        if host is None:
-            return await self._pool.fetchval("SELECT count(*) FROM accounts")
-        return await self._pool.fetchval("SELECT count(*) FROM accounts WHERE host = $1", host)
-
-    async def count_accounts_by_host(self, sync_state: str) -> dict[str, int]:
-        rows = await self._pool.fetch(
-            "SELECT host, count(*) FROM accounts WHERE sync_state = $1 AND host IS NOT NULL GROUP BY host", sync_state)
-        return {r[0]: int(r[1]) for r in rows}
-
-    # -- persisted identities ----------------------------------------------------------------
-    async def get_identities(self, dids: Iterable[str]) -> dict[str, Identity | None]:
-        rows = await self._pool.fetch(
-            f"SELECT {IDENTITY_COLS} FROM identities WHERE did = ANY($1::text[])", list(dids)
-        )
-        return {r[0]: identity_from_row(r) for r in rows}
+                nones = [None] * len(deltas)
+                await conn.execute(_SQL_UPDATE_HOSTS, list(deltas), nones, nones, list(deltas.values()), time.time())
 
     async def write_identities(self, writes: Sequence[IdentityWrite]) -> None:
         if not writes:
@@ -399,140 +271,13 @@ class PostgresStore(Store):
         columns = list(zip(*(identity_row(w) for w in writes), strict=True))
         await self._pool.execute(_SQL_PUT_IDENTITIES, *columns)
 
-    # -- hosts -------------------------------------------------------------------------------
-    async def list_repos_by_collection(self, collection: str, after_did: str | None = None,
-                                       limit: int = 500) -> list[str]:
-        rows = await self._pool.fetch(_SQL_REPOS_BY_COLLECTION, collection, after_did or "", limit)
-        return [r[0] for r in rows]
-
-    async def collection_counts(self, did: str) -> dict[str, int]:
-        rows = await self._pool.fetch("SELECT collection, records FROM repo_collections WHERE did = $1", did)
-        return {r[0]: int(r[1]) for r in rows}
-
-    async def get_host(self, hostname: str) -> HostState | None:
-        row = await self._pool.fetchrow(f"SELECT {_HOST_COLS} FROM hosts WHERE hostname = $1", hostname)
-        return None if row is None else _host(row)
-
-    async def list_hosts(self, after: str | None = None, limit: int = 500) -> list[HostState]:
-        rows = await self._pool.fetch(
-            f"SELECT {_HOST_COLS} FROM hosts WHERE hostname > $1 ORDER BY hostname LIMIT $2",
-            after or "",
-            limit,
-        )
-        return [_host(r) for r in rows]
-
-    async def upsert_host(self, host: HostState) -> None:
-        await self._pool.execute(
-            f"INSERT INTO hosts ({_HOST_COLS}) VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9,$10,$11,$12,$13) "
-            "ON CONFLICT (hostname) DO UPDATE SET status = EXCLUDED.status, "
-            "account_limit = EXCLUDED.account_limit, trusted = EXCLUDED.trusted, "
-            "rate_limit_per_second = EXCLUDED.rate_limit_per_second, "
-            "rate_limit_per_hour = EXCLUDED.rate_limit_per_hour, "
-            "rate_limit_per_day = EXCLUDED.rate_limit_per_day, "
-            "last_seen = COALESCE(EXCLUDED.last_seen, hosts.last_seen), "
-            "is_relay = EXCLUDED.is_relay, lenient_sync = EXCLUDED.lenient_sync",
-            host.hostname,
-            host.status,
-            host.cursor,
-            host.account_limit,
-            host.trusted,
-            host.rate_limit_per_second,
-            host.rate_limit_per_hour,
-            host.rate_limit_per_day,
-            host.last_seen,
-            host.account_count,
-            host.created_at or time.time(),
-            host.relay,
-            host.lenient,
-        )
-
-    async def set_host_status(self, hostname: str, status: str) -> bool:
-        result = await self._pool.execute(
-            "UPDATE hosts SET status = $2 WHERE hostname = $1", hostname, status
-        )
-        return result == "UPDATE 1"
-
-    async def host_cursor(self, hostname: str) -> int | None:
-        return await self._pool.fetchval("SELECT upstream_cursor FROM hosts WHERE hostname = $1", hostname)
-
     async def set_host_cursor(self, hostname: str, cursor: int) -> bool:
         async with self._pool.acquire() as conn, conn.transaction():
             await conn.execute("DELETE FROM upstream_done WHERE host = $1", hostname)
-            result = await conn.execute(
-                "UPDATE hosts SET upstream_cursor = $2 WHERE hostname = $1", hostname, cursor
-            )
-        return bool(result == "UPDATE 1")
-
-    async def upstream_done_above(self, hostname: str, cursor: int) -> list[int]:
-        await self._pool.execute("DELETE FROM upstream_done WHERE host = $1 AND upstream_seq <= $2", hostname, cursor)
-        rows = await self._pool.fetch(
-            "SELECT upstream_seq FROM upstream_done WHERE host = $1 ORDER BY upstream_seq", hostname)
-        return [r[0] for r in rows]
-
-    # -- domain bans -------------------------------------------------------------------------
-    async def list_domain_bans(self) -> list[str]:
-        return [r[0] for r in await self._pool.fetch("SELECT domain FROM domain_bans ORDER BY domain")]
-
-    async def add_domain_ban(self, domain: str) -> bool:
-        result = await self._pool.execute(
-            "INSERT INTO domain_bans (domain, created_at) VALUES ($1, $2) ON CONFLICT DO NOTHING",
-            domain.strip().lower(),
-            time.time(),
-        )
-        return result == "INSERT 0 1"
-
-    # -- operator state ----------------------------------------------------------------------
-    async def get_setting(self, key: str) -> str | None:
-        return await self._pool.fetchval("SELECT value FROM relay_settings WHERE key = $1", key)
-
-    async def set_setting(self, key: str, value: str) -> None:
-        await self._pool.execute(
-            "INSERT INTO relay_settings (key, value) VALUES ($1, $2) ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value",
-            key,
-            value,
-        )
-
-    async def record_crawl_admission(self, hostname: str, at: float) -> None:
-        await self._pool.execute(
-            "INSERT INTO crawl_requests (hostname, result, requested_at) VALUES ($1, 'accepted', $2)", hostname, at
-        )
-
-    async def count_crawl_admissions(self, since: float) -> int:
-        return await self._pool.fetchval(
-            "SELECT count(*) FROM crawl_requests WHERE result = 'accepted' AND requested_at >= $1", since
-        )
-
-    async def record_admin_action(self, at: float, action: str, target: str, detail: str) -> None:
-        await self._pool.execute(
-            "INSERT INTO admin_audit (time, action, target, detail) VALUES ($1, $2, $3, $4)", at, action, target, detail
-        )
-
-    async def list_admin_actions(self, limit: int = 200) -> list[dict[str, Any]]:
-        rows = await self._pool.fetch(
-            "SELECT time, action, target, detail FROM admin_audit ORDER BY id DESC LIMIT $1", limit
-        )
-        return [audit_entry(*row) for row in reversed(rows)]
-
-    async def remove_domain_ban(self, domain: str) -> bool:
-        result = await self._pool.execute("DELETE FROM domain_bans WHERE domain = $1", domain.strip().lower())
-        return result == "DELETE 1"
-
-    async def pending_repairs(self, limit: int = 500, after_id: int = 0) -> list[dict[str, Any]]:
-        rows = await self._pool.fetch(_numbered(PENDING_REPAIRS_SQL), after_id, limit)
-        return [dict(row) for row in rows]
-
-    async def mark_repair_consumed(self, row_id: int, at: float, seq: int | None, outcome: str) -> None:
-        await self._pool.execute(_numbered(REPAIR_DONE_SQL), at, seq, outcome, row_id)
+            result = await conn.execute("UPDATE hosts SET upstream_cursor = $2 WHERE hostname = $1", hostname, cursor)
+        return _changed(result) == 1
 
 
-# `active` mirrors the account's two statuses (migration 0081's triggers), so a page is one
-# index-only range scan of the partial index repo_collections_active_idx from the cursor to the
-# limit, with no account lookup per row (a join's generic plan merge-joined against the whole
-# accounts index: 161-440 ms at 100,000 accounts; a correlated lookup per row: 9.4 ms p99 for 2,000
-# rows; this: 2.3 ms; bench/repos_by_collection.py and BENCHMARKS.md).
-_SQL_REPOS_BY_COLLECTION = (
-    "SELECT did FROM repo_collections WHERE collection = $1 AND did > $2 AND active ORDER BY did LIMIT $3"
-)
 # records = max(floor, records + delta), at least 1 for a row of an account whose counts are not
 # exact (backfill.collections): update the rows that exist, insert the others (the single writer
 # makes the two halves race-free)

@@ -7,6 +7,9 @@ and the seq high-water mark. One async interface, two backends:
 * anything else → ``backfill.sqlite_store.SqliteStore``, the embedded default; the URL is a file
   path (``sqlite:///abs/path`` and ``sqlite:relative/path`` are accepted too).
 
+Both implement what does not depend on the SQL dialect once, in ``backfill.sql_store.SqlStore``
+(the store core), and keep only their dialect: SQL text, connections, locking.
+
 Only the sequencer writes events (through a ``WriterLease``); everything else here is safe to
 call from any task, process or replica.
 """
@@ -353,21 +356,12 @@ class Store(ABC):
     @abstractmethod
     async def pending_repairs(self, limit: int = 500, after_id: int = 0) -> list[dict[str, Any]]:
         """Unconsumed outbox rows with ``id > after_id``, in queue order (columns of
-        ``PENDING_REPAIRS_SQL``)."""
+        ``backfill.sql_store.PENDING_REPAIRS_COLUMNS``)."""
 
     @abstractmethod
     async def mark_repair_consumed(self, row_id: int, at: float, seq: int | None, outcome: str) -> None:
         """Mark one outbox row consumed (``seq``: the event it became, None if it became none;
         ``outcome``: what the relay did with it, see ``backfill.outbox``)."""
-
-
-#: The repair outbox (migrations 0070, 0075) as ``Store.pending_repairs`` reads it.
-PENDING_REPAIRS_SQL = (
-    "SELECT id, kind, did, host, rev, commit_cid, data_cid, blocks, active, status, base_rev, "
-    "base_commit_cid, base_status, observed_at, created_at, run_id, collections "
-    "FROM spark_repair_outbox WHERE consumed_at IS NULL AND id > ? ORDER BY id LIMIT ?"
-)
-REPAIR_DONE_SQL = "UPDATE spark_repair_outbox SET consumed_at = ?, seq = ?, outcome = ? WHERE id = ?"
 
 
 def audit_entry(at: float, action: str, target: str, detail: str) -> dict[str, Any]:

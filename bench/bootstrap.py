@@ -31,7 +31,7 @@ def build_export(out: Path, records: int) -> int:
     """Write a synthetic export of about ``records`` records under ``out``; returns the count."""
     from mst.cbor import encode
     from mst.cid import cid_for_cbor, cid_str
-    from relay.sim.records import WriteMix
+    from sim.records import WriteMix
     from spark.dagjson import record_json
     from spark.records_out import ParquetLayout, RecordWriter, commit_task_files, describe_files, write_repos
 

@@ -197,7 +197,7 @@ async def phase(fleet, r, url: str, n: int, rate: float, count: int):  # type: i
 
 
 async def run(rate: float, consumers: int, seconds: float) -> None:
-    from relay.sim import SimConfig, SimFleet
+    from sim import SimConfig, SimFleet
 
     count = int(rate * seconds)
     fleet = SimFleet(SimConfig(hosts=4, accounts_per_host=100, seed=2))

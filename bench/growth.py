@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import note, result  # noqa: E402
 from bench.ingest import run_ingest  # noqa: E402
-from relay.sim import SimConfig  # noqa: E402
+from sim import SimConfig  # noqa: E402
 
 
 async def run(sizes: list[int], commits: int, profile: str | None = None,

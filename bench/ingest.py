@@ -31,7 +31,7 @@ from bench._common import (  # noqa: E402
     self_cpu,
     wait_until,
 )
-from relay.sim import SimConfig, SimFleet  # noqa: E402
+from sim import SimConfig, SimFleet  # noqa: E402
 
 
 async def run_ingest(*, hosts: int, accounts: int, commits: int, db: str, prefix: str = "ingest",

@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import CountingConsumer, load_average, metric_sum, note, relay, result  # noqa: E402
-from relay.sim import SimConfig, SimFleet  # noqa: E402
+from sim import SimConfig, SimFleet  # noqa: E402
 
 
 async def run(seconds: float, rate: float, slow_delay: float, *, stalled_on: bool = True,

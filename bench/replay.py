@@ -38,9 +38,9 @@ LISTENER: list[str] = []
 
 def template_bodies(n: int) -> list[tuple[str, dict]]:
     """``n`` realistic commit bodies (without seq) from simulated repositories."""
-    from relay.sim.ident import SigningKey, plc_did
-    from relay.sim.records import WriteMix, now_iso
-    from relay.sim.repo import SimRepo
+    from sim.ident import SigningKey, plc_did
+    from sim.records import WriteMix, now_iso
+    from sim.repo import SimRepo
 
     rng = random.Random(5)
     repos = [SimRepo(plc_did(rng), SigningKey.generate("k256", rng)) for _ in range(50)]

@@ -151,13 +151,13 @@ async def timed(calls: list[tuple[str, str | None, int]], call: Callable[[str, s
 
 
 async def explain(store: Store, backend: str, schema: str | None, probe: str) -> None:
-    from backfill import postgres_store, sqlite_store
+    from backfill import postgres_store, sql_store
 
     if backend == "sqlite":
         path = store.path  # type: ignore[attr-defined]
         conn = sqlite3.connect(path)
         try:
-            plan = conn.execute("EXPLAIN QUERY PLAN " + sqlite_store._SQL_REPOS_BY_COLLECTION,
+            plan = conn.execute("EXPLAIN QUERY PLAN " + sql_store._REPOS_BY_COLLECTION_SQL,
                                 ("app.bsky.feed.like", probe, 500)).fetchall()
         finally:
             conn.close()
@@ -166,7 +166,7 @@ async def explain(store: Store, backend: str, schema: str | None, probe: str) ->
     conn = await asyncpg.connect(PG_DSN, server_settings={"search_path": f'"{schema}"'})
     try:
         await conn.execute("SET plan_cache_mode = force_generic_plan")  # what a prepared statement ends up using
-        stmt = await conn.prepare("EXPLAIN (ANALYZE, BUFFERS) " + postgres_store._SQL_REPOS_BY_COLLECTION)
+        stmt = await conn.prepare("EXPLAIN (ANALYZE, BUFFERS) " + postgres_store._numbered(sql_store._REPOS_BY_COLLECTION_SQL))
         rows = await stmt.fetch("app.bsky.feed.like", probe, 500)
     finally:
         await conn.close()

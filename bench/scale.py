@@ -62,9 +62,9 @@ from firehose.frames import decode_frame  # noqa: E402
 from firehose.framing import encode_unsequenced, frame_header, splice_seq  # noqa: E402
 from firehose.state import AccountState  # noqa: E402
 from firehose.validate import cid_text, outgoing_body  # noqa: E402
-from relay.sim import SimConfig, SimFleet  # noqa: E402
-from relay.sim.fleet import SimAccount  # noqa: E402
-from relay.sim.ident import SigningKey, plc_did, tid_from_micros  # noqa: E402
+from sim import SimConfig, SimFleet  # noqa: E402
+from sim.fleet import SimAccount  # noqa: E402
+from sim.ident import SigningKey, plc_did, tid_from_micros  # noqa: E402
 
 HOUR = 3600.0
 BATCH = 10_000

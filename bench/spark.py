@@ -70,7 +70,7 @@ class Fleet:
     """The simulator on a background loop (Spark's Python workers fetch from it over HTTP)."""
 
     def __init__(self, hosts: int, repos: int, min_records: int, max_records: int, seed: int = 3) -> None:
-        from relay.sim import SimConfig, SimFleet
+        from sim import SimConfig, SimFleet
 
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
@@ -81,7 +81,7 @@ class Fleet:
 
     async def _fill(self, lo: int, hi: int, seed: int) -> tuple[int, int]:
         """Grow every repository to its drawn size, then freeze its CAR (served as is)."""
-        from relay.sim.records import WriteMix
+        from sim.records import WriteMix
 
         rng = random.Random(seed)
         mix = WriteMix(rng, other_dids=[a.did for a in self.fleet.accounts[:1000]])

@@ -25,9 +25,9 @@ def main() -> int:
     from mst.car import read_car
     from mst.cbor import decode
     from mst.verify import verify_repo_car
-    from relay.sim.ident import SigningKey, TidClock, plc_did
-    from relay.sim.records import WriteMix
-    from relay.sim.repo import SimRepo
+    from sim.ident import SigningKey, TidClock, plc_did
+    from sim.records import WriteMix
+    from sim.repo import SimRepo
     from spark.dagjson import block_json
     from spark.export import _records
     from spark.partitioning import cid_strs, quiet_gc

@@ -219,7 +219,7 @@ async def phase(fleet, r, specs: list[dict[str, Any]], count: int, rate: float) 
 
 
 async def start_fleet():  # type: ignore[no-untyped-def]
-    from relay.sim import SimConfig, SimFleet
+    from sim import SimConfig, SimFleet
 
     fleet = SimFleet(SimConfig(hosts=4, accounts_per_host=100, seed=15))
     await fleet.start()

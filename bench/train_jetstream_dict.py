@@ -4,7 +4,7 @@ The relay compresses ``/subscribe?zstdDictionary=<its id>`` messages with this d
 serves it at ``GET /xrpc/network.bsky.jetstream.getZstdDictionary``; its zstd dictionary id is in
 every compressed frame); ``compress=true`` uses Jetstream's own dictionary instead. The
 samples are Jetstream messages exactly as ``firehose.jetstream`` writes them, for the simulator's
-write mix (``relay.sim.records.WriteMix``: likes, posts, follows, reposts, profiles, updates and
+write mix (``sim.records.WriteMix``: likes, posts, follows, reposts, profiles, updates and
 deletes) plus identity and account messages, with random DIDs, revs and CIDs.
 
     .venv/bin/python bench/train_jetstream_dict.py [--samples 30000] [--size 65536] [--out PATH]
@@ -35,8 +35,8 @@ from firehose.jetstream import (  # noqa: E402
 )
 from mst.cbor import encode  # noqa: E402
 from mst.cid import cid_for_cbor  # noqa: E402
-from relay.sim.ident import TidClock  # noqa: E402
-from relay.sim.records import WriteMix  # noqa: E402
+from sim.ident import TidClock  # noqa: E402
+from sim.records import WriteMix  # noqa: E402
 
 _B32 = "abcdefghijklmnopqrstuvwxyz234567"
 

@@ -6,10 +6,7 @@ Everything here is pure and I/O-free (except the ``relay inspect`` CLI in ``mst.
 every rejection is a :class:`mst.errors.RepoError` carrying a fixed snake_case ``reason``.
 Module map: ``errors``, ``cbor``, ``cid``, ``car``, ``crypto``, ``syntax``, ``tid``,
 ``datamodel``, ``ops``, ``node`` (node codec + tree algorithms), ``mst`` (the ``MST`` value),
-``diff``, ``proof``, ``invert``, ``commit``, ``repo``, ``verify``, ``inspect``; ``native`` (the
-optional compiled build of ``node``, ``invert`` and ``car``, switched on here when it is current).
+``diff``, ``proof``, ``invert``, ``commit``, ``repo``, ``verify``, ``inspect``; ``native`` (which
+build of ``node``, ``invert`` and ``car`` runs: the one compiled at install, or the Python sources
+``_node``, ``_invert``, ``_car``).
 """
-
-from mst import native as _native
-
-_native.activate()

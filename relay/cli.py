@@ -17,10 +17,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "migrate": ("backfill.cli", "apply database migrations"),
     "admin": ("relay.admin_cli", "call the running relay's admin API"),
     "inspect": ("mst.inspect", "inspect a repository CAR file or a raw firehose frame"),
-    "simulate": ("relay.sim.cli", "run a fleet of simulated PDS hosts on 127.0.0.1"),
+    "simulate": ("sim.cli", "run a fleet of simulated PDS hosts on 127.0.0.1"),
     "spark": ("spark.cli", "run a Spark batch job: resync | reconcile | export"),
     "bootstrap": ("relay.bootstrap_cli", "fold an export and the live stream into a SQLite index, exactly once"),
-    "native": ("mst.native", "status | build | ensure [--require] the compiled verification modules"),
+    "native": ("mst.native", "status: which build of the verification modules runs (compiled at install, or Python)"),
 }
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
+import re
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -41,8 +42,9 @@ def copy_migrations(tmp_path: Path) -> Path:
     root = tmp_path / "migrations"
     for dialect in ("postgres", "sqlite"):
         (root / dialect).mkdir(parents=True)
-        for path in (migrations_root() / dialect).glob("00[0-4]?_*.sql"):
-            shutil.copy(path, root / dialect / path.name)
+        for path in (migrations_root() / dialect).iterdir():
+            if re.fullmatch(r"00[0-4]\d_\w+\.sql", path.name):
+                (root / dialect / path.name).write_text(path.read_text(encoding="utf-8"), encoding="utf-8")
     return root
 
 
@@ -193,3 +195,19 @@ def test_cli_default_url_from_env(
 def test_cli_reports_unreachable_database(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["--database-url", "postgresql://postgres@127.0.0.1:1/test"]) == 1
     assert "relay migrate:" in capsys.readouterr().err
+
+
+def test_migrations_ship_as_package_data_and_are_found_as_resources(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without ``RELAY_MIGRATIONS_DIR`` the files come from the ``backfill.migrations`` package's
+    resources, and pyproject.toml's package data covers every one of them (so ``pip install .``
+    installs them; nothing is copied beside the packages by hand)."""
+    monkeypatch.delenv("RELAY_MIGRATIONS_DIR", raising=False)
+    here = Path(__file__).resolve().parents[2] / "backfill" / "migrations"
+    assert Path(str(migrations_root())).resolve() == here
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    globs = pyproject["tool"]["setuptools"]["package-data"]["backfill"]
+    for dialect in ("postgres", "sqlite"):
+        on_disk = sorted(p.name for p in (here / dialect).glob("*.sql"))
+        assert on_disk and [m.version for m in discover(dialect)] == [int(n[:4]) for n in on_disk]
+        shipped = {p.name for g in globs for p in here.glob(g.removeprefix("migrations/")) if p.parent.name == dialect}
+        assert shipped == set(on_disk), (dialect, set(on_disk) - shipped)

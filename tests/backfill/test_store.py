@@ -7,6 +7,7 @@ import json
 from backfill.store import Store, sqlite_path_from_url
 from backfill.types import HostState
 from firehose.state import AccountState
+from tests.backfill.conftest import StoreTarget
 
 
 def acct(did: str, host: str | None = "pds.example", **kw: object) -> AccountState:
@@ -228,3 +229,45 @@ async def test_upstream_done_rows_above_the_cursor(store: Store) -> None:
     assert await store.set_host_cursor("pds.example", 0)
     assert await store.upstream_done_above("pds.example", 0) == []
     assert await store.upstream_done_above("other.example", 0) == [8]
+
+
+async def test_account_heads_and_throttled_counts_per_host(store: Store) -> None:
+    """The lighter reads of the store core: heads for many DIDs (duplicates and more than one SQLite
+    parameter chunk), and accounts in one sync state per host."""
+    for i in range(600):
+        host = "a.example" if i % 3 else "b.example"
+        await store.upsert_account(acct(f"did:plc:{i:04d}", host=host, rev=f"rev{i}",
+                                        sync_state="throttled" if i % 2 else "synced"))
+    await store.upsert_account(acct("did:plc:nohost", host=None, sync_state="throttled"))
+    wanted = [f"did:plc:{i:04d}" for i in range(0, 1200, 2)] + ["did:plc:0002", "did:plc:nohost"]
+    heads = await store.account_heads(wanted)
+    assert heads == {**{f"did:plc:{i:04d}": ("a.example" if i % 3 else "b.example", f"rev{i}") for i in range(0, 600, 2)},
+                     "did:plc:nohost": (None, None)}
+    assert await store.account_heads([]) == {}
+    odd = range(1, 600, 2)
+    assert await store.count_accounts_by_host("throttled") == {
+        "a.example": sum(1 for i in odd if i % 3), "b.example": sum(1 for i in odd if not i % 3)}
+    assert await store.count_accounts_by_host("desynchronized") == {}
+
+
+async def test_pending_repairs_come_as_named_columns_in_queue_order(store: Store, target: StoreTarget) -> None:
+    blob = "decode('00ff', 'hex')" if target.backend == "postgres" else "x'00ff'"
+    for n in (1, 2, 3):
+        await target.sql(
+            "INSERT INTO spark_repair_outbox (dedupe_key, kind, did, host, rev, blocks, active, status, run_id, "
+            f"created_at, base_rev, collections) VALUES ('k{n}', 'commit', 'did:plc:r{n}', 'h.example', 'rev{n}', "
+            f"{blob}, {'true' if target.backend == 'postgres' else 1}, 'active', 'run', {n}.5, 'base{n}', "
+            "'{\"app.bsky.feed.post\": 2}')")
+    rows = await store.pending_repairs(limit=2)
+    assert [r["did"] for r in rows] == ["did:plc:r1", "did:plc:r2"]
+    first = rows[0]
+    assert set(first) == {"id", "kind", "did", "host", "rev", "commit_cid", "data_cid", "blocks", "active", "status",
+                          "base_rev", "base_commit_cid", "base_status", "observed_at", "created_at", "run_id",
+                          "collections"}
+    assert (first["kind"], first["host"], first["rev"], bytes(first["blocks"]), bool(first["active"]),
+            first["base_rev"], first["created_at"], first["commit_cid"]) == (
+        "commit", "h.example", "rev1", b"\x00\xff", True, "base1", 1.5, None)
+    await store.mark_repair_consumed(first["id"], 9.0, 42, "applied")
+    later = await store.pending_repairs(after_id=0)
+    assert [r["did"] for r in later] == ["did:plc:r2", "did:plc:r3"]
+    assert [r["did"] for r in await store.pending_repairs(after_id=later[0]["id"])] == ["did:plc:r3"]

@@ -30,7 +30,7 @@ import httpx
 from websockets.asyncio.client import connect
 
 from firehose.frames import decode_frame
-from relay.sim.fleet import TruthEvent
+from sim.fleet import TruthEvent
 
 RECONNECT_DELAY = 0.1
 

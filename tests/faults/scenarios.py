@@ -33,7 +33,7 @@ from types import TracebackType
 
 import httpx
 
-from relay.sim import SimConfig, SimFleet
+from sim import SimConfig, SimFleet
 from tests.faults.harness import (
     PgCluster,
     RedisServer,

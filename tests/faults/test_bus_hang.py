@@ -24,7 +24,7 @@ from firehose.bus import RedisStreamBus, RedisTimeouts, redis_client
 from firehose.publisher import BusPublisher, batch_bytes
 from firehose.state import PendingEvent, SequencedEvent
 from relay.redis_guard import FailFastRedis, RedisSkipped
-from relay.sim import SimConfig, SimFleet
+from sim import SimConfig, SimFleet
 from tests.faults.harness import RedisServer
 from tests.relay.e2e import Consumer, check_stream, crawl, metric_value
 from tests.relay.helpers import running_relay

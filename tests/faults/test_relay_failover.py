@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from relay.sim import SimConfig, SimFleet
+from sim import SimConfig, SimFleet
 from tests.faults.harness import RelayProcess
 from tests.relay.e2e import (
     ADMIN_TOKEN,

@@ -365,7 +365,7 @@ async def test_every_metric_of_the_alerts_and_the_dashboard_is_on_a_running_rela
     the per-host account gauges carry that host."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from relay.sim import SimConfig, SimFleet
+    from sim import SimConfig, SimFleet
     from tests.relay.e2e import Consumer, commits_of, crawl
     from tests.relay.helpers import running_relay
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 
 from mst import cbor
+from mst._node import _encode_node_generic  # the generic encoder, compared with the fast path
 from mst.cid import CID, cid_for_cbor, cid_for_raw
 from mst.errors import InversionError, MissingBlockError, MSTError
 from mst.invert import invert_ops
 from mst.mst import MST, build, covering_blocks, mst_diff
 from mst.node import (
-    _encode_node_generic,
     common_prefix_len,
     decode_node,
     encode_node,

@@ -1,12 +1,13 @@
-"""The compiled build of ``mst.node``/``mst.invert``/``mst.car`` (``mst.native``): it is what the
-suite runs on, a stale or foreign build is never used, and the pure-Python sources pass the same
-repository-core tests on their own."""
+"""The compiled build of ``mst.node``/``mst.invert``/``mst.car`` (made by the package build,
+chosen in ``mst.native`` by a plain import): it is what the suite runs on, it is one consistent
+group (the pure modules are not loaded beside it), a stale or missing build is never used, and
+the pure-Python sources pass the same repository-core tests on their own."""
 
 from __future__ import annotations
 
 import importlib.machinery
-import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,54 +20,55 @@ from mst import native
 ROOT = Path(__file__).resolve().parents[2]
 PURE = os.environ.get("RELAY_PURE_PYTHON", "").lower() in ("1", "true", "yes")
 EXT = importlib.machinery.EXTENSION_SUFFIXES[0]
+NAMES = ("node", "invert", "car")
 
 
 def test_compiled_modules_are_the_ones_imported() -> None:
-    modules = (mst.node, mst.invert, mst.car)
     if PURE:
-        assert native.STATUS == "pure: RELAY_PURE_PYTHON is set"
-        assert all(str(m.__file__).endswith(".py") for m in modules)
+        assert native.STATUS == "pure: RELAY_PURE_PYTHON is set" and not native.active()
+        assert mst.node.load_node is sys.modules["mst._node"].load_node
+        assert not [m for m in sys.modules if m.startswith("mst._native")]
         return
-    # `./run test` builds them (`relay native ensure --require`); a bare pytest needs `relay native build`
+    # `./run test` builds them (pip install -e . runs setup.py's mypyc step)
     assert native.active(), native.STATUS
-    assert all(str(m.__file__).endswith(EXT) for m in modules), [m.__file__ for m in modules]
-    assert native.check()[1] == "ok"
+    for name in NAMES:
+        compiled = sys.modules[f"mst._native_{name}"]
+        assert str(compiled.__file__).endswith(EXT), compiled.__file__
+        assert compiled.BUILT_FROM_SHA256 == native.source_digest(name)
+    assert mst.node.load_node is sys.modules["mst._native_node"].load_node
+    assert mst.invert.invert_ops is sys.modules["mst._native_invert"].invert_ops
+    assert mst.car.read_car is sys.modules["mst._native_car"].read_car
+    # one group: the compiled invert calls the compiled node (not the Python source)
+    assert sys.modules["mst._native_invert"].load_node is mst.node.load_node
+    assert type(mst.node.empty_node()) is mst.node.Node
 
 
-def test_a_build_is_used_only_for_its_own_sources_and_interpreter(tmp_path: Path) -> None:
-    files = {name: f"{name.replace('.', '/')}{EXT}" for name in (*native.COMPILED_MODULES, "mst_native__mypyc")}
-    for rel in files.values():
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_bytes(b"")
-    digest = native.sources_digest()
-
-    def manifest(**changes: object) -> None:
-        m = {"interpreter": native._interpreter(), "sources": digest, "files": files, **changes}
-        (tmp_path / "manifest.json").write_text(json.dumps(m))
-
-    manifest()
-    found, reason = native.check(tmp_path)
-    assert reason == "ok" and found is not None and set(found) == set(files)
-    manifest(sources="0" * 64)
-    assert native.check(tmp_path) == (None, "stale: mst sources changed since the build")
-    manifest(interpreter="Python 2.7")
-    assert native.check(tmp_path) == (None, "built by another interpreter")
-    manifest(files={k: v for k, v in files.items() if k != "mst.car"})
-    assert native.check(tmp_path)[0] is None
-    manifest()
-    (tmp_path / files["mst.node"]).unlink()
-    assert native.check(tmp_path) == (None, f"missing {files['mst.node']}")
-    assert native.check(tmp_path / "nowhere")[1].startswith("no build in")
+def _status_of(package_root: Path) -> str:
+    """``mst.native.STATUS`` in a fresh interpreter that imports ``mst`` from ``package_root`` only
+    (an editable install's finder, which would serve the checkout's modules, is dropped)."""
+    env = {k: v for k, v in os.environ.items() if k != "RELAY_PURE_PYTHON"}
+    env["PYTHONPATH"] = str(package_root)
+    code = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path if '__editable__' not in repr(f)]\n"
+            "import mst.native, mst.node; assert mst.node.__file__.startswith(sys.argv[1]); print(mst.native.STATUS)")
+    done = subprocess.run([sys.executable, "-c", code, str(package_root)],
+                          cwd=package_root, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
 
 
-def test_sources_digest_covers_every_module_of_the_package(tmp_path: Path) -> None:
-    pkg = tmp_path / "mst"
-    pkg.mkdir()
-    (pkg / "node.py").write_text("x = 1\n")
-    (pkg / "cid.py").write_text("y = 2\n")
-    before = native.sources_digest(pkg)
-    (pkg / "cid.py").write_text("y = 3\n")  # not a compiled module, but the compiled ones import it
-    assert native.sources_digest(pkg) != before
+def test_a_stale_or_missing_build_is_not_used(tmp_path: Path) -> None:
+    if PURE:
+        return
+    copy = tmp_path / "mst"
+    shutil.copytree(ROOT / "mst", copy, ignore=shutil.ignore_patterns("__pycache__"))
+    assert _status_of(tmp_path).startswith("compiled: ")  # the copy itself is used (not the checkout)
+    source = copy / "_invert.py"
+    source.write_text(source.read_text() + "\n# edited after the build\n")
+    assert _status_of(tmp_path) == "pure: stale build (mst/_invert.py changed since it was compiled; pip install again)"
+    shutil.copy(ROOT / "mst" / "_invert.py", source)
+    for so in copy.glob(f"_native_car{EXT}"):
+        so.unlink()
+    assert _status_of(tmp_path).startswith("pure: no compiled build")
 
 
 def test_pure_python_sources_pass_the_repository_core_suite() -> None:

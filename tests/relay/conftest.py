@@ -12,8 +12,8 @@ import asyncpg
 import pytest
 
 from backfill.store import Store
-from relay.sim.plc import SimPLC
 from relay.ssrf import Resolver
+from sim.plc import SimPLC
 from tests.relay.helpers import RunningRelay, running_relay
 
 __all__ = ["RunningRelay", "database_url", "relay_factory"]

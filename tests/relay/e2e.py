@@ -13,7 +13,7 @@ import httpx
 from websockets.asyncio.client import ClientConnection, connect
 
 from firehose.frames import decode_frame
-from relay.sim import SimConfig, SimFleet
+from sim import SimConfig, SimFleet
 from tests.relay.helpers import RunningRelay
 from tests.waiting import until
 

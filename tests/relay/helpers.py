@@ -21,8 +21,8 @@ from firehose.uvicorn_batch import BatchingWebSocketsProtocol
 from relay.config import RelayConfig
 from relay.ingest.lanes import Work
 from relay.service import RelayService
-from relay.sim.host import SimHost
 from relay.ssrf import Resolver
+from sim.host import SimHost
 
 
 @dataclass

@@ -13,9 +13,9 @@ from relay.config import RelayConfig
 from relay.hosts import HostPolicy
 from relay.identity import IdentityResolver, MemoryIdentityCache
 from relay.ingest.admission import HOST_TTL, Admission
-from relay.sim.ident import SigningKey, did_document, plc_did
-from relay.sim.plc import SimPLC
 from relay.ssrf import AddressGuard, SafeClient
+from sim.ident import SigningKey, did_document, plc_did
+from sim.plc import SimPLC
 
 HOST = "pds.example.com"
 

@@ -8,7 +8,7 @@ from typing import Any
 from mst import cbor
 from mst.car import read_car, write_car
 from mst.cid import cid_for_cbor
-from relay.sim import SimConfig, SimFleet
+from sim import SimConfig, SimFleet
 from tests.relay.e2e import Consumer, crawl
 from tests.waiting import until
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from relay.sim import SimConfig, SimFleet
+from sim import SimConfig, SimFleet
 from tests.relay.conftest import RunningRelay
 from tests.relay.test_jetstream import generate, running, started
 from tests.waiting import until

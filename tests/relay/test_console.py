@@ -15,7 +15,7 @@ import pytest
 
 from backfill.store import Store
 from backfill.types import HostState
-from relay.sim import SimConfig, SimFleet
+from sim import SimConfig, SimFleet
 from tests.relay.conftest import RelayFactory
 from tests.relay.console_page import (
     WireCounter,

@@ -19,7 +19,7 @@ import pytest
 from backfill.types import HostState
 from relay.config import RelayConfig
 from relay.service import RelayService
-from relay.sim import SimConfig, SimFleet
+from sim import SimConfig, SimFleet
 from tests.relay.console_page import WireCounter, console, screenshot, shown, valued
 from tests.relay.e2e import crawl, metric_value
 from tests.relay.helpers import drop_schema_and_stream, serve_asgi

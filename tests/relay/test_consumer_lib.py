@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from firehose.consumer import Event, FileCursorStore, RelayConsumer, verified
-from relay.sim import SimConfig, SimFleet
+from sim import SimConfig, SimFleet
 from tests.relay.e2e import Consumer, crawl
 
 

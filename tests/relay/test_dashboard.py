@@ -10,7 +10,7 @@ from __future__ import annotations
 import httpx
 from playwright.async_api import Page
 
-from relay.sim import SimConfig, SimFleet
+from sim import SimConfig, SimFleet
 from tests.relay.conftest import RelayFactory
 from tests.relay.console_page import console, screenshot
 from tests.relay.e2e import crawl, metric_value

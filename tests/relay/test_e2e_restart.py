@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from relay.sim import SimConfig, SimFleet
+from sim import SimConfig, SimFleet
 from tests.relay.e2e import Consumer, check_stream, crawl, key_of, settle
 
 ROOT = Path(__file__).resolve().parents[2]

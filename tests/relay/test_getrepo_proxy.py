@@ -14,8 +14,8 @@ import httpx
 
 from mst.verify import verify_repo_car
 from relay.repo_proxy import CarCache, VerifiedCar
-from relay.sim import SimConfig, SimFleet
-from relay.sim.host import GET_REPO_PATH
+from sim import SimConfig, SimFleet
+from sim.host import GET_REPO_PATH
 from tests.relay.e2e import Consumer, crawl, metric_value
 from tests.relay.helpers import RunningRelay
 from tests.waiting import until_async

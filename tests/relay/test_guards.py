@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from relay.sim import SimConfig, SimFleet
-from relay.sim.ident import SigningKey
+from sim import SimConfig, SimFleet
+from sim.ident import SigningKey
 from tests.relay.e2e import Consumer, crawl
 from tests.waiting import until
 

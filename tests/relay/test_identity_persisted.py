@@ -1,5 +1,5 @@
 """Persisted identities under the resolver, on both backends, against the simulator's PLC
-directory (``relay.sim.plc``, whose request count is the measure of "resolved again").
+directory (``sim.plc``, whose request count is the measure of "resolved again").
 
 End-to-end through a running relay: ``tests/relay/test_identity_refresh.py``.
 """
@@ -16,9 +16,9 @@ from backfill.store import Store, open_store
 from relay.identity import IdentityError, IdentityResolver, MemoryIdentityCache
 from relay.identity_store import PersistedIdentities
 from relay.metrics import RelayMetrics
-from relay.sim.ident import SigningKey, did_document, plc_did
-from relay.sim.plc import SimPLC
 from relay.ssrf import AddressGuard, SafeClient
+from sim.ident import SigningKey, did_document, plc_did
+from sim.plc import SimPLC
 
 PDS = "http://127.0.0.1:9"
 DAY = 86400.0

@@ -9,8 +9,8 @@ import time
 
 from backfill.identities import Identity
 from backfill.store import open_store
-from relay.sim import SimConfig, SimFleet
-from relay.sim.ident import SigningKey, did_document
+from sim import SimConfig, SimFleet
+from sim.ident import SigningKey, did_document
 from tests.relay.conftest import RelayFactory, RunningRelay
 from tests.relay.e2e import Consumer, crawl
 from tests.waiting import until, until_async

@@ -21,7 +21,7 @@ import pytest
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from relay.sim import SimConfig, SimFleet
+from sim import SimConfig, SimFleet
 from tests.relay import jetstream_oracle as oracle
 from tests.relay.conftest import RunningRelay
 from tests.relay.e2e import crawl

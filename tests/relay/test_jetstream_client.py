@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 import pytest
 
-from relay.sim import SimConfig, SimFleet
+from sim import SimConfig, SimFleet
 from tests.relay import jetstream_oracle as oracle
 from tests.relay.conftest import RunningRelay
 from tests.relay.e2e import metric_value

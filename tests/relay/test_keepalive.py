@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 
 from relay.keepalive import HttpError, KeepAliveClient
-from relay.sim.plc import SimPLC
+from sim.plc import SimPLC
 
 Reply = Callable[[str], bytes | None]  # request target -> raw response (None: stall)
 

@@ -17,7 +17,7 @@ import pytest
 
 from backfill.store import BatchWrite, Store, WriterLease, open_store
 from backfill.types import HostState
-from relay.sim import SimConfig, SimFleet
+from sim import SimConfig, SimFleet
 from tests.relay.e2e import Consumer, check_stream, commits_of, crawl, one_account
 from tests.relay.helpers import judge, lane_work, logged_frames, sequence
 from tests.waiting import until, until_async
@@ -195,7 +195,7 @@ async def test_bad_signature_refreshes_the_identity_once(relay_factory: Any) -> 
     """A commit signed with a key the relay has not seen yet (rotated without an #identity): the
     lane re-resolves the DID once and accepts it; with the directory still stale, it is rejected
     ``bad_signature`` after exactly one more refresh."""
-    from relay.sim.ident import SigningKey
+    from sim.ident import SigningKey
 
     async with one_account(relay_factory, seed=13) as (fleet, relay, consumer):
         service, account = relay.service, fleet.accounts[0]

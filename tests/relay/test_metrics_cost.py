@@ -15,7 +15,7 @@ import httpx
 from prometheus_client.metrics_core import GaugeMetricFamily
 
 from relay.fdlimit import raise_open_file_limit
-from relay.sim import SimConfig, SimFleet
+from sim import SimConfig, SimFleet
 from tests.relay.e2e import ADMIN_TOKEN, Consumer, crawl
 from tests.waiting import until
 

@@ -15,7 +15,7 @@ import httpx
 
 from backfill.sqlite_store import SqliteStore
 from backfill.store import Store, open_store
-from relay.sim import SimConfig, SimFleet
+from sim import SimConfig, SimFleet
 from tests.relay.e2e import Consumer, check_stream, crawl
 from tests.waiting import until, until_async
 

@@ -19,8 +19,8 @@ from firehose.state import AccountState, PendingEvent, SequencedEvent
 from firehose.subscriber import UpstreamFrame
 from relay.ingest.admission import Admission
 from relay.ingest.lanes import Work
-from relay.sim import SimConfig, SimFleet
-from relay.sim.ident import did_document
+from sim import SimConfig, SimFleet
+from sim.ident import did_document
 from tests.relay.e2e import (
     ADMIN_TOKEN,
     Consumer,

@@ -13,7 +13,7 @@ from typing import Any
 from backfill.store import open_store
 from mst.car import read_car, write_car
 from mst.cid import cid_str
-from relay.sim import SimConfig, SimFleet
+from sim import SimConfig, SimFleet
 from spark.db import connect_db
 from spark.relaydb import SyncRepair, queue_sync_repairs
 from spark.repo_check import StoredAccount

@@ -8,7 +8,7 @@ from collections import Counter
 
 import httpx
 
-from relay.sim import SimConfig, SimFleet
+from sim import SimConfig, SimFleet
 from tests.relay.e2e import crawl
 
 

@@ -15,8 +15,8 @@ from mst.car import read_car
 from mst.cid import cid_for_cbor
 from mst.commit import decode_commit
 from relay.ingest.resync import ResyncFailed
-from relay.sim.ident import SigningKey
-from relay.sim.repo import Write
+from sim.ident import SigningKey
+from sim.repo import Write
 from tests.relay.e2e import commits_of, one_account
 from tests.waiting import until
 

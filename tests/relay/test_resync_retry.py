@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from relay.sim import SimConfig, SimFleet
+from sim import SimConfig, SimFleet
 from tests.relay.e2e import Consumer, commits_of, crawl, metric_value
 from tests.waiting import until, until_async
 

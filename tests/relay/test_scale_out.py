@@ -10,7 +10,7 @@ import httpx
 from firehose.bus import RedisStreamBus
 from relay.config import RelayConfig
 from relay.service import RelayService
-from relay.sim import SimConfig, SimFleet
+from sim import SimConfig, SimFleet
 from tests.relay.e2e import Consumer, check_stream, crawl, key_of
 from tests.relay.helpers import drop_schema_and_stream, serve_asgi
 

@@ -23,7 +23,7 @@ from relay.config import ConfigError, RelayConfig
 from relay.metrics import RelayMetrics
 from relay.service import RelayService
 from relay.siblings import VIA, Change, SiblingForwarder, carries_our_via, is_relay_server
-from relay.sim import SimConfig, SimFleet
+from sim import SimConfig, SimFleet
 from tests.relay.e2e import crawl, metric_value
 from tests.relay.helpers import RunningRelay, bound_socket, running_relay, serve_asgi
 from tests.waiting import until, until_async

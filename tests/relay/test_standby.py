@@ -26,7 +26,7 @@ from pathlib import Path
 import asyncpg
 import httpx
 
-from relay.sim import SimConfig, SimFleet
+from sim import SimConfig, SimFleet
 from tests.faults.harness import RelayProcess
 from tests.relay.e2e import Consumer, check_stream, crawl, key_of, metric_value
 from tests.relay.helpers import drop_schema_and_stream

@@ -8,8 +8,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from relay.sim import SimConfig, SimFleet
 from relay.status_heal import LAST_SWEEP_KEY, StatusHealer
+from sim import SimConfig, SimFleet
 from tests.relay.e2e import Consumer, crawl, settle
 from tests.waiting import until
 

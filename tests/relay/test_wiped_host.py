@@ -16,7 +16,7 @@ from collections import Counter
 import httpx
 import pytest
 
-from relay.sim import SimConfig, SimFleet
+from sim import SimConfig, SimFleet
 from tests.relay.e2e import Consumer, check_stream, crawl, key_of, metric_value
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import httpx
 
 from firehose.frames import decode_frame
-from relay.sim.cli import build_parser, main, parse_faults
-from relay.sim.weather import Delay
+from sim.cli import build_parser, main, parse_faults
+from sim.weather import Delay
 from tests.sim.harness import read_frames
 
 ROOT = Path(__file__).resolve().parents[2]

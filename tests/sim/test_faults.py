@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from firehose.frames import decode_frame
-from relay.sim import EXPECTED, SimConfig, SimFleet
-from relay.sim.faults import ACCOUNT_FAULTS, CONNECTION_FAULTS, FRAME_FAULTS, WIPE_FAULTS
+from sim import EXPECTED, SimConfig, SimFleet
+from sim.faults import ACCOUNT_FAULTS, CONNECTION_FAULTS, FRAME_FAULTS, WIPE_FAULTS
 from tests.sim.harness import RelayJudge, read_frames, ws_url
 from tests.waiting import until
 

@@ -8,8 +8,8 @@ import httpx
 
 from firehose.frames import decode_frame
 from mst.verify import verify_repo_car
-from relay.sim import SimConfig, SimFleet
-from relay.sim.ident import SigningKey
+from sim import SimConfig, SimFleet
+from sim.ident import SigningKey
 from tests.sim.harness import read_frames
 
 

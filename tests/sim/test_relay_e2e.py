@@ -13,7 +13,7 @@ from collections import Counter
 
 from bench._common import metric_sum, relay
 from firehose.frames import decode_frame
-from relay.sim import SimConfig, SimFleet
+from sim import SimConfig, SimFleet
 from tests.waiting import until
 
 

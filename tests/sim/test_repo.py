@@ -16,9 +16,9 @@ from firehose.validate import validate_frame
 from mst.crypto import parse_did_key
 from mst.syntax import is_valid_did, is_valid_tid
 from mst.verify import verify_repo_car
-from relay.sim.ident import SigningKey, TidClock, base58btc, plc_did
-from relay.sim.records import WriteMix
-from relay.sim.repo import MSTBuilder, SimRepo, Write, path_nodes
+from sim.ident import SigningKey, TidClock, base58btc, plc_did
+from sim.records import WriteMix
+from sim.repo import MSTBuilder, SimRepo, Write, path_nodes
 
 
 def _proof(root, keys: list[bytes], touched: list[str]) -> set[str]:

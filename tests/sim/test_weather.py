@@ -12,8 +12,8 @@ import pytest
 from firehose.frames import FrameError, decode_frame
 from relay.config import parse_nameservers
 from relay.identity import did_from_txt, dns_txt_lookup
-from relay.sim import Delay, SimConfig, SimFleet
 from relay.ssrf import SSRFError
+from sim import Delay, SimConfig, SimFleet
 
 GET_REPO = "/xrpc/com.atproto.sync.getRepo"
 

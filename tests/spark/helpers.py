@@ -19,10 +19,10 @@ T = TypeVar("T")
 
 
 class FleetThread:
-    """A ``relay.sim.SimFleet`` served from a background event loop."""
+    """A ``sim.SimFleet`` served from a background event loop."""
 
     def __init__(self, hosts: int, accounts_per_host: int, seed: int, initial_records: int = 3) -> None:
-        from relay.sim import SimConfig, SimFleet
+        from sim import SimConfig, SimFleet
 
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="sim-fleet")

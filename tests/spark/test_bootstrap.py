@@ -30,7 +30,7 @@ from mst.cid import cid_str
 from relay.bootstrap_cli import INDEX_VIEW, run_bootstrap
 from relay.config import RelayConfig
 from relay.service import RelayService
-from relay.sim import SimConfig, SimFleet
+from sim import SimConfig, SimFleet
 from spark.config import FetchConfig, JobConfig
 from spark.export import run_export
 from spark.relaydb import AccountFilter

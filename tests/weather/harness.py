@@ -26,8 +26,8 @@ from typing import Any
 
 import httpx
 
-from relay.sim import SimConfig, SimFleet, TruthEvent
-from relay.sim.fleet import SimAccount
+from sim import SimConfig, SimFleet, TruthEvent
+from sim.fleet import SimAccount
 from tests.relay.e2e import Consumer, check_stream, crawl, parse
 from tests.relay.helpers import RunningRelay, running_relay
 from tests.waiting import until, until_async

@@ -8,7 +8,7 @@ import asyncio
 import time
 from pathlib import Path
 
-from relay.sim import SimConfig, TruthEvent
+from sim import SimConfig, TruthEvent
 from tests.waiting import until
 from tests.weather.harness import all_synced, assert_delivered, assert_prompt, commit_revs, crawl_all, weather
 

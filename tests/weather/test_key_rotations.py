@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from relay.sim import SimConfig
+from sim import SimConfig
 from tests.relay.e2e import metric_value
 from tests.waiting import until
 from tests.weather.harness import (

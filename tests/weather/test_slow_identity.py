@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from relay.sim import SimConfig
+from sim import SimConfig
 from tests.waiting import until
 from tests.weather.harness import (
     all_synced,

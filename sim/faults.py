@@ -2,7 +2,7 @@
 
 ``SimHost.set_fault(kind, rate)`` switches a mode on: ``rate`` is the probability per generated
 commit (per emitted frame for the connection faults). Every event a host emits is recorded in
-``SimFleet.ground_truth`` as a :class:`relay.sim.fleet.TruthEvent` whose ``verdict`` says what the
+``SimFleet.ground_truth`` as a :class:`sim.fleet.TruthEvent` whose ``verdict`` says what the
 relay should do with it (``accept``, ``reject``, ``desync`` or ``ignore``) and ``reason`` says why.
 
 Frame-level faults (the frame itself is wrong):
@@ -52,7 +52,7 @@ Account faults (valid events that change what the relay may redistribute):
   ``reject`` ``wrong_host`` (the DID document no longer names it).
 
 Weather (valid events, slow or failing services around them; switched per account or host,
-off by default; the delay distributions are ``relay.sim.weather.Delay``: fixed, or a tail such
+off by default; the delay distributions are ``sim.weather.Delay``: fixed, or a tail such
 as p50 50 ms / p99 3 s):
 
 * slow DID directory – ``SimFleet.slow_did(accounts, delay)`` per DID, ``fleet.plc.delay`` for

@@ -20,7 +20,7 @@ from typing import Any
 import cbrrr
 from cbrrr import CID, DagCborTypes
 
-from relay.sim.ident import SigningKey, TidClock
+from sim.ident import SigningKey, TidClock
 
 _LAYER_CACHE: dict[bytes, int] = {}
 

@@ -22,9 +22,9 @@ import sys
 import time
 from collections import Counter
 
-from relay.sim.faults import FAULT_KINDS
-from relay.sim.fleet import SimConfig, SimFleet
-from relay.sim.weather import Delay
+from sim.faults import FAULT_KINDS
+from sim.fleet import SimConfig, SimFleet
+from sim.weather import Delay
 
 
 def parse_faults(spec: str, hosts: int) -> list[tuple[int, str, float]]:

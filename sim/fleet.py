@@ -11,10 +11,10 @@ await fleet.stop()
 ```
 
 Every emitted event is recorded as a :class:`TruthEvent`. Faults (``SimHost.set_fault``) produce
-events whose ``verdict`` is not ``accept``; see :mod:`relay.sim.faults`. The weather (slow or
+events whose ``verdict`` is not ``accept``; see :mod:`sim.faults`. The weather (slow or
 failing identity services, getRepo failures, key-rotation bursts) is switched per account or
 host with ``slow_did``, ``slow_handle``, ``SimHost.fail_repos``, ``rotate_keys``; see
-:mod:`relay.sim.faults` and :mod:`relay.sim.weather`.
+:mod:`sim.faults` and :mod:`sim.weather`.
 """
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from relay.sim.faults import EXPECTED
-from relay.sim.host import LogEntry, SimHost
-from relay.sim.ident import Curve, SigningKey, TidClock, did_document, plc_did
-from relay.sim.plc import SimPLC
-from relay.sim.records import WriteMix, now_iso
-from relay.sim.repo import CommitResult, SimRepo, Write, write_car
-from relay.sim.weather import Delay, HandleDomains, HandleWeather, SimDNS
+from sim.faults import EXPECTED
+from sim.host import LogEntry, SimHost
+from sim.ident import Curve, SigningKey, TidClock, did_document, plc_did
+from sim.plc import SimPLC
+from sim.records import WriteMix, now_iso
+from sim.repo import CommitResult, SimRepo, Write, write_car
+from sim.weather import Delay, HandleDomains, HandleWeather, SimDNS
 
 OVERSIZED_BYTES = 5_300_000
 
@@ -64,7 +64,7 @@ class SimConfig:
     port_base: int = 0
     plc_port: int = 0
     bind: str = "127.0.0.1"
-    #: also serve the handles over DNS (``SimFleet.dns``, see ``relay.sim.weather.SimDNS``)
+    #: also serve the handles over DNS (``SimFleet.dns``, see ``sim.weather.SimDNS``)
     dns: bool = False
 
 
@@ -86,7 +86,7 @@ class TruthEvent:
     """What a correct relay must do with one emitted event.
 
     ``verdict`` is ``accept`` for valid events, else ``reject``/``desync``/``ignore`` with the
-    snake_case ``reason`` from :data:`relay.sim.faults.EXPECTED`. ``fault`` names the fault mode
+    snake_case ``reason`` from :data:`sim.faults.EXPECTED`. ``fault`` names the fault mode
     that produced or accompanied the event (connection faults keep ``valid=True``).
     """
 
@@ -547,7 +547,7 @@ class SimFleet:
     def slow_handle(self, accounts: Sequence[SimAccount], delay: Delay | float | None = None, *,
                     fail: str | None = None) -> None:
         """These accounts' handle domains answer after ``delay``, and fail with ``fail`` (see
-        ``relay.sim.weather.HANDLE_FAILURES``); ``delay=None, fail=None`` clears the weather."""
+        ``sim.weather.HANDLE_FAILURES``); ``delay=None, fail=None`` clears the weather."""
         dist = delay if isinstance(delay, Delay) or delay is None else Delay.fixed(delay)
         for acct in accounts:
             if dist is None and fail is None:

@@ -1,5 +1,7 @@
-"""Discovery of ordered SQL migrations (``migrations/<dialect>/NNNN_name.sql``).
+"""Discovery of ordered SQL migrations (``<dialect>/NNNN_name.sql`` in this package).
 
+The SQL files ship inside the installed package (package data of ``backfill.migrations``) and are
+found through :mod:`importlib.resources`, so an installed relay needs nothing copied beside it.
 Pure file handling; the stores apply them. Every file is applied once, in numeric order, and
 recorded in ``schema_migrations``. Number ranges belong to packages (see ARCHITECTURE.md), so
 the runner simply takes every file it finds.
@@ -11,6 +13,8 @@ import os
 import re
 import sqlite3
 from dataclasses import dataclass
+from importlib.resources import files
+from importlib.resources.abc import Traversable
 from pathlib import Path
 
 from backfill.errors import MigrationError
@@ -27,15 +31,16 @@ class Migration:
     sql: str
 
 
-def migrations_root() -> Path:
-    """The ``migrations/`` folder: ``$RELAY_MIGRATIONS_DIR`` or the one next to the packages."""
+def migrations_root() -> Traversable:
+    """Where the ``<dialect>/`` folders are: ``$RELAY_MIGRATIONS_DIR`` if set, else this package's
+    own resources (the files installed with it)."""
     env = os.environ.get("RELAY_MIGRATIONS_DIR")
     if env:
         return Path(env)
-    return Path(__file__).resolve().parent.parent / "migrations"
+    return files(__name__)
 
 
-def discover(dialect: str, root: Path | None = None) -> list[Migration]:
+def discover(dialect: str, root: Traversable | None = None) -> list[Migration]:
     """All migrations for ``dialect`` ("postgres" or "sqlite"), sorted by version.
 
     Raises ``MigrationError`` for a file that looks like a migration but is misnamed, or for two
@@ -45,8 +50,8 @@ def discover(dialect: str, root: Path | None = None) -> list[Migration]:
     if not folder.is_dir():
         raise MigrationError(f"migrations folder not found: {folder}", reason="migrations_missing")
     found: dict[int, Migration] = {}
-    for path in sorted(folder.iterdir()):
-        if path.suffix != ".sql":
+    for path in sorted(folder.iterdir(), key=lambda p: p.name):
+        if not path.name.endswith(".sql"):
             continue
         match = _FILE_RE.match(path.name)
         if not match:

@@ -3,7 +3,7 @@
 It also answers ``/xrpc/com.atproto.identity.resolveHandle?handle=…`` for the simulated handles,
 so a relay can verify handles without DNS (``--handle-resolver-url`` = the PLC URL).
 
-Weather (``relay.sim.weather``): ``delay`` (every document, a :class:`Delay` distribution) and
+Weather (``sim.weather``): ``delay`` (every document, a :class:`Delay` distribution) and
 ``did_delays[did]`` (one DID's, instead of the global one) hold each answer back; a document
 is read when the request arrives, so an answer sent late is the document as it was then (as a
 slow directory would serve it). ``did_failures[did]`` (or ``failure`` for every DID) answers
@@ -24,7 +24,7 @@ import random
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from relay.sim.weather import Delay, HandleDomains
+from sim.weather import Delay, HandleDomains
 
 MAX_HEAD = 16_384
 

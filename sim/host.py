@@ -25,11 +25,11 @@ from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
-from relay.sim.faults import check_kind
-from relay.sim.http import is_upgrade, json_response, response, split_request, xrpc_error
+from sim.faults import check_kind
+from sim.http import is_upgrade, json_response, response, split_request, xrpc_error
 
 if TYPE_CHECKING:
-    from relay.sim.fleet import SimAccount
+    from sim.fleet import SimAccount
 
 SUBSCRIBE_PATH = "/xrpc/com.atproto.sync.subscribeRepos"
 GET_REPO_PATH = "/xrpc/com.atproto.sync.getRepo"

@@ -12,8 +12,8 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
-from relay.sim.ident import TidClock
-from relay.sim.repo import Write
+from sim.ident import TidClock
+from sim.repo import Write
 
 _WORDS = (
     "the relay verifies every commit and every signature before it sequences the event so "
