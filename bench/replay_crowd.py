@@ -82,7 +82,7 @@ async def run(clients: int, rounds: int, events: int, schema: str, settle: float
             round_peak = max(round_peak, peak[0])
             await asyncio.sleep(settle)
             text = await r.metrics()
-            budget_peak = max(budget_peak, metric_sum(text, "relay_replay_budget_peak_bytes") / MB)
+            budget_peak = max(budget_peak, metric_sum(text, "relay_replay_budget_bytes", state="peak") / MB)
             round_after = r.rss()
             note(f"replay_crowd: round {i + 1}: {len(done)}/{clients} complete in {seconds[-1]:.1f} s, "
                  f"peak {round_peak / MB:.0f} MB, after {round_after / MB:.0f} MB")

@@ -189,7 +189,8 @@ class RelayService:
             self.repo_proxy = RepoProxy(identity=self.identity, safe=self.safe, metrics=self.metrics,
                                         cache_bytes=max(1, config.getrepo_cache_mb) * 1024 * 1024)
         self.broadcaster = Broadcaster(self.store, self.bus, max_lag=config.consumer_max_lag,
-                                       live_queue_bytes=config.consumer_max_queue_bytes)
+                                       live_queue_bytes=config.consumer_max_queue_bytes,
+                                       replay_budget_bytes=config.replay_buffer_mb * 1024 * 1024)
         self.jetstream = jetstream_server(self.broadcaster, self.metrics, self.consumers)
         self.metrics.watch_broadcast(lambda: self.broadcaster.stats if self.broadcaster is not None else None)
         if self.role != "fanout":
