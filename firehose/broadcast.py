@@ -596,7 +596,8 @@ class Broadcaster:
             now = self.clock()
             for s in list(self._sessions):
                 since = s.replay_stalled_since
-                if since is not None and now - since >= self.max_lag and self.replay_budget.waiting:
+                if (since is not None and now - since >= self.max_lag and self.replay_budget.waiting
+                        and not s.too_slow.is_set()):
                     self.stats.replay_stalled += 1
                     s.stalled_replay()
             await self.sleep(self.max_lag / 4)
