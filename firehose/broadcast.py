@@ -28,8 +28,11 @@ written directly (``_offer_direct``) — since the store can show an event befor
 it, so a replayed event may still arrive live, before or after the switch. Every event published after registration is in the
 buffer; every event published before it was durable before it, hence visible to the reads.
 
-A catching-up consumer is never dropped: if its buffer overflows during replay the buffer is
-discarded and replay simply continues from the store (which has everything). A *live* consumer
+A catching-up consumer is never dropped for falling behind: if its buffer overflows during replay
+the buffer is discarded and replay simply continues from the store (which has everything). Replay
+reads of all sessions share one :class:`ReplayBudget` in bytes (see there and
+:meth:`Broadcaster.read_share`); only a replaying session whose connection has not taken its batch
+within ``max_lag`` while other reads wait for that budget is cut as too slow. A *live* consumer
 is too slow — sent ``ConsumerTooSlow``, then closed — when it lags behind live:
 
 * in time: an event was handed to its connection and the connection has not taken it within
@@ -42,7 +45,9 @@ is too slow — sent ``ConsumerTooSlow``, then closed — when it lags behind li
 * in bytes or frames: its live queue in this process overflows (``live_queue_max`` frames /
   ``live_queue_bytes`` bytes), which at a high rate happens first.
 Memory per consumer is bounded by ``live_queue_max`` frames / ``live_queue_bytes`` bytes plus two
-replay batches (the one being sent and the next store read, done ahead while it is sent).
+replay batches (the one being sent and the next store read, done ahead while it is sent), and the
+replay batches of all consumers together by the replay budget (plus what their sockets have not
+sent yet: at most one read share each).
 Replay is sent one store read at a time (:meth:`ConsumerSession.frame_batches`), so a transport
 can write a whole batch at once.
 """
