@@ -63,6 +63,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from firehose.backoff import Backoff
+from firehose.budget import ByteBudget
 from firehose.bus import BusClosed, EventBus, Subscription
 from firehose.frames import encode_error_frame, encode_info_frame
 from firehose.state import SequencedEvent
@@ -122,7 +123,7 @@ class BroadcastStats:
     replay_budget_peak: int = 0
 
 
-class ReplayBudget:
+class ReplayBudget(ByteBudget):
     """Bytes of replay reads held by all replaying sessions of one broadcaster, at most ``limit``.
 
     A session takes a read's expected size (:meth:`take`) before it asks the store, settles on
@@ -138,42 +139,25 @@ class ReplayBudget:
         """``on_wait()`` is called whenever a take has to wait in line."""
         if limit < 1:
             raise ValueError("the replay budget must be at least one byte")
-        self.limit = limit
-        self.used = 0
+        super().__init__(limit, lines=2)  # [0]: sessions that hold nothing, [1]: reads ahead
         self._stats = stats
         self._on_wait = on_wait
         stats.replay_budget_limit = limit
-        #: waiting takes: [0] from sessions that hold nothing, [1] reads ahead
-        self._lines: tuple[deque[tuple[int, asyncio.Future[None]]], ...] = (deque(), deque())
-
-    def _fits(self, n: int) -> bool:
-        return self.used + n <= self.limit or self.used == 0
 
     def _add(self, n: int) -> None:
-        self.used += n
+        super()._add(n)
         stats = self._stats
         stats.replay_budget_used = self.used
         if self.used > stats.replay_budget_peak:
             stats.replay_budget_peak = self.used
 
-    async def take(self, n: int, *, ahead: bool) -> None:
-        """Wait until ``n`` bytes fit, in line (``ahead``: the session already holds a batch)."""
-        if not (self._lines[0] or self._lines[1]) and self._fits(n):
-            self._add(n)
-            return
+    def _waits(self) -> None:
         self._stats.replay_waits += 1
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._lines[1 if ahead else 0].append((n, fut))
         self._on_wait()
-        try:
-            await fut
-        except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled():  # granted, then cancelled before it resumed
-                self.give(n)
-            else:
-                fut.cancel()
-                self._grant()  # it may have been the head of the line
-            raise
+
+    async def take(self, n: int, *, ahead: bool = False, line: int = 0) -> None:
+        """Wait until ``n`` bytes fit, in line (``ahead``: the session already holds a batch)."""
+        await super().take(n, line=1 if ahead else line)
 
     def settle(self, taken: int, real: int) -> None:
         """A read taken as ``taken`` bytes came back with ``real``: hold ``real`` instead."""
@@ -181,28 +165,6 @@ class ReplayBudget:
             self._add(real - taken)
         else:
             self.give(taken - real)
-
-    def give(self, n: int) -> None:
-        self._add(-n)
-        self._grant()
-
-    def _grant(self) -> None:
-        for line in self._lines:
-            while line:
-                n, fut = line[0]
-                if fut.done():  # its taker was cancelled
-                    line.popleft()
-                    continue
-                if not self._fits(n):
-                    return  # the head waits for room; nobody behind it goes first
-                line.popleft()
-                self._add(n)
-                fut.set_result(None)
-
-    @property
-    def waiting(self) -> int:
-        """Takes in line."""
-        return sum(1 for line in self._lines for _, fut in line if not fut.done())
 
 
 class ConsumerSession:
