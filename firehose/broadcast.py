@@ -55,6 +55,7 @@ can write a whole batch at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -614,6 +615,8 @@ class Broadcaster:
         self._closed = True
         if self._stall_watch is not None:
             self._stall_watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._stall_watch
         if self._sub is not None:
             await self._sub.close()
         if self._task is not None:
