@@ -28,8 +28,11 @@ written directly (``_offer_direct``) — since the store can show an event befor
 it, so a replayed event may still arrive live, before or after the switch. Every event published after registration is in the
 buffer; every event published before it was durable before it, hence visible to the reads.
 
-A catching-up consumer is never dropped: if its buffer overflows during replay the buffer is
-discarded and replay simply continues from the store (which has everything). A *live* consumer
+A catching-up consumer is never dropped for falling behind: if its buffer overflows during replay
+the buffer is discarded and replay simply continues from the store (which has everything). Replay
+reads of all sessions share one :class:`ReplayBudget` in bytes (see there and
+:meth:`Broadcaster.read_share`); only a replaying session whose connection has not taken its batch
+within ``max_lag`` while other reads wait for that budget is cut as too slow. A *live* consumer
 is too slow — sent ``ConsumerTooSlow``, then closed — when it lags behind live:
 
 * in time: an event was handed to its connection and the connection has not taken it within
@@ -42,7 +45,9 @@ is too slow — sent ``ConsumerTooSlow``, then closed — when it lags behind li
 * in bytes or frames: its live queue in this process overflows (``live_queue_max`` frames /
   ``live_queue_bytes`` bytes), which at a high rate happens first.
 Memory per consumer is bounded by ``live_queue_max`` frames / ``live_queue_bytes`` bytes plus two
-replay batches (the one being sent and the next store read, done ahead while it is sent).
+replay batches (the one being sent and the next store read, done ahead while it is sent), and the
+replay batches of all consumers together by the replay budget (plus what their sockets have not
+sent yet: at most one read share each).
 Replay is sent one store read at a time (:meth:`ConsumerSession.frame_batches`), so a transport
 can write a whole batch at once.
 """
@@ -50,6 +55,7 @@ can write a whole batch at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -58,6 +64,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from firehose.backoff import Backoff
+from firehose.budget import ByteBudget
 from firehose.bus import BusClosed, EventBus, Subscription
 from firehose.frames import encode_error_frame, encode_info_frame
 from firehose.state import SequencedEvent
@@ -66,6 +73,8 @@ log = logging.getLogger(__name__)
 
 #: Default bound on a live consumer's lag (``Broadcaster(max_lag=)``, ``RELAY_CONSUMER_MAX_LAG``).
 DEFAULT_MAX_LAG = 15.0
+#: Default replay budget (``Broadcaster(replay_budget_bytes=)``, ``RELAY_REPLAY_BUFFER_MB``).
+DEFAULT_REPLAY_BUDGET = 128 * 1024 * 1024
 
 FUTURE_CURSOR = "FutureCursor"
 CONSUMER_TOO_SLOW = "ConsumerTooSlow"
@@ -104,6 +113,59 @@ class BroadcastStats:
     bus_errors: int = 0
     #: consumers cut as too slow because a lag probe was not answered in time (also in ``too_slow``)
     lagged: int = 0
+    #: replay reads that waited in line for the replay budget (:class:`ReplayBudget`)
+    replay_waits: int = 0
+    #: replaying consumers cut as too slow: their connection took no batch within ``max_lag``
+    #: while others waited for the replay budget (also in ``too_slow``)
+    replay_stalled: int = 0
+    #: the replay budget (bytes): its limit, what replaying sessions hold now, the most they held
+    replay_budget_limit: int = 0
+    replay_budget_used: int = 0
+    replay_budget_peak: int = 0
+
+
+class ReplayBudget(ByteBudget):
+    """Bytes of replay reads held by all replaying sessions of one broadcaster, at most ``limit``.
+
+    A session takes a read's expected size (:meth:`take`) before it asks the store, settles on
+    the read's real size when it comes back (:meth:`settle`: a read larger than expected is kept,
+    and the line waits until it is given back), and gives it back once the batch has been handed
+    to its connection (:meth:`give`). A take that does not fit waits in line; reads of sessions that
+    hold nothing go before reads ahead of sessions that already hold a batch, each kind in arrival
+    order, and the head of the line is never overtaken: so n replaying sessions take turns, and
+    more replayers mean each waits longer, never more memory. A take larger than the whole budget
+    is granted when nothing is held, so it cannot wait forever. Event-loop code only."""
+
+    def __init__(self, limit: int, stats: BroadcastStats, on_wait: Callable[[], None] = lambda: None) -> None:
+        """``on_wait()`` is called whenever a take has to wait in line."""
+        if limit < 1:
+            raise ValueError("the replay budget must be at least one byte")
+        super().__init__(limit, lines=2)  # [0]: sessions that hold nothing, [1]: reads ahead
+        self._stats = stats
+        self._on_wait = on_wait
+        stats.replay_budget_limit = limit
+
+    def _add(self, n: int) -> None:
+        super()._add(n)
+        stats = self._stats
+        stats.replay_budget_used = self.used
+        if self.used > stats.replay_budget_peak:
+            stats.replay_budget_peak = self.used
+
+    def _waits(self) -> None:
+        self._stats.replay_waits += 1
+        self._on_wait()
+
+    async def take(self, n: int, *, ahead: bool = False, line: int = 0) -> None:
+        """Wait until ``n`` bytes fit, in line (``ahead``: the session already holds a batch)."""
+        await super().take(n, line=1 if ahead else line)
+
+    def settle(self, taken: int, real: int) -> None:
+        """A read taken as ``taken`` bytes came back with ``real``: hold ``real`` instead."""
+        if real >= taken:
+            self._add(real - taken)
+        else:
+            self.give(taken - real)
 
 
 class ConsumerSession:
@@ -131,6 +193,10 @@ class ConsumerSession:
         #: When the oldest live write not yet covered by a lag probe was made (None: none pending).
         self._unprobed_since: float | None = None
         self._written = asyncio.Event()
+        #: Replay budget bytes this session holds (the batch handed over, the read ahead).
+        self._replay_held = 0
+        #: When the replay batch now with the connection was handed over (None: none is).
+        self._handed_at: float | None = None
 
     # -- called by the broadcaster's fan-out (synchronously, never awaits)
     def offer(self, batch: list[SequencedEvent]) -> None:
@@ -202,6 +268,11 @@ class ConsumerSession:
     def _lagged(self) -> None:
         self._b.stats.lagged += 1
         self._too_slow(f"more than {self._b.max_lag:g} s behind live")
+
+    def stalled_replay(self) -> None:
+        """Cut this replaying session: its connection has not taken its batch within ``max_lag``
+        while other sessions wait for the replay budget."""
+        self._too_slow(f"took no replay batch for {self._b.max_lag:g} s while others waited to replay")
 
     def _too_slow(self, why: str) -> None:
         if self.too_slow.is_set():
@@ -331,16 +402,17 @@ class ConsumerSession:
             last = 0
         else:
             last = cursor  # every stored event with seq > cursor
-        limit = b.replay_batch
         # The next store read runs while the current batch is being sent (at most two batches
-        # in memory): the transport and the store work in parallel instead of taking turns.
-        read: asyncio.Future[list[SequencedEvent]] | None = asyncio.ensure_future(b.store.read_after(last, limit))
+        # held: the one handed to the connection and the one read ahead), each read taken from the
+        # replay budget first and given back once its batch is handed over.
+        b.replaying += 1
+        read: asyncio.Future[tuple[list[SequencedEvent], int, int]] | None = None
         try:
+            read = asyncio.ensure_future(self._read_after(last, None, ahead=False))
             while True:
                 assert read is not None
-                events = await read
+                events, size, read_limit = await read
                 read = None
-                read_limit = limit
                 out: list[SequencedEvent] = []
                 if events and last > 0 and events[0].seq > last + 1:
                     # Retention trimmed the window past this (slow) consumer: say so, never a
@@ -350,10 +422,9 @@ class ConsumerSession:
                     b.stats.outdated_cursor += 1
                     out.append(_control(INFO_KIND, encode_info_frame(OUTDATED_CURSOR,
                                                                      "events were trimmed while replaying")))
+                avg: int | None = None
                 if events:  # ascending, all past ``last`` (``read_after``'s contract)
-                    size = sum(len(e.frame) for e in events)
-                    # the next read: one batch near ``replay_bytes`` whatever the frame sizes
-                    limit = max(1, min(b.replay_batch, b.replay_bytes // max(1, size // len(events))))
+                    avg = b.frame_estimate = max(1, size // len(events))
                     last = events[-1].seq
                     out.extend(events)
                     self.last_seq = last
@@ -361,23 +432,61 @@ class ConsumerSession:
                     self.bytes_sent += size
                 full = len(events) >= read_limit
                 if full:
-                    read = asyncio.ensure_future(b.store.read_after(last, limit))
+                    read = asyncio.ensure_future(self._read_after(last, avg, ahead=size > 0))
                 if out:
+                    self._handed_at = b.clock()
                     yield out
+                    self._handed_at = None
+                self._give_replay(size)  # handed to the connection (or nothing was read)
+                del out, events
                 if full:
                     continue
                 # Caught up. No await between this check and the switch to live.
                 if self._replay_overflow:
                     self._replay_overflow = False
-                    read = asyncio.ensure_future(b.store.read_after(last, limit))
+                    read = asyncio.ensure_future(self._read_after(last, avg, ahead=False))
                     continue
                 self._live = True  # what is queued and was replayed is skipped by _take_queued
                 return
         finally:
+            b.replaying -= 1
+            self._handed_at = None
             if read is not None and not read.done():  # closed mid-replay: drop the read ahead
-                read.cancel()
+                read.cancel()  # (it gives back what it took itself)
             elif read is not None and not read.cancelled():
                 read.exception()  # retrieved, so a failed read ahead is not reported as lost
+            self._give_replay(self._replay_held)
+
+    async def _read_after(self, after: int, avg: int | None, *, ahead: bool) -> tuple[list[SequencedEvent], int, int]:
+        """One replay store read of about :meth:`Broadcaster.read_share` bytes (frames estimated
+        at ``avg`` bytes, this session's last read, else the broadcaster's), taken from the replay
+        budget first; returns the events, their bytes (held by this session until given back) and
+        the read's limit."""
+        b = self._b
+        frame = avg or b.frame_estimate or max(1, b.replay_bytes // b.replay_batch)
+        limit = max(1, min(b.replay_batch, b.read_share() // frame))
+        taken = limit * frame
+        await b.replay_budget.take(taken, ahead=ahead)
+        try:
+            events = await b.store.read_after(after, limit)
+        except BaseException:
+            b.replay_budget.give(taken)
+            raise
+        size = sum(len(e.frame) for e in events)
+        b.replay_budget.settle(taken, size)
+        self._replay_held += size
+        return events, size, limit
+
+    def _give_replay(self, n: int) -> None:
+        if n:
+            self._replay_held -= n
+            self._b.replay_budget.give(n)
+
+    @property
+    def replay_stalled_since(self) -> float | None:
+        """When this replaying session handed its connection the batch it has not taken yet (None:
+        it is not waiting on its connection)."""
+        return self._handed_at
 
 
 class DirectWriter(Protocol):
@@ -400,6 +509,7 @@ class Broadcaster:
         live_queue_bytes: int = 64 * 1024 * 1024,
         replay_batch: int = 500,
         replay_bytes: int = 4 * 1024 * 1024,
+        replay_budget_bytes: int = DEFAULT_REPLAY_BUDGET,
         max_consumers: int = 10_000,
         max_lag: float = DEFAULT_MAX_LAG,
         clock: Callable[[], float] = time.monotonic,
@@ -407,7 +517,10 @@ class Broadcaster:
     ) -> None:
         """``max_lag``: seconds a live consumer's connection may take to take an event (see the
         module docstring); ``live_queue_max``/``live_queue_bytes``: its live queue in this process;
-        ``clock``/``sleep``: the time the lag probes are paced and judged by."""
+        ``clock``/``sleep``: the time the lag probes are paced and judged by. ``replay_bytes``: what
+        one replay read asks for (fewer frames when larger); ``replay_budget_bytes``: what all
+        replaying sessions together may hold (:class:`ReplayBudget`; each read asks for at most an
+        equal share of it, half of it divided by the replaying sessions)."""
         if max_lag <= 0:
             raise ValueError("max_lag must be positive")
         self.max_lag = max_lag
@@ -421,11 +534,41 @@ class Broadcaster:
         self.replay_bytes = replay_bytes
         self.max_consumers = max_consumers
         self.stats = BroadcastStats()
+        self.replay_budget = ReplayBudget(replay_budget_bytes, self.stats, on_wait=self._watch_stalled_replays)
+        #: Sessions replaying now (reading the store).
+        self.replaying = 0
+        #: The average frame of the last replay read (what a session's first read expects).
+        self.frame_estimate: int | None = None
+        self._stall_watch: asyncio.Task[None] | None = None
         self._sessions: set[ConsumerSession] = set()
         self._sub: Subscription | None = None
         self._task: asyncio.Task[None] | None = None
         self._closed = False
         self._last_seq: int | None = None
+
+    def read_share(self) -> int:
+        """Bytes one replay read asks for now: ``replay_bytes``, or less when that many replaying
+        sessions could not each hold two reads within the replay budget (the batch with its
+        connection and the read ahead): then half the budget divided by the replaying sessions."""
+        return max(1, min(self.replay_bytes, self.replay_budget.limit // (2 * max(1, self.replaying))))
+
+    def _watch_stalled_replays(self) -> None:
+        """A replay read waits for the budget: watch (until nobody waits) for replaying sessions
+        whose connection has not taken their batch within ``max_lag``; they are cut as too slow,
+        giving back what they hold (a stalled reader must not keep every replay waiting)."""
+        if self._stall_watch is None or self._stall_watch.done():
+            self._stall_watch = asyncio.create_task(self._cut_stalled_replays(), name="replay-stall-watch")
+
+    async def _cut_stalled_replays(self) -> None:
+        while self.replay_budget.waiting and not self._closed:
+            now = self.clock()
+            for s in list(self._sessions):
+                since = s.replay_stalled_since
+                if (since is not None and now - since >= self.max_lag and self.replay_budget.waiting
+                        and not s.too_slow.is_set()):
+                    self.stats.replay_stalled += 1
+                    s.stalled_replay()
+            await self.sleep(self.max_lag / 4)
 
     @property
     def at_capacity(self) -> bool:
@@ -470,6 +613,10 @@ class Broadcaster:
 
     async def close(self) -> None:
         self._closed = True
+        if self._stall_watch is not None:
+            self._stall_watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._stall_watch
         if self._sub is not None:
             await self._sub.close()
         if self._task is not None:

@@ -205,6 +205,8 @@ class JetEvent:
     did: str
     time_us: int
     messages: tuple[JetMessage, ...] = ()
+    #: bytes of its messages and of their compressed forms (what it costs in the converter's cache)
+    size: int = 0
 
 
 def time_us(ev: SequencedEvent) -> int:
@@ -305,17 +307,54 @@ class ConverterStats:
     compressed: int = 0
 
 
+#: Default bound of the converter's cache (``JetstreamConverter(cache_bytes=)``).
+DEFAULT_CACHE_BYTES = 64 * 1024 * 1024
+
+
 class JetstreamConverter:
     """Converts events once for all consumers (LRU by seq) and compresses messages lazily, once
     per dictionary. ``codec``: what ``compress=true`` uses; ``current``: the dictionary served when
-    none is asked for by id (default: ``codec``); both can be asked for by id."""
+    none is asked for by id (default: ``codec``); both can be asked for by id. The cache holds at
+    most ``cache_size`` events and ``cache_bytes`` bytes of messages (plain and compressed, counted
+    as each is made); the least recently used go first. One event larger than the whole bound is
+    converted for the batch at hand and not kept."""
 
-    def __init__(self, codec: ZstdCodec, current: ZstdCodec | None = None, cache_size: int = 20_000) -> None:
+    def __init__(self, codec: ZstdCodec, current: ZstdCodec | None = None, cache_size: int = 20_000,
+                 cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
         self.codec = codec
         self.current = current or codec
         self.codecs = {c.dict_id: c for c in (codec, self.current)}
+        self.cache_bytes = cache_bytes
         self._cache: BoundedLRU[int, JetEvent] = BoundedLRU(cache_size)
+        self._cached_bytes = 0
         self.stats = ConverterStats()
+
+    @property
+    def cached_bytes(self) -> int:
+        """Bytes of the messages (and compressed forms) the cache holds now."""
+        return self._cached_bytes
+
+    def _make_room(self, more: int) -> None:
+        cache = self._cache
+        while cache and (len(cache) >= cache.maxsize or self._cached_bytes + more > self.cache_bytes):
+            oldest = cache.pop(next(iter(cache)))
+            assert oldest is not None
+            self._cached_bytes -= oldest.size
+
+    def _grew(self, event: JetEvent, n: int) -> None:
+        """``event`` (cached or not) got ``n`` more bytes of compressed messages."""
+        event.size += n
+        if self._cache.peek(event.seq) is event:
+            self._cache.pop(event.seq)  # kept out while room is made, so it is not evicted itself
+            self._cached_bytes -= event.size - n
+            self._cache_put(event)
+
+    def _cache_put(self, event: JetEvent) -> None:
+        if event.size > self.cache_bytes or not self._cache.maxsize:
+            return
+        self._make_room(event.size)
+        self._cache.put(event.seq, event)
+        self._cached_bytes += event.size
 
     def event(self, ev: SequencedEvent) -> JetEvent:
         got = self._cache.get(ev.seq)
@@ -330,12 +369,14 @@ class JetstreamConverter:
             log.warning("jetstream: event not converted", extra={"fields": {"seq": ev.seq, "error": repr(exc)[:200]}})
             got = JetEvent(ev.seq, ev.did, time_us(ev))
         self.stats.converted += 1
-        self._cache.put(ev.seq, got)
+        got.size = sum(len(m.data) for m in got.messages)
+        self._cache_put(got)
         return got
 
-    def zstd(self, msg: JetMessage, dict_id: int | None = None) -> bytes:
-        """``msg`` compressed with the dictionary ``dict_id`` (one of :attr:`codecs`; None:
-        :attr:`codec`), made once."""
+    def zstd(self, msg: JetMessage, dict_id: int | None = None, event: JetEvent | None = None) -> bytes:
+        """``msg`` (one of ``event``'s messages, whose cache cost grows by a new compressed form)
+        compressed with the dictionary ``dict_id`` (one of :attr:`codecs`; None: :attr:`codec`),
+        made once."""
         codec = self.codec if dict_id is None else self.codecs[dict_id]
         done = msg.zstd
         if done is None:
@@ -344,6 +385,8 @@ class JetstreamConverter:
         if data is None:
             data = done[codec.dict_id] = codec.compress(msg.data)
             self.stats.compressed += 1
+            if event is not None:
+                self._grew(event, len(data))
         return data
 
 
@@ -365,10 +408,11 @@ def select(converter: JetstreamConverter, events: Iterable[SequencedEvent], opti
     for ev in events:
         if dids and ev.did not in dids:
             continue
-        for msg in converter.event(ev).messages:
+        jet = converter.event(ev)
+        for msg in jet.messages:
             if not options.wants_collection(msg.collection):
                 continue
-            data = msg.data if dict_id is None else converter.zstd(msg, dict_id)
+            data = msg.data if dict_id is None else converter.zstd(msg, dict_id, jet)
             if limit and len(data) > limit:
                 continue
             out.messages.append(data)

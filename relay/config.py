@@ -187,6 +187,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("consumer_max_queue_bytes", "RELAY_CONSUMER_MAX_QUEUE_BYTES", "--consumer-max-queue-bytes",
             "67108864", "bytes of live events the relay queues for one consumer (at most 10,000 events) "
             "before it gets ConsumerTooSlow", "int"),
+    Setting("replay_buffer_mb", "RELAY_REPLAY_BUFFER_MB", "--replay-buffer-mb", "128",
+            "memory for events read from the store for replaying consumers, all of them together (MB); each "
+            "read asks for an equal share (at most 4 MiB), so more replaying consumers each wait longer, never "
+            "use more memory; one whose connection takes no batch within RELAY_CONSUMER_MAX_LAG while others "
+            "wait gets ConsumerTooSlow", "int"),
     Setting("http_header_timeout", "RELAY_HTTP_HEADER_TIMEOUT", "--http-header-timeout", "10s",
             "main port: a connection whose request headers (a WebSocket upgrade request included) have not all "
             "arrived this long after it opened, or after its previous response, is answered 408 and closed "
@@ -317,6 +322,7 @@ class RelayConfig:
     getrepo_cache_mb: int = 64
     consumer_max_lag: float = 15.0
     consumer_max_queue_bytes: int = 64 * 1024 * 1024
+    replay_buffer_mb: int = 128
     http_header_timeout: float = 10.0
     max_connections: int = 10_000
     max_websockets: int = 5000
@@ -380,6 +386,8 @@ class RelayConfig:
             raise ConfigError("bad_duration", "RELAY_CONSUMER_MAX_LAG: must be more than 0")
         if config.consumer_max_queue_bytes < 1024 * 1024:
             raise ConfigError("bad_int", "RELAY_CONSUMER_MAX_QUEUE_BYTES: must be at least 1048576")
+        if config.replay_buffer_mb < 1:
+            raise ConfigError("bad_int", "RELAY_REPLAY_BUFFER_MB: must be at least 1")
         if config.resync_retry_base <= 0 or config.resync_retry_max < config.resync_retry_base:
             raise ConfigError("bad_duration", "RELAY_RESYNC_RETRY_BASE must be more than 0 and at most "
                               "RELAY_RESYNC_RETRY_MAX")

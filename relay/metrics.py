@@ -33,7 +33,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 
 #: Fields of ``firehose.broadcast.BroadcastStats`` exported as ``relay_broadcast_events_total{event}``.
 BROADCAST_EVENTS = ("too_slow", "lagged", "future_cursor", "outdated_cursor", "replay_overflows", "bus_gaps_filled",
-                    "bus_errors")
+                    "bus_errors", "replay_waits", "replay_stalled")
 
 #: Fields of ``firehose.publisher.PublisherStats`` exported as ``relay_bus_publish_events_total{result}``.
 PUBLISH_RESULTS = ("published", "dropped")
@@ -229,13 +229,18 @@ class _BroadcastCollector:
     def __init__(self, stats: Callable[[], Any]) -> None:
         self.stats = stats
 
-    def collect(self) -> Iterator[CounterMetricFamily]:
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         family = CounterMetricFamily("relay_broadcast_events", "Downstream stream events by kind",
                                      labels=["event"])
         stats = self.stats()
         for event in BROADCAST_EVENTS:
             family.add_metric([event], getattr(stats, event, 0) if stats is not None else 0)
         yield family
+        budget = GaugeMetricFamily("relay_replay_budget_bytes", "The replay budget: its limit, the bytes replaying "
+                                   "consumers hold now, the most they held", labels=["state"])
+        for state in ("limit", "used", "peak"):
+            budget.add_metric([state], getattr(stats, f"replay_budget_{state}", 0) if stats is not None else 0)
+        yield budget
 
 
 

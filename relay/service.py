@@ -62,6 +62,7 @@ from relay.ingest.resync import ResyncManager
 from relay.ingest.resync_queue import ResyncQueue
 from relay.jetstream_server import JetstreamServer, jetstream_server
 from relay.jsonlog import fields
+from relay.memtrim import glibc_trimmer
 from relay.metrics import RelayMetrics
 from relay.redis_guard import FailFastRedis
 from relay.repo_proxy import RepoProxy
@@ -203,7 +204,11 @@ class RelayService:
             self.repo_proxy = RepoProxy(identity=self.identity, safe=self.safe, metrics=self.metrics,
                                         cache_bytes=max(1, config.getrepo_cache_mb) * 1024 * 1024)
         self.broadcaster = Broadcaster(self.store, self.bus, max_lag=config.consumer_max_lag,
-                                       live_queue_bytes=config.consumer_max_queue_bytes)
+                                       live_queue_bytes=config.consumer_max_queue_bytes,
+                                       replay_budget_bytes=config.replay_buffer_mb * 1024 * 1024)
+        trimmer = glibc_trimmer()  # what a burst (a replay crowd, giant frames) freed goes back to the OS
+        if trimmer is not None:
+            self._tasks.append(asyncio.create_task(trimmer.run(), name="memory-trim"))
         self.jetstream = jetstream_server(self.broadcaster, self.metrics, self.consumers)
         self.metrics.watch_broadcast(lambda: self.broadcaster.stats if self.broadcaster is not None else None)
         if self.role != "fanout":
