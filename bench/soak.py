@@ -29,6 +29,11 @@ Printed as ``RESULT soak_<name>=<value>``:
   receiving it (every commit of the run, the fault-delayed ones included);
 * the crowd's ``joins``, ``cut_too_slow`` (closed by the relay) and the relay's own counters.
 
+With ``--diagnose DIR`` every relay process (main and validation workers) loads
+``bench/_diagnose/sitecustomize.py`` and, when the warm-up ends and when the commits stop, writes
+what its memory is made of (anonymous/file RSS, C heap in use, SQLite's allocations, Python blocks, object counts by
+type; allocation sites too with ``--tracemalloc``); the differences are printed to stderr.
+
     .venv/bin/python bench/soak.py                    # one hour, 200 commits/s
     .venv/bin/python bench/soak.py --minutes 10       # what BENCHMARKS.md reports on a loaded machine
 """
@@ -37,8 +42,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import os
 import random
 import shlex
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -46,7 +54,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import PG_DSN, CountingConsumer, load_average, metric_sum, note, relay, result  # noqa: E402
+from bench._common import (  # noqa: E402
+    PG_DSN,
+    ROOT,
+    CountingConsumer,
+    load_average,
+    metric_sum,
+    note,
+    relay,
+    result,
+    rss_bytes,
+)
 from bench.weather import Arrivals, lost_commits, percentile, undelivered_commits  # noqa: E402
 from relay.sim import SimConfig, SimFleet  # noqa: E402
 
@@ -164,6 +182,37 @@ def slope_per_minute(samples: list[tuple[float, float]]) -> float:
     return 60.0 * cov / var if var else float("nan")
 
 
+def diagnose(pids: list[int], directory: Path, label: str) -> None:
+    """Ask every relay process to describe its memory (see ``bench/_diagnose``)."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGUSR2)
+        except ProcessLookupError:
+            continue
+    note(f"soak: memory dumps requested ({label}) from {len(pids)} processes")
+
+
+def diagnose_diff(directory: Path) -> None:
+    """Print, per process, what grew between its first and its last dump."""
+    by_pid: dict[str, list[Path]] = {}
+    for path in sorted(directory.glob("*-*.json"), key=lambda p: int(p.stem.split("-")[1])):
+        by_pid.setdefault(path.stem.split("-")[0], []).append(path)
+    for pid, paths in by_pid.items():
+        if len(paths) < 2:
+            continue
+        a, b = (json.loads(p.read_text()) for p in (paths[0], paths[-1]))
+        sizes = " ".join(f"{k} {(b.get(k, 0) - a.get(k, 0)) / 1e6:+.1f} MB"
+                         for k in ("VmRSS", "RssAnon", "RssFile", "heap_in_use", "heap_free", "sqlite_memory", "traced"))
+        note(f"soak: pid {pid} {' '.join(b['argv'])}: {sizes}, python blocks {b['py_blocks'] - a['py_blocks']:+d}")
+        types = {t: b["types"].get(t, 0) - a["types"].get(t, 0) for t in set(a["types"]) | set(b["types"])}
+        note("soak:   objects " + ", ".join(f"{t} {d:+d}" for t, d in sorted(types.items(), key=lambda kv: -abs(kv[1]))[:12]))
+        if "sites" in b and "sites" in a:
+            before = {site: size for site, size, _ in a["sites"]}
+            grown = sorted(((size - before.get(site, 0), site) for site, size, _ in b["sites"]), reverse=True)[:10]
+            for delta, site in grown:
+                note(f"soak:   {delta / 1e6:+.2f} MB at {site}")
+
+
 def parse_faults(text: str) -> dict[str, float]:
     """``kind=rate,…`` → dict; ``none`` switches every fault off."""
     if text.strip() == "none":
@@ -185,8 +234,14 @@ async def run(a: argparse.Namespace) -> None:
     warmup = 60 * (a.warmup if a.warmup is not None else min(10.0, a.minutes / 4))
     database_url = f"{PG_DSN}?schema=bench_soak_{int(time.time())}" if a.db == "postgres" else None
     samples: list[tuple[float, float]] = []
+    env: dict[str, str] = {}
+    if a.diagnose:
+        Path(a.diagnose).mkdir(parents=True, exist_ok=True)
+        env = {"PYTHONPATH": str(ROOT / "bench" / "_diagnose"), "SOAK_DIAGNOSE_DIR": str(Path(a.diagnose).resolve())}
+        if a.tracemalloc:
+            env["PYTHONTRACEMALLOC"] = "1"
     try:
-        async with relay(fleet.plc_url, database_url=database_url, extra=shlex.split(a.relay_args)) as r:
+        async with relay(fleet.plc_url, database_url=database_url, extra=shlex.split(a.relay_args), env=env) as r:
             follower = Follower(r.ws_url)
             tasks = [asyncio.create_task(follower.run())]
             await asyncio.wait_for(follower.connected.wait(), 30)
@@ -200,9 +255,13 @@ async def run(a: argparse.Namespace) -> None:
             start_truth = len(fleet.ground_truth)
             producer = asyncio.create_task(fleet.run(a.rate, seconds))
             next_note = 60.0
+            dumped = False
             while not producer.done():
                 t = time.monotonic() - t0
                 samples.append((t, r.rss() / 1e6))
+                if a.diagnose and not dumped and t >= warmup:
+                    dumped = True
+                    diagnose(r.refresh_pids(), Path(a.diagnose), "after the warm-up")
                 if t >= next_note:
                     next_note += 60.0
                     note(f"soak: {t / 60:.0f} min rss {samples[-1][1]:.0f} MB, follower at seq "
@@ -210,6 +269,9 @@ async def run(a: argparse.Namespace) -> None:
                 await asyncio.sleep(SAMPLE_EVERY)
             made = await producer
             live = fleet.ground_truth[start_truth:]
+            per_process = {pid: rss_bytes([pid]) / 1e6 for pid in r.refresh_pids()}
+            if a.diagnose:
+                diagnose(r.pids, Path(a.diagnose), "as the commits stop")
             await crowd.stop()
             for host in fleet.hosts:
                 host.faults.clear()
@@ -238,6 +300,9 @@ async def run(a: argparse.Namespace) -> None:
     result("soak_rss_after_warmup_mb", round(after[0][1], 1) if after else float("nan"))
     result("soak_rss_end_mb", round(rss_end, 1))
     result("soak_rss_peak_mb", round(max([v for _, v in samples] + [rss_end]), 1))
+    main_pid = min(per_process)
+    result("soak_rss_main_process_mb", round(per_process[main_pid], 1))
+    result("soak_rss_workers_mb", round(sum(v for pid, v in per_process.items() if pid != main_pid), 1))
     result("soak_commits_expected", sum(1 for tr in fleet.ground_truth if tr.kind == "#commit" and tr.verdict == "accept"))
     result("soak_lost", len(lost))
     result("soak_replaced_by_sync", len(undelivered_commits(fleet.ground_truth, arrivals)) - len(lost))
@@ -252,6 +317,8 @@ async def run(a: argparse.Namespace) -> None:
     result("soak_load_average", load_average())
     if lost:
         note(f"soak: lost e.g. {[(tr.host, tr.did[-6:], tr.rev, tr.fault) for tr in lost[:5]]}")
+    if a.diagnose:
+        diagnose_diff(Path(a.diagnose))
     note("soak: rss samples (min, MB): " + " ".join(f"{t / 60:.1f}:{v:.0f}" for t, v in samples[::12]))
 
 
@@ -269,6 +336,8 @@ def main() -> int:
     p.add_argument("--db", choices=["sqlite", "postgres"], default="sqlite")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--relay-args", default="", help="extra `relay serve` options")
+    p.add_argument("--diagnose", default=None, metavar="DIR", help="dump each relay process's memory make-up here")
+    p.add_argument("--tracemalloc", action="store_true", help="with --diagnose: trace Python allocations too (slow)")
     asyncio.run(run(p.parse_args()))
     return 0
 
