@@ -204,6 +204,10 @@ def diagnose_diff(directory: Path) -> None:
         sizes = " ".join(f"{k} {(b.get(k, 0) - a.get(k, 0)) / 1e6:+.1f} MB"
                          for k in ("VmRSS", "RssAnon", "RssFile", "heap_in_use", "heap_free", "sqlite_memory", "traced"))
         note(f"soak: pid {pid} {' '.join(b['argv'])}: {sizes}, python blocks {b['py_blocks'] - a['py_blocks']:+d}")
+        for doc in (a, b):
+            extra = {k: doc[k] for k in ("mst_key_heights_cached", "did_keys_cached", "sqlite_memory") if k in doc}
+            note(f"soak:   dump: VmRSS {doc['VmRSS'] / 1e6:.1f} MB, after malloc_trim "
+                 f"{doc.get('VmRSS_after_trim', 0) / 1e6:.1f} MB, {extra}")
         types = {t: b["types"].get(t, 0) - a["types"].get(t, 0) for t in set(a["types"]) | set(b["types"])}
         note("soak:   objects " + ", ".join(f"{t} {d:+d}" for t, d in sorted(types.items(), key=lambda kv: -abs(kv[1]))[:12]))
         if "sites" in b and "sites" in a:
@@ -315,8 +319,11 @@ async def run(a: argparse.Namespace) -> None:
     result("soak_relay_too_slow_total", metric_sum(metrics, "relay_broadcast_events_total", event="too_slow"))
     result("soak_relay_rejects", metric_sum(metrics, "relay_verdicts_total", kind="reject"))
     result("soak_load_average", load_average())
-    if lost:
-        note(f"soak: lost e.g. {[(tr.host, tr.did[-6:], tr.rev, tr.fault) for tr in lost[:5]]}")
+    for tr in lost[:5]:  # what else happened to the account around it (a fault the verdicts may not foresee)
+        mine = [t for t in fleet.ground_truth if t.did == tr.did]
+        i = mine.index(tr)
+        note(f"soak: lost {tr.host} {tr.did} {tr.kind} rev {tr.rev} sent {tr.sent_at:.1f}; the account's events around it: "
+             + "; ".join(f"{t.kind} {t.rev} {t.verdict} {t.reason or ''} {t.fault or ''} {t.host}" for t in mine[max(0, i - 4):i + 3]))
     if a.diagnose:
         diagnose_diff(Path(a.diagnose))
     note("soak: rss samples (min, MB): " + " ".join(f"{t / 60:.1f}:{v:.0f}" for t, v in samples[::12]))

@@ -2,7 +2,8 @@
 each process writes what its memory is made of to ``DIR/<pid>-<n>.json`` — RSS split into
 anonymous and file-backed, the C heap in use (glibc ``mallinfo2``), what SQLite has allocated
 (``sqlite3_status64``: its page caches), Python's allocated blocks, the 40 most numerous object types, and with
-``PYTHONTRACEMALLOC`` set the 40 biggest allocation sites. Not part of the relay."""
+``PYTHONTRACEMALLOC`` set the 40 biggest allocation sites; then it calls ``malloc_trim(0)`` and
+records its RSS again (what giving free heap memory back returns). Not part of the relay."""
 
 from __future__ import annotations
 
@@ -63,12 +64,23 @@ def _dump(*_: Any) -> None:
                            "py_blocks": sys.getallocatedblocks()}
     counts = Counter(type(o).__name__ for o in gc.get_objects())
     doc["types"] = dict(counts.most_common(40))
+    node = sys.modules.get("mst.node")
+    if node is not None:
+        doc["mst_key_heights_cached"] = len(node._HEIGHTS)
+    crypto = sys.modules.get("mst.crypto")
+    if crypto is not None:
+        doc["did_keys_cached"] = crypto.parse_did_key.cache_info().currsize
     import tracemalloc
 
     if tracemalloc.is_tracing():
         snap = tracemalloc.take_snapshot()
         doc["traced"] = tracemalloc.get_traced_memory()[0]
         doc["sites"] = [(str(s.traceback), s.size, s.count) for s in snap.statistics("lineno")[:40]]
+    try:  # what giving free heap memory back would return (this dump's only side effect)
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        doc["VmRSS_after_trim"] = _rss()["VmRSS"]
+    except (OSError, AttributeError):
+        pass
     with open(os.path.join(DIR or ".", f"{os.getpid()}-{_n}.json"), "w") as fh:
         json.dump(doc, fh)
 
