@@ -30,9 +30,11 @@ Printed as ``RESULT soak_<name>=<value>``:
 * the crowd's ``joins``, ``cut_too_slow`` (closed by the relay) and the relay's own counters.
 
 With ``--diagnose DIR`` every relay process (main and validation workers) loads
-``bench/_diagnose/sitecustomize.py`` and, when the warm-up ends and when the commits stop, writes
-what its memory is made of (anonymous/file RSS, C heap in use, SQLite's allocations, Python blocks, object counts by
-type; allocation sites too with ``--tracemalloc``); the differences are printed to stderr.
+``bench/_diagnose/sitecustomize.py`` and, when the warm-up ends, every ``--dump-every`` minutes
+after and when the commits stop, writes what its memory is made of (anonymous/file RSS, C heap in use, SQLite's allocations, Python blocks, object counts by
+type, the sizes of the bounded caches; allocation sites too with ``--tracemalloc``); the last dump
+also gives free heap memory back (``malloc_trim``) and says what that returned. Each dump and the
+differences between the first and the last are printed to stderr.
 
     .venv/bin/python bench/soak.py                    # one hour, 200 commits/s
     .venv/bin/python bench/soak.py --minutes 10       # what BENCHMARKS.md reports on a loaded machine
@@ -182,8 +184,11 @@ def slope_per_minute(samples: list[tuple[float, float]]) -> float:
     return 60.0 * cov / var if var else float("nan")
 
 
-def diagnose(pids: list[int], directory: Path, label: str) -> None:
-    """Ask every relay process to describe its memory (see ``bench/_diagnose``)."""
+def diagnose(pids: list[int], directory: Path, label: str, *, trim: bool = False) -> None:
+    """Ask every relay process to describe its memory (see ``bench/_diagnose``); with ``trim``
+    each also gives its free heap memory back afterwards and says what that returned."""
+    if trim:
+        (directory / "trim").touch()
     for pid in pids:
         try:
             os.kill(pid, signal.SIGUSR2)
@@ -204,10 +209,13 @@ def diagnose_diff(directory: Path) -> None:
         sizes = " ".join(f"{k} {(b.get(k, 0) - a.get(k, 0)) / 1e6:+.1f} MB"
                          for k in ("VmRSS", "RssAnon", "RssFile", "heap_in_use", "heap_free", "sqlite_memory", "traced"))
         note(f"soak: pid {pid} {' '.join(b['argv'])}: {sizes}, python blocks {b['py_blocks'] - a['py_blocks']:+d}")
-        for doc in (a, b):
-            extra = {k: doc[k] for k in ("mst_key_heights_cached", "did_keys_cached", "sqlite_memory") if k in doc}
-            note(f"soak:   dump: VmRSS {doc['VmRSS'] / 1e6:.1f} MB, after malloc_trim "
-                 f"{doc.get('VmRSS_after_trim', 0) / 1e6:.1f} MB, {extra}")
+        for path in paths:
+            doc = json.loads(path.read_text())
+            extra = {k: doc[k] for k in ("mst_key_heights_cached", "did_keys_cached") if k in doc}
+            trimmed = f", after malloc_trim {doc['VmRSS_after_trim'] / 1e6:.1f}" if "VmRSS_after_trim" in doc else ""
+            note(f"soak:   dump {path.stem}: VmRSS {doc['VmRSS'] / 1e6:.1f} MB{trimmed}, heap in use "
+                 f"{doc.get('heap_in_use', 0) / 1e6:.1f} free {doc.get('heap_free', 0) / 1e6:.1f}, sqlite "
+                 f"{doc.get('sqlite_memory', 0) / 1e6:.1f}, python blocks {doc['py_blocks']}, {extra}")
         types = {t: b["types"].get(t, 0) - a["types"].get(t, 0) for t in set(a["types"]) | set(b["types"])}
         note("soak:   objects " + ", ".join(f"{t} {d:+d}" for t, d in sorted(types.items(), key=lambda kv: -abs(kv[1]))[:12]))
         if "sites" in b and "sites" in a:
@@ -259,13 +267,13 @@ async def run(a: argparse.Namespace) -> None:
             start_truth = len(fleet.ground_truth)
             producer = asyncio.create_task(fleet.run(a.rate, seconds))
             next_note = 60.0
-            dumped = False
+            next_dump = warmup
             while not producer.done():
                 t = time.monotonic() - t0
                 samples.append((t, r.rss() / 1e6))
-                if a.diagnose and not dumped and t >= warmup:
-                    dumped = True
-                    diagnose(r.refresh_pids(), Path(a.diagnose), "after the warm-up")
+                if a.diagnose and t >= next_dump:
+                    diagnose(r.refresh_pids(), Path(a.diagnose), f"at {t / 60:.1f} min")
+                    next_dump += 60 * a.dump_every
                 if t >= next_note:
                     next_note += 60.0
                     note(f"soak: {t / 60:.0f} min rss {samples[-1][1]:.0f} MB, follower at seq "
@@ -275,7 +283,7 @@ async def run(a: argparse.Namespace) -> None:
             live = fleet.ground_truth[start_truth:]
             per_process = {pid: rss_bytes([pid]) / 1e6 for pid in r.refresh_pids()}
             if a.diagnose:
-                diagnose(r.pids, Path(a.diagnose), "as the commits stop")
+                diagnose(r.pids, Path(a.diagnose), "as the commits stop", trim=True)
             await crowd.stop()
             for host in fleet.hosts:
                 host.faults.clear()
@@ -345,6 +353,7 @@ def main() -> int:
     p.add_argument("--relay-args", default="", help="extra `relay serve` options")
     p.add_argument("--diagnose", default=None, metavar="DIR", help="dump each relay process's memory make-up here")
     p.add_argument("--tracemalloc", action="store_true", help="with --diagnose: trace Python allocations too (slow)")
+    p.add_argument("--dump-every", type=float, default=5.0, help="with --diagnose: minutes between dumps after the warm-up")
     asyncio.run(run(p.parse_args()))
     return 0
 

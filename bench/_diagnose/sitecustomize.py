@@ -2,8 +2,9 @@
 each process writes what its memory is made of to ``DIR/<pid>-<n>.json`` — RSS split into
 anonymous and file-backed, the C heap in use (glibc ``mallinfo2``), what SQLite has allocated
 (``sqlite3_status64``: its page caches), Python's allocated blocks, the 40 most numerous object types, and with
-``PYTHONTRACEMALLOC`` set the 40 biggest allocation sites; then it calls ``malloc_trim(0)`` and
-records its RSS again (what giving free heap memory back returns). Not part of the relay."""
+``PYTHONTRACEMALLOC`` set the 40 biggest allocation sites; once ``DIR/trim`` exists it then calls
+``malloc_trim(0)`` and records its RSS again (what giving free heap memory back returns). Not part
+of the relay."""
 
 from __future__ import annotations
 
@@ -76,11 +77,12 @@ def _dump(*_: Any) -> None:
         snap = tracemalloc.take_snapshot()
         doc["traced"] = tracemalloc.get_traced_memory()[0]
         doc["sites"] = [(str(s.traceback), s.size, s.count) for s in snap.statistics("lineno")[:40]]
-    try:  # what giving free heap memory back would return (this dump's only side effect)
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-        doc["VmRSS_after_trim"] = _rss()["VmRSS"]
-    except (OSError, AttributeError):
-        pass
+    if os.path.exists(os.path.join(DIR or ".", "trim")):  # what giving free heap memory back returns
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+            doc["VmRSS_after_trim"] = _rss()["VmRSS"]
+        except (OSError, AttributeError):
+            pass
     with open(os.path.join(DIR or ".", f"{os.getpid()}-{_n}.json"), "w") as fh:
         json.dump(doc, fh)
 
