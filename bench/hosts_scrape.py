@@ -46,8 +46,10 @@ async def scraper(url: str, every: float, took: list[float], sizes: list[int]) -
 
 
 async def crawl_all(url: str, hostnames: list[str], parallel: int = 16) -> None:
+    """requestCrawl every host, ``parallel`` at a time, each on a connection of its own (a kept-alive
+    one may be closed by the relay's header timeout just as it is reused)."""
     sem = asyncio.Semaphore(parallel)
-    async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+    async with httpx.AsyncClient(base_url=url, timeout=120, limits=httpx.Limits(max_keepalive_connections=0)) as http:
         async def one(hostname: str) -> None:
             async with sem:
                 r = await http.post("/xrpc/com.atproto.sync.requestCrawl", json={"hostname": hostname})
