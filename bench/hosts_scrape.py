@@ -45,17 +45,34 @@ async def scraper(url: str, every: float, took: list[float], sizes: list[int]) -
             await asyncio.sleep(max(0.0, every - (time.perf_counter() - t0)))
 
 
-async def crawl_all(url: str, hostnames: list[str], parallel: int = 16) -> None:
+async def crawl_all(url: str, hostnames: list[str], parallel: int = 16) -> list[str]:
     """requestCrawl every host, ``parallel`` at a time, each on a connection of its own (a kept-alive
-    one may be closed by the relay's header timeout just as it is reused)."""
+    one may be closed by the relay's header timeout just as it is reused), each tried up to three
+    times (the relay probes the host first; on a loaded machine a probe can time out). Returns the
+    hosts the relay accepted."""
     sem = asyncio.Semaphore(parallel)
+    accepted: list[str] = []
+    refused: dict[str, int] = {}
     async with httpx.AsyncClient(base_url=url, timeout=120, limits=httpx.Limits(max_keepalive_connections=0)) as http:
         async def one(hostname: str) -> None:
-            async with sem:
-                r = await http.post("/xrpc/com.atproto.sync.requestCrawl", json={"hostname": hostname})
-                r.raise_for_status()
+            why = ""
+            for _ in range(3):
+                async with sem:
+                    try:
+                        r = await http.post("/xrpc/com.atproto.sync.requestCrawl", json={"hostname": hostname})
+                    except httpx.TransportError as exc:
+                        why = type(exc).__name__
+                        continue
+                if r.status_code == 200:
+                    accepted.append(hostname)
+                    return
+                why = f"{r.status_code} {r.text[:80]}"
+            refused[why] = refused.get(why, 0) + 1
 
         await asyncio.gather(*(one(h) for h in hostnames))
+    if refused:
+        note(f"hosts_scrape: requestCrawl refused for {sum(refused.values())} hosts: {refused}")
+    return accepted
 
 
 def delays(phase: list[TruthEvent], arrivals: Arrivals) -> list[float]:
@@ -80,23 +97,24 @@ async def run(a: argparse.Namespace) -> None:
             consumer = asyncio.create_task(consume(r.ws_url, arrivals, connected))
             await asyncio.wait_for(connected.wait(), 30)
             t = time.perf_counter()
-            await crawl_all(r.url, [h.hostname for h in fleet.hosts])
-            firsts = {(t.did, t.rev) for t in fleet.ground_truth if t.kind == "#commit" and t.rev}
+            followed = set(await crawl_all(r.url, [h.hostname for h in fleet.hosts]))
+            firsts = {(t.did, t.rev) for t in fleet.ground_truth if t.kind == "#commit" and t.rev and t.host in followed}
             while not firsts <= arrivals.commits.keys():
                 await asyncio.sleep(1.0)
-            note(f"hosts_scrape: {a.hosts} hosts followed, first commits delivered in {time.perf_counter() - t:.0f}s")
+            note(f"hosts_scrape: {len(followed)} hosts followed, first commits delivered in {time.perf_counter() - t:.0f}s")
+            among = [acct for acct in fleet.accounts if acct.host.hostname in followed]
             metrics_url = r.url + "/metrics"
             for _ in range(a.rounds):
                 for kind in ("quiet", "scraped"):
                     task = asyncio.create_task(scraper(metrics_url, a.scrape_every, took, sizes)) if kind == "scraped" else None
                     start = len(fleet.ground_truth)
                     await fleet.run(a.rate, a.phase_seconds)
-                    phases[kind] += fleet.ground_truth[start:]
+                    phases[kind] += [t for t in fleet.ground_truth[start:] if t.host in followed]
                     if task is not None:
                         task.cancel()
                         await asyncio.gather(task, return_exceptions=True)
                     note(f"hosts_scrape: {kind} phase done, load {load_average():.1f}")
-            markers = await fleet.markers(fleet.accounts[:50])
+            markers = await fleet.markers(among[:50])
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline and not {(m.did, m.rev) for m in markers} <= arrivals.commits.keys():
                 await asyncio.sleep(0.5)
@@ -107,6 +125,7 @@ async def run(a: argparse.Namespace) -> None:
     finally:
         await fleet.stop()
     result("hosts_scrape_hosts", a.hosts)
+    result("hosts_scrape_hosts_followed", len(followed))
     result("hosts_scrape_rate", a.rate)
     for kind, truth in phases.items():
         d = delays(truth, arrivals)
