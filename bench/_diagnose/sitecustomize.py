@@ -1,0 +1,92 @@
+"""Loaded by ``bench/soak.py --diagnose DIR`` into the relay's processes (``PYTHONPATH``): on SIGUSR2
+each process writes what its memory is made of to ``DIR/<pid>-<n>.json`` — RSS split into
+anonymous and file-backed, the C heap in use (glibc ``mallinfo2``), what SQLite has allocated
+(``sqlite3_status64``: its page caches), Python's allocated blocks, the 40 most numerous object types, and with
+``PYTHONTRACEMALLOC`` set the 40 biggest allocation sites; once ``DIR/trim`` exists it then calls
+``malloc_trim(0)`` and records its RSS again (what giving free heap memory back returns). Not part
+of the relay."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import json
+import os
+import signal
+import sys
+from collections import Counter
+from typing import Any
+
+DIR = os.environ.get("SOAK_DIAGNOSE_DIR")
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+def _mallinfo() -> dict[str, int]:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = _MallInfo2
+        info = libc.mallinfo2()
+        return {"heap_in_use": info.uordblks + info.hblkhd, "heap_free": info.fordblks, "mmapped": info.hblkhd}
+    except (OSError, AttributeError):
+        return {}
+
+
+def _sqlite_memory() -> dict[str, int]:
+    """Bytes SQLite has allocated in this process (its page caches, mostly)."""
+    try:
+        lib = ctypes.CDLL("libsqlite3.so.0")
+        cur, high = ctypes.c_int64(), ctypes.c_int64()
+        if lib.sqlite3_status64(0, ctypes.byref(cur), ctypes.byref(high), 0) == 0:  # SQLITE_STATUS_MEMORY_USED
+            return {"sqlite_memory": cur.value}
+    except (OSError, AttributeError):
+        pass
+    return {}
+
+
+def _rss() -> dict[str, int]:
+    out: dict[str, int] = {}
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(("VmRSS", "RssAnon", "RssFile", "RssShmem")):
+                key, value = line.split(":")
+                out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def _dump(*_: Any) -> None:
+    global _n
+    _n += 1
+    doc: dict[str, Any] = {"pid": os.getpid(), "argv": sys.argv[:3], **_rss(), **_mallinfo(), **_sqlite_memory(),
+                           "py_blocks": sys.getallocatedblocks()}
+    counts = Counter(type(o).__name__ for o in gc.get_objects())
+    doc["types"] = dict(counts.most_common(40))
+    node = sys.modules.get("mst.node")
+    if node is not None:
+        doc["mst_key_heights_cached"] = len(node._HEIGHTS)
+    crypto = sys.modules.get("mst.crypto")
+    if crypto is not None:
+        doc["did_keys_cached"] = crypto.parse_did_key.cache_info().currsize
+    import tracemalloc
+
+    if tracemalloc.is_tracing():
+        snap = tracemalloc.take_snapshot()
+        doc["traced"] = tracemalloc.get_traced_memory()[0]
+        doc["sites"] = [(str(s.traceback), s.size, s.count) for s in snap.statistics("lineno")[:40]]
+    if os.path.exists(os.path.join(DIR or ".", "trim")):  # what giving free heap memory back returns
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+            doc["VmRSS_after_trim"] = _rss()["VmRSS"]
+        except (OSError, AttributeError):
+            pass
+    with open(os.path.join(DIR or ".", f"{os.getpid()}-{_n}.json"), "w") as fh:
+        json.dump(doc, fh)
+
+
+_n = 0
+if DIR:
+    signal.signal(signal.SIGUSR2, _dump)

@@ -1,0 +1,160 @@
+"""Hosts and scrapes: does a Prometheus scrape of a relay following thousands of hosts stall delivery?
+
+Simulator (this process: ``--hosts`` hosts, one account each) → ``relay serve`` (child process,
+SQLite) → one consumer (this process). Once every host is followed and its first events are
+delivered, commits flow at ``--rate`` per second in phases of ``--phase-seconds``, alternating
+*quiet* (nobody asks ``/metrics``) and *scraped* (``/metrics`` fetched every ``--scrape-every`` s,
+15 as Prometheus does), ``--rounds`` times each, so the machine's load drifts over both alike.
+
+Printed as ``RESULT hosts_scrape_<name>=<value>``: ``delay_p50_s`` / ``delay_p99_s`` /
+``delay_max_s`` of each kind of phase (``quiet_…``, ``scraped_…``; from the simulator sending a
+commit to the consumer receiving it), ``scrape_ms_p50`` / ``scrape_ms_max`` (the request as the
+scraper sees it), ``scrape_bytes``, ``host_series`` (lines of the exposition naming a host),
+``lost`` (commits of the phases never received) and the relay's RSS.
+
+    .venv/bin/python bench/hosts_scrape.py                         # 5,000 hosts
+    .venv/bin/python bench/hosts_scrape.py --hosts 200 --phase-seconds 20 --rounds 1   # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import resource
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import httpx  # noqa: E402
+
+from bench._common import load_average, note, relay, result  # noqa: E402
+from bench.weather import Arrivals, consume, percentile  # noqa: E402
+from relay.sim import SimConfig, SimFleet, TruthEvent  # noqa: E402
+
+
+async def scraper(url: str, every: float, took: list[float], sizes: list[int]) -> None:
+    """GET ``url`` every ``every`` s (the first at once), recording each request's time and size."""
+    async with httpx.AsyncClient(timeout=60) as http:
+        while True:
+            t0 = time.perf_counter()
+            r = await http.get(url)
+            took.append(time.perf_counter() - t0)
+            sizes.append(len(r.content))
+            await asyncio.sleep(max(0.0, every - (time.perf_counter() - t0)))
+
+
+async def crawl_all(url: str, hostnames: list[str], parallel: int = 16) -> list[str]:
+    """requestCrawl every host, ``parallel`` at a time, each on a connection of its own (a kept-alive
+    one may be closed by the relay's header timeout just as it is reused), each tried up to three
+    times (the relay probes the host first; on a loaded machine a probe can time out). Returns the
+    hosts the relay accepted."""
+    sem = asyncio.Semaphore(parallel)
+    accepted: list[str] = []
+    refused: dict[str, int] = {}
+    async with httpx.AsyncClient(base_url=url, timeout=120, limits=httpx.Limits(max_keepalive_connections=0)) as http:
+        async def one(hostname: str) -> None:
+            why = ""
+            for _ in range(3):
+                async with sem:
+                    try:
+                        r = await http.post("/xrpc/com.atproto.sync.requestCrawl", json={"hostname": hostname})
+                    except httpx.TransportError as exc:
+                        why = type(exc).__name__
+                        continue
+                if r.status_code == 200:
+                    accepted.append(hostname)
+                    return
+                why = f"{r.status_code} {r.text[:80]}"
+            refused[why] = refused.get(why, 0) + 1
+
+        await asyncio.gather(*(one(h) for h in hostnames))
+    if refused:
+        note(f"hosts_scrape: requestCrawl refused for {sum(refused.values())} hosts: {refused}")
+    return accepted
+
+
+def delays(phase: list[TruthEvent], arrivals: Arrivals) -> list[float]:
+    return [arrivals.commits[(t.did, t.rev)] - t.sent_at for t in phase
+            if t.kind == "#commit" and t.verdict == "accept" and t.rev and (t.did, t.rev) in arrivals.commits]
+
+
+async def run(a: argparse.Namespace) -> None:
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # a listening socket per host here, and the relay's
+    fleet = SimFleet(SimConfig(hosts=a.hosts, accounts_per_host=1, seed=a.seed, log_limit=100_000))
+    t = time.perf_counter()
+    await fleet.start()
+    note(f"hosts_scrape: {a.hosts} hosts up in {time.perf_counter() - t:.0f}s")
+    arrivals = Arrivals()
+    phases: dict[str, list[TruthEvent]] = {"quiet": [], "scraped": []}
+    took: list[float] = []
+    sizes: list[int] = []
+    try:
+        async with relay(fleet.plc_url) as r:
+            connected = asyncio.Event()
+            consumer = asyncio.create_task(consume(r.ws_url, arrivals, connected))
+            await asyncio.wait_for(connected.wait(), 30)
+            t = time.perf_counter()
+            followed = set(await crawl_all(r.url, [h.hostname for h in fleet.hosts]))
+            firsts = {(t.did, t.rev) for t in fleet.ground_truth if t.kind == "#commit" and t.rev and t.host in followed}
+            while not firsts <= arrivals.commits.keys():
+                await asyncio.sleep(1.0)
+            note(f"hosts_scrape: {len(followed)} hosts followed, first commits delivered in {time.perf_counter() - t:.0f}s")
+            among = [acct for acct in fleet.accounts if acct.host.hostname in followed]
+            metrics_url = r.url + "/metrics"
+            for _ in range(a.rounds):
+                for kind in ("quiet", "scraped"):
+                    task = asyncio.create_task(scraper(metrics_url, a.scrape_every, took, sizes)) if kind == "scraped" else None
+                    start = len(fleet.ground_truth)
+                    await fleet.run(a.rate, a.phase_seconds)
+                    phases[kind] += [t for t in fleet.ground_truth[start:] if t.host in followed]
+                    if task is not None:
+                        task.cancel()
+                        await asyncio.gather(task, return_exceptions=True)
+                    note(f"hosts_scrape: {kind} phase done, load {load_average():.1f}")
+            markers = await fleet.markers(among[:50])
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and not {(m.did, m.rev) for m in markers} <= arrivals.commits.keys():
+                await asyncio.sleep(0.5)
+            text = (await httpx.AsyncClient(timeout=60).get(metrics_url)).text
+            rss = r.rss()
+            consumer.cancel()
+            await asyncio.gather(consumer, return_exceptions=True)
+    finally:
+        await fleet.stop()
+    result("hosts_scrape_hosts", a.hosts)
+    result("hosts_scrape_hosts_followed", len(followed))
+    result("hosts_scrape_rate", a.rate)
+    for kind, truth in phases.items():
+        d = delays(truth, arrivals)
+        result(f"hosts_scrape_{kind}_commits", len(d))
+        result(f"hosts_scrape_{kind}_delay_p50_s", round(percentile(d, 0.50), 4))
+        result(f"hosts_scrape_{kind}_delay_p99_s", round(percentile(d, 0.99), 4))
+        result(f"hosts_scrape_{kind}_delay_max_s", round(max(d, default=float("nan")), 4))
+    result("hosts_scrape_scrapes", len(took))
+    result("hosts_scrape_scrape_ms_p50", round(1000 * percentile(took, 0.5), 1))
+    result("hosts_scrape_scrape_ms_max", round(1000 * max(took, default=float("nan")), 1))
+    result("hosts_scrape_scrape_bytes", max(sizes, default=0))
+    result("hosts_scrape_host_series", sum(1 for line in text.splitlines() if 'host="' in line))
+    expected = sum(1 for tr in phases["quiet"] + phases["scraped"] if tr.kind == "#commit" and tr.verdict == "accept")
+    result("hosts_scrape_lost", expected - sum(len(delays(p, arrivals)) for p in phases.values()))
+    result("hosts_scrape_relay_rss_mb", round(rss / 1e6, 1))
+    result("hosts_scrape_load_average", load_average())
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hosts", type=int, default=5000)
+    p.add_argument("--rate", type=float, default=100.0, help="commits per second over the fleet")
+    p.add_argument("--phase-seconds", type=float, default=60.0)
+    p.add_argument("--rounds", type=int, default=2, help="pairs of quiet and scraped phases")
+    p.add_argument("--scrape-every", type=float, default=15.0)
+    p.add_argument("--seed", type=int, default=5)
+    asyncio.run(run(p.parse_args()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
