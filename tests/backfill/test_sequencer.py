@@ -14,6 +14,7 @@ from firehose.frames import encode_frame
 from firehose.state import AccountState, PendingEvent, SequencedEvent
 from tests.backfill.conftest import StoreTarget, decode_frame
 from tests.backfill.helpers import Collector, commit_event
+from tests.waiting import until
 
 
 async def test_sequences_frames_accounts_and_cursor(store: Store) -> None:
@@ -138,8 +139,8 @@ async def test_waiting_sequencer_gets_lock_after_release(target: StoreTarget, st
         await first.start()
         waiter = Sequencer(other_store, Collector(), wait_for_lock=True, lock_timeout=10)
         start = asyncio.create_task(waiter.start())
-        await asyncio.sleep(0.5)
-        assert not start.done()
+        await until(lambda: waiter.state == "waiting", "the second sequencer waiting for the lease")
+        assert not start.done() and waiter.lease_holder is not None
         await first.submit(commit_event(1))
         await first.close()
         await asyncio.wait_for(start, 10)
@@ -337,22 +338,22 @@ async def test_enqueuer_blocked_on_a_full_queue_is_released_by_close(store: Stor
     await seq.start()
     try:
         first = await seq.enqueue(commit_event(1))
-        # The writer is stuck publishing event 1; a few more fill the pipeline, then one blocks.
-        blocked = None
-        for n in range(2, 12):
-            task = asyncio.create_task(seq.enqueue(commit_event(n)))
-            await asyncio.sleep(0.05)
-            if not task.done():
-                blocked = task
-                break
-        assert blocked is not None, "max_pending did not hold enqueuers back"
+        # The writer is stuck publishing event 1. Behind it the pipeline holds event 2 (numbered,
+        # handed to the committer), event 3 (numbered, waiting to be handed over) and event 4
+        # (queued: max_pending=1); the enqueuers of events 5.. are held back for good.
+        tasks = [asyncio.create_task(seq.enqueue(commit_event(n))) for n in range(2, 12)]
+        await until(lambda: sum(t.done() for t in tasks) == 3, "events 2-4 taken in")
+        # (three is all the pipeline can take while publishing is stuck: the rest wait for room)
+        blocked = [t for t in tasks if not t.done()]
+        assert len(blocked) == 7 and not seq._has_room.is_set(), "max_pending did not hold enqueuers back"
         closing = asyncio.create_task(seq.close())
-        await asyncio.sleep(0.05)
+        await until(lambda: seq._closed, "close() begun")
         gate.set()
         await asyncio.wait_for(closing, 10)
         assert (await first) is not None
-        with pytest.raises(SequencerClosedError):
-            await asyncio.wait_for(blocked, 10)
+        for task in blocked:
+            with pytest.raises(SequencerClosedError):
+                await asyncio.wait_for(task, 10)
     finally:
         gate.set()
         await seq.close()

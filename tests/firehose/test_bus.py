@@ -44,8 +44,9 @@ async def test_in_process_bus_backpressures_publisher() -> None:
     await bus.publish([ev(1)])
     await bus.publish([ev(2)])
     blocked = asyncio.create_task(bus.publish([ev(3)]))
-    await asyncio.sleep(0.05)
-    assert not blocked.done()  # the queue is full: publish waits, nothing is dropped
+    # the queue is full: publish waits for room (nothing is dropped)
+    await until(lambda: bool(getattr(sub._queue, "_putters", None)) or blocked.done(), "publish waiting for room")
+    assert not blocked.done()
     assert [e.seq for e in await sub.next_batch()] == [1]
     await asyncio.wait_for(blocked, 5)
     assert [e.seq for e in await sub.next_batch()] == [2]
@@ -64,7 +65,7 @@ async def redis_bus(redis_url: str):
 async def test_redis_bus_round_trip_and_positions(redis_bus: RedisStreamBus) -> None:
     live = redis_bus.subscribe()  # from "now"
     first = asyncio.create_task(live.next_batch())
-    await asyncio.sleep(0.05)
+    await until(lambda: live._last_id is not None, "the subscription's position taken")  # "now": before ev(1)
     await redis_bus.publish([ev(1), ev(2)])
     got = await asyncio.wait_for(first, 5)
     if len(got) == 1:  # a blocked XREAD may be served after the first XADD of the pipeline
@@ -130,9 +131,7 @@ async def test_fan_out_survives_bus_errors(ingest: Ingest) -> None:
     b = Broadcaster(ingest.store, dead)
     await b.start()
     try:
-        async with asyncio.timeout(10):
-            while b.stats.bus_errors < 2:
-                await asyncio.sleep(0.05)
+        await until(lambda: b.stats.bus_errors >= 2, "two bus errors", timeout=10)
         assert b._task is not None and not b._task.done()  # still retrying, not crashed
     finally:
         await b.close()
