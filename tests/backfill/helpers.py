@@ -1,7 +1,12 @@
-"""Event builders shared by the backfill tests and the crash-test child process."""
+"""Event builders shared by the backfill tests and the crash-test child process, and a real store
+whose writes can be made to fail (``with_faults``)."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
+
+from backfill.store import BatchWrite, Store, WriterLease
 from firehose.state import AccountState, PendingEvent, SequencedEvent
 
 
@@ -47,3 +52,55 @@ class Collector:
     @property
     def events(self) -> list[SequencedEvent]:
         return [e for batch in self.batches for e in batch]
+
+
+class FaultyLease(WriterLease):
+    """A real lease whose ``commit_batch`` can be made to stop at a chosen batch, wait for the
+    test's go-ahead, and then fail with the test's error (once)."""
+
+    def __init__(self, inner: WriterLease, faults: Faults) -> None:
+        self.inner = inner
+        self.faults = faults
+
+    async def commit_batch(self, batch: BatchWrite) -> None:
+        f = self.faults
+        if f.down:
+            f.refused += 1
+            raise OSError("store unreachable (injected)")
+        if f.trigger is not None and f.trigger(batch):
+            f.trigger = None
+            f.reached.set()
+            await f.go.wait()
+            raise f.error
+        await self.inner.commit_batch(batch)
+
+    async def high_water(self) -> int:
+        if self.faults.lease_failures > 0:
+            self.faults.lease_failures -= 1
+            raise OSError("store unreachable while recovering (injected)")
+        return await self.inner.high_water()
+
+    async def release(self) -> None:
+        await self.inner.release()
+
+
+class Faults:
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+        self.trigger: Callable[[BatchWrite], bool] | None = None
+        self.reached = asyncio.Event()
+        self.go = asyncio.Event()
+        self.down = False  # while True every commit fails as "unreachable"
+        self.refused = 0
+        self.lease_failures = 0  # the next this-many lease reads fail as "unreachable"
+
+
+def with_faults(store: Store, faults: Faults) -> Store:
+    """``store`` with every writer lease it hands out wrapped in a ``FaultyLease``."""
+    real_acquire = store.acquire_writer
+
+    async def acquire_writer(*, wait: bool = False, timeout: float | None = None) -> WriterLease:
+        return FaultyLease(await real_acquire(wait=wait, timeout=timeout), faults)
+
+    store.acquire_writer = acquire_writer  # type: ignore[method-assign]
+    return store

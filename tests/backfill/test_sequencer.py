@@ -4,16 +4,17 @@ restart, TRUNCATE, the single-writer lock."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
-from backfill.errors import SequencerClosedError, SequencerLockedError
+from backfill.errors import BatchAbortedError, SequencerClosedError, SequencerLockedError
 from backfill.sequencer import Sequencer
 from backfill.store import Store
 from firehose.frames import encode_frame
-from firehose.state import AccountState, PendingEvent, SequencedEvent
+from firehose.state import AccountState, Fence, PendingEvent, SequencedEvent
 from tests.backfill.conftest import StoreTarget, decode_frame
-from tests.backfill.helpers import Collector, commit_event
+from tests.backfill.helpers import Collector, Faults, commit_event, rev_for, with_faults
 from tests.waiting import until
 
 
@@ -282,6 +283,39 @@ async def test_failed_commit_writes_nothing_and_numbering_resumes(target: StoreT
     assert [e.seq for e in published.events] == seqs
     assert "did:plc:boom" not in {e.did for e in stored}
     assert seq.stats.failed_batches >= 1
+
+
+async def test_a_batch_numbered_before_a_refused_commit_is_voided(store: Store) -> None:
+    """Batch k+1 is numbered while batch k commits, on top of k's in-flight account state. When
+    the store refuses k, k+1 is void even where its seqs still fit the stored mark (k wrote no
+    event: an account row alone): its submitter gets ``BatchAbortedError``, nothing of it is
+    stored, and its fence — shared with k's, one upstream run — is revoked; numbering resumes."""
+    faults = Faults(RuntimeError("write refused"))
+    seq = Sequencer(with_faults(store, faults), Collector(), max_batch=1, max_delay=0)
+    await seq.start()
+    try:
+        did = "did:plc:epoch"
+        run = Fence()
+        faults.trigger = lambda batch: not batch.events and bool(batch.accounts)
+        account_write = asyncio.create_task(seq.write_account(
+            AccountState(did=did, host="pds.example", rev=rev_for(1), commit_cid="c1", data_cid="d1"), run))
+        await asyncio.wait_for(faults.reached.wait(), 10)  # batch k held in its commit
+        behind = await seq.enqueue(replace(commit_event(2, did=did), fence=run))
+        await until(lambda: seq._next_high_water == 1, "batch k+1 numbered behind k")
+        faults.go.set()  # k is refused
+        with pytest.raises(RuntimeError, match="write refused"):
+            await account_write
+        with pytest.raises(BatchAbortedError):
+            await behind
+        assert not run.valid
+        assert await store.read_after(0, 10) == [] and await store.get_account(did) is None
+        event = await seq.submit(commit_event(3, did=did))  # a new run: numbered from the stored mark
+        assert event is not None and event.seq == 1
+        assert [e.seq for e in await store.read_after(0, 10)] == [1]
+        assert seq.stats.failed_batches == 2
+    finally:
+        faults.go.set()
+        await seq.close()
 
 
 async def test_lost_postgres_connection_is_recovered(pg_target: StoreTarget) -> None:
