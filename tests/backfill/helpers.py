@@ -56,7 +56,8 @@ class Collector:
 
 class FaultyLease(WriterLease):
     """A real lease whose ``commit_batch`` can be made to stop at a chosen batch, wait for the
-    test's go-ahead, and then fail with the test's error (once)."""
+    test's go-ahead, and then fail with the test's error (once); to fail while the store is
+    "down"; or to lose the reply of a commit that was made (``Faults``)."""
 
     def __init__(self, inner: WriterLease, faults: Faults) -> None:
         self.inner = inner
@@ -73,12 +74,15 @@ class FaultyLease(WriterLease):
             await f.go.wait()
             raise f.error
         await self.inner.commit_batch(batch)
+        if f.lose_reply > 0:
+            f.lose_reply -= 1
+            raise OSError("connection lost after COMMIT (injected)")
 
     async def high_water(self) -> int:
         if self.faults.lease_failures > 0:
             self.faults.lease_failures -= 1
             raise OSError("store unreachable while recovering (injected)")
-        return await self.inner.high_water()
+        return await self.inner.high_water() + self.faults.high_water_shift
 
     async def release(self) -> None:
         await self.inner.release()
@@ -93,6 +97,8 @@ class Faults:
         self.down = False  # while True every commit fails as "unreachable"
         self.refused = 0
         self.lease_failures = 0  # the next this-many lease reads fail as "unreachable"
+        self.lose_reply = 0  # the next this-many commits are made, then fail as "unreachable"
+        self.high_water_shift = 0  # added to the stored mark the lease reads (another writer moved it)
 
 
 def with_faults(store: Store, faults: Faults) -> Store:

@@ -4,11 +4,17 @@ restart, TRUNCATE, the single-writer lock."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import replace
 
 import pytest
 
-from backfill.errors import BatchAbortedError, SequencerClosedError, SequencerLockedError
+from backfill.errors import (
+    BatchAbortedError,
+    SequencerClosedError,
+    SequencerConflictError,
+    SequencerLockedError,
+)
 from backfill.sequencer import Sequencer
 from backfill.store import Store
 from firehose.frames import encode_frame
@@ -316,6 +322,54 @@ async def test_a_batch_numbered_before_a_refused_commit_is_voided(store: Store) 
     finally:
         faults.go.set()
         await seq.close()
+
+
+async def test_an_unavailable_store_holds_the_batch_until_it_answers(store: Store) -> None:
+    """While commits fail as unreachable (``Store.is_transient``) the batch is held and retried —
+    nothing failed, ``retrying`` — and written once the store answers; a commit made whose reply
+    was lost is recognised by the stored mark and not written twice."""
+    faults = Faults(RuntimeError("unused"))
+    published = Collector()
+    seq = Sequencer(with_faults(store, faults), published, retry_base=0.001, retry_max=0.002)
+    await seq.start()
+    try:
+        faults.down = True
+        first = asyncio.ensure_future(seq.submit(commit_event(1)))
+        await until(lambda: faults.refused >= 3, "three refused attempts")
+        assert seq.state == "retrying" and isinstance(seq.unavailable, OSError) and not first.done()
+        assert seq.stats.retries >= 3 and seq.stats.failed_batches == 0
+        faults.down = False
+        event = await asyncio.wait_for(first, 10)
+        assert event is not None and event.seq == 1
+        assert seq.state == "running" and seq.unavailable is None
+        faults.lose_reply = 1  # committed, but the connection drops before the reply
+        second = await seq.submit(commit_event(2))
+        assert second is not None and second.seq == 2
+        assert [e.seq for e in await store.read_after(0, 10)] == [1, 2]
+        assert [e.seq for e in published.events] == [1, 2] and seq.stats.failed_batches == 0
+        # the stored mark is neither before nor after the batch: another writer; stop for good
+        faults.high_water_shift, faults.lose_reply = 5, 1
+        with pytest.raises(SequencerConflictError):
+            await seq.submit(commit_event(3))
+        assert seq.state == "failed" and isinstance(seq.failure, SequencerConflictError)
+        with pytest.raises(SequencerClosedError):
+            await seq.submit(commit_event(4))
+    finally:
+        faults.down, faults.high_water_shift = False, 0
+        with contextlib.suppress(Exception):
+            await seq.close()
+
+
+async def test_enqueue_nowait_hands_over_in_order_only_while_running(store: Store) -> None:
+    seq = Sequencer(store, Collector())
+    with pytest.raises(SequencerClosedError, match="not running"):
+        seq.enqueue_nowait(commit_event(1))  # not started
+    await seq.start()
+    futures = [seq.enqueue_nowait(commit_event(n)) for n in range(1, 4)]
+    assert [e.seq for e in await asyncio.gather(*futures) if e] == [1, 2, 3]
+    await seq.close()
+    with pytest.raises(SequencerClosedError, match="not running"):
+        seq.enqueue_nowait(commit_event(4))
 
 
 async def test_lost_postgres_connection_is_recovered(pg_target: StoreTarget) -> None:
