@@ -11,6 +11,7 @@ import pytest
 
 from backfill.errors import (
     BatchAbortedError,
+    FencedOffError,
     SequencerClosedError,
     SequencerConflictError,
     SequencerLockedError,
@@ -349,11 +350,13 @@ async def test_an_unavailable_store_holds_the_batch_until_it_answers(store: Stor
         assert [e.seq for e in published.events] == [1, 2] and seq.stats.failed_batches == 0
         # the stored mark is neither before nor after the batch: another writer; stop for good
         faults.high_water_shift, faults.lose_reply = 5, 1
-        with pytest.raises(SequencerConflictError):
+        with pytest.raises(SequencerConflictError, match=r"^seq high-water mark is 8, expected 2 or 3$"):
             await seq.submit(commit_event(3))
         assert seq.state == "failed" and isinstance(seq.failure, SequencerConflictError)
         with pytest.raises(SequencerClosedError):
             await seq.submit(commit_event(4))
+        with pytest.raises(SequencerClosedError, match="not running: seq high-water mark is 8"):
+            seq.enqueue_nowait(commit_event(4))  # failed, not closed
     finally:
         faults.down, faults.high_water_shift = False, 0
         with contextlib.suppress(Exception):
@@ -361,15 +364,40 @@ async def test_an_unavailable_store_holds_the_batch_until_it_answers(store: Stor
 
 
 async def test_enqueue_nowait_hands_over_in_order_only_while_running(store: Store) -> None:
-    seq = Sequencer(store, Collector())
-    with pytest.raises(SequencerClosedError, match="not running"):
+    gate = asyncio.Event()
+
+    async def held_publish(events: list[SequencedEvent]) -> None:
+        await gate.wait()
+
+    seq = Sequencer(store, held_publish)
+    with pytest.raises(SequencerClosedError, match="not running: stopped"):
         seq.enqueue_nowait(commit_event(1))  # not started
     await seq.start()
     futures = [seq.enqueue_nowait(commit_event(n)) for n in range(1, 4)]
-    assert [e.seq for e in await asyncio.gather(*futures) if e] == [1, 2, 3]
-    await seq.close()
+    await until(lambda: all(f.done() for f in futures), "events 1-3 durable")  # their publish is held
+    assert [f.result().seq for f in futures if f.result()] == [1, 2, 3]
+    closing = asyncio.create_task(seq.close())
+    await until(lambda: seq._closed, "close() begun")  # the writer has not stopped yet
     with pytest.raises(SequencerClosedError, match="not running"):
         seq.enqueue_nowait(commit_event(4))
+    gate.set()
+    await closing
+    with pytest.raises(SequencerClosedError, match="not running"):
+        seq.enqueue_nowait(commit_event(4))
+
+
+async def test_a_cursor_advance_of_a_lost_run_is_refused(store: Store) -> None:
+    """``advance_cursor`` with a revoked fence (an event of its run was lost) is not stored."""
+    async with Sequencer(store, Collector()) as seq:
+        await seq.advance_cursor("h.example", 5)
+        lost = Fence()
+        lost.revoke("an earlier event of this run failed")
+        with pytest.raises(FencedOffError):
+            await seq.advance_cursor("h.example", 9, lost)
+        assert seq.stats.fenced == 1
+        await seq.advance_cursor("h.example", 7, Fence())
+    host = await store.get_host("h.example")
+    assert host is not None and host.cursor == 7  # 9 never stored: only forward from 5
 
 
 async def test_lost_postgres_connection_is_recovered(pg_target: StoreTarget) -> None:
@@ -454,7 +482,6 @@ async def test_number_batch_decides_each_item() -> None:
     than the stored head, or than an event earlier in the batch) and a fenced-off item are not
     numbered, a refused body gives its seq to the next event, host cursors only move forward, and
     event times are ``now`` + 1 µs per event."""
-    from backfill.errors import FencedOffError
     from backfill.numbering import CursorOnly, number_batch
     from firehose.framing import encode_unsequenced, frame_header, splice_seq
     from firehose.state import Fence
