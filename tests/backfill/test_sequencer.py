@@ -325,38 +325,57 @@ async def test_a_batch_numbered_before_a_refused_commit_is_voided(store: Store) 
         await seq.close()
 
 
-async def test_an_unavailable_store_holds_the_batch_until_it_answers(store: Store) -> None:
+def _outage_log(caplog: pytest.LogCaptureFixture) -> list[tuple[str, object]]:
+    """The sequencer's outage lines: (message, its ``error`` or ``retries`` field)."""
+    out: list[tuple[str, object]] = []
+    for r in caplog.records:
+        if r.name == "backfill.sequencer" and "available" in r.getMessage():
+            out.append((r.getMessage(), getattr(r, "error", getattr(r, "retries", None))))
+    return out
+
+
+async def test_an_unavailable_store_holds_the_batch_until_it_answers(store: Store,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
     """While commits fail as unreachable (``Store.is_transient``) the batch is held and retried —
-    nothing failed, ``retrying`` — and written once the store answers; a commit made whose reply
-    was lost is recognised by the stored mark and not written twice."""
+    nothing failed, ``retrying``, one log line when an outage begins and one when it ends, with
+    the attempts of that outage — and written once the store answers; a commit made whose reply
+    was lost is recognised by the stored mark and not written twice; a mark moved elsewhere
+    (another writer) stops the sequencer for good."""
+    caplog.set_level("INFO", logger="backfill.sequencer")
     faults = Faults(RuntimeError("unused"))
     published = Collector()
     seq = Sequencer(with_faults(store, faults), published, retry_base=0.001, retry_max=0.002)
     await seq.start()
     try:
-        faults.down = True
-        first = asyncio.ensure_future(seq.submit(commit_event(1)))
-        await until(lambda: faults.refused >= 3, "three refused attempts")
-        assert seq.state == "retrying" and isinstance(seq.unavailable, OSError) and not first.done()
-        assert seq.stats.retries >= 3 and seq.stats.failed_batches == 0
-        faults.down = False
-        event = await asyncio.wait_for(first, 10)
-        assert event is not None and event.seq == 1
-        assert seq.state == "running" and seq.unavailable is None
+        refused = 0
+        for n, attempts in ((1, 3), (2, 2)):  # two outages, each counted on its own
+            faults.down, faults.refused = True, 0
+            held = asyncio.ensure_future(seq.submit(commit_event(n)))
+            await until(lambda a=attempts: faults.refused >= a, "refused attempts")
+            assert seq.state == "retrying" and isinstance(seq.unavailable, OSError) and not held.done()
+            faults.down = False
+            event = await asyncio.wait_for(held, 10)
+            assert event is not None and event.seq == n
+            assert seq.state == "running" and seq.unavailable is None and seq.stats.failed_batches == 0
+            assert _outage_log(caplog)[-2:] == [
+                ("store unavailable; holding batches and retrying", "OSError: store unreachable (injected)"),
+                ("store available again; sequencing resumed", faults.refused)]
+            refused += faults.refused
+        assert seq.stats.retries == refused  # one per refused attempt
         faults.lose_reply = 1  # committed, but the connection drops before the reply
-        second = await seq.submit(commit_event(2))
-        assert second is not None and second.seq == 2
-        assert [e.seq for e in await store.read_after(0, 10)] == [1, 2]
-        assert [e.seq for e in published.events] == [1, 2] and seq.stats.failed_batches == 0
+        third = await seq.submit(commit_event(3))
+        assert third is not None and third.seq == 3
+        assert [e.seq for e in await store.read_after(0, 10)] == [1, 2, 3]
+        assert [e.seq for e in published.events] == [1, 2, 3] and seq.stats.failed_batches == 0
         # the stored mark is neither before nor after the batch: another writer; stop for good
         faults.high_water_shift, faults.lose_reply = 5, 1
-        with pytest.raises(SequencerConflictError, match=r"^seq high-water mark is 8, expected 2 or 3$"):
-            await seq.submit(commit_event(3))
+        with pytest.raises(SequencerConflictError, match=r"^seq high-water mark is 9, expected 3 or 4$"):
+            await seq.submit(commit_event(4))
         assert seq.state == "failed" and isinstance(seq.failure, SequencerConflictError)
         with pytest.raises(SequencerClosedError):
-            await seq.submit(commit_event(4))
-        with pytest.raises(SequencerClosedError, match="not running: seq high-water mark is 8"):
-            seq.enqueue_nowait(commit_event(4))  # failed, not closed
+            await seq.submit(commit_event(5))
+        with pytest.raises(SequencerClosedError, match="not running: seq high-water mark is 9"):
+            seq.enqueue_nowait(commit_event(5))  # failed, not closed
     finally:
         faults.down, faults.high_water_shift = False, 0
         with contextlib.suppress(Exception):
