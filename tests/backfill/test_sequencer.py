@@ -163,6 +163,29 @@ async def test_waiting_sequencer_gets_lock_after_release(target: StoreTarget, st
         await other_store.close()
 
 
+async def test_a_lease_holder_that_cannot_be_named_is_unknown(target: StoreTarget, store: Store) -> None:
+    other_store = await target.open()
+
+    async def unnamed() -> str | None:
+        raise RuntimeError("cannot read the lock table")
+
+    other_store.writer_holder = unnamed  # type: ignore[method-assign]
+    first = Sequencer(store, Collector())
+    await first.start()
+    waiter = Sequencer(other_store, Collector(), wait_for_lock=True, lock_timeout=10)
+    start = asyncio.create_task(waiter.start())
+    try:
+        await until(lambda: waiter.state == "waiting", "the second sequencer waiting for the lease")
+        assert waiter.lease_holder == "unknown (RuntimeError)"
+        await first.close()
+        await asyncio.wait_for(start, 10)
+        assert waiter.lease_holder is None and waiter.state == "running"
+    finally:
+        await first.close()
+        await waiter.close()
+        await other_store.close()
+
+
 async def test_encoder_failure_fails_only_that_event(store: Store) -> None:
     def encoder(kind: str, body: dict) -> bytes:
         if body.get("poison"):
@@ -406,7 +429,8 @@ async def test_enqueue_nowait_hands_over_in_order_only_while_running(store: Stor
 
 
 async def test_a_cursor_advance_of_a_lost_run_is_refused(store: Store) -> None:
-    """``advance_cursor`` with a revoked fence (an event of its run was lost) is not stored."""
+    """``advance_cursor`` and ``write_account`` with a revoked fence (an event of their run was
+    lost) store nothing."""
     async with Sequencer(store, Collector()) as seq:
         await seq.advance_cursor("h.example", 5)
         lost = Fence()
@@ -415,8 +439,12 @@ async def test_a_cursor_advance_of_a_lost_run_is_refused(store: Store) -> None:
             await seq.advance_cursor("h.example", 9, lost)
         assert seq.stats.fenced == 1
         await seq.advance_cursor("h.example", 7, Fence())
+        with pytest.raises(FencedOffError):  # nor an account row of a lost run
+            await seq.write_account(AccountState(did="did:plc:lost", host="h.example", rev=rev_for(1)), lost)
+        assert seq.stats.fenced == 2
     host = await store.get_host("h.example")
     assert host is not None and host.cursor == 7  # 9 never stored: only forward from 5
+    assert await store.get_account("did:plc:lost") is None
 
 
 async def test_lost_postgres_connection_is_recovered(pg_target: StoreTarget) -> None:
