@@ -245,8 +245,10 @@ async def test_closed_sequencer_refuses(store: Store) -> None:
     seq = Sequencer(store, Collector())
     await seq.submit(commit_event(1))
     await seq.close()
-    with pytest.raises(SequencerClosedError):
+    with pytest.raises(SequencerClosedError, match="^sequencer is closed$"):
         await seq.submit(commit_event(2))
+    with pytest.raises(SequencerClosedError, match="^sequencer is closed$"):
+        await seq.start()
 
 
 async def test_seq_stays_below_2_pow_53(target: StoreTarget, store: Store) -> None:
@@ -395,6 +397,8 @@ async def test_an_unavailable_store_holds_the_batch_until_it_answers(store: Stor
         with pytest.raises(SequencerConflictError, match=r"^seq high-water mark is 9, expected 3 or 4$"):
             await seq.submit(commit_event(4))
         assert seq.state == "failed" and isinstance(seq.failure, SequencerConflictError)
+        assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == [
+            "sequencer stopped: seq high-water mark is 9, expected 3 or 4"]
         with pytest.raises(SequencerClosedError):
             await seq.submit(commit_event(5))
         with pytest.raises(SequencerClosedError, match="not running: seq high-water mark is 9"):
