@@ -4,7 +4,7 @@ whose writes can be made to fail (``with_faults``)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from backfill.store import BatchWrite, Store, WriterLease
 from firehose.state import AccountState, PendingEvent, SequencedEvent
@@ -77,15 +77,25 @@ class FaultyLease(WriterLease):
         if f.lose_reply > 0:
             f.lose_reply -= 1
             raise OSError("connection lost after COMMIT (injected)")
+        if f.after_commit is not None:
+            error, f.after_commit = f.after_commit, None
+            raise error
 
     async def high_water(self) -> int:
-        if self.faults.lease_failures > 0:
-            self.faults.lease_failures -= 1
+        f = self.faults
+        if f.lease_failures > 0:
+            f.lease_failures -= 1
             raise OSError("store unreachable while recovering (injected)")
-        return await self.inner.high_water() + self.faults.high_water_shift
+        if f.lease_error is not None:
+            error, f.lease_error = f.lease_error, None
+            raise error
+        return await self.inner.high_water() + f.high_water_shift
 
     async def release(self) -> None:
         await self.inner.release()
+        if self.faults.on_release is not None:
+            hook, self.faults.on_release = self.faults.on_release, None
+            await hook()
 
 
 class Faults:
@@ -99,6 +109,9 @@ class Faults:
         self.lease_failures = 0  # the next this-many lease reads fail as "unreachable"
         self.lose_reply = 0  # the next this-many commits are made, then fail as "unreachable"
         self.high_water_shift = 0  # added to the stored mark the lease reads (another writer moved it)
+        self.after_commit: BaseException | None = None  # the next commit is made, then fails with this
+        self.lease_error: BaseException | None = None  # the next lease read fails with this
+        self.on_release: Callable[[], Awaitable[None]] | None = None  # run once after a lease is released
 
 
 def with_faults(store: Store, faults: Faults) -> Store:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -20,6 +21,7 @@ from backfill.sequencer import Sequencer
 from backfill.store import Store
 from firehose.frames import encode_frame
 from firehose.state import AccountState, Fence, PendingEvent, SequencedEvent
+from mst.errors import ReasonError
 from tests.backfill.conftest import StoreTarget, decode_frame
 from tests.backfill.helpers import Collector, Faults, commit_event, rev_for, with_faults
 from tests.waiting import until
@@ -317,37 +319,105 @@ async def test_failed_commit_writes_nothing_and_numbering_resumes(target: StoreT
     assert seq.stats.failed_batches >= 1
 
 
-async def test_a_batch_numbered_before_a_refused_commit_is_voided(store: Store) -> None:
+async def test_a_batch_numbered_before_a_refused_commit_is_voided(store: Store,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
     """Batch k+1 is numbered while batch k commits, on top of k's in-flight account state. When
     the store refuses k, k+1 is void even where its seqs still fit the stored mark (k wrote no
     event: an account row alone): its submitter gets ``BatchAbortedError``, nothing of it is
-    stored, and its fence — shared with k's, one upstream run — is revoked; numbering resumes."""
-    faults = Faults(RuntimeError("write refused"))
+    stored, and its fence — shared with k's, one upstream run — is revoked with k's reason;
+    numbering resumes. Twice, with two kinds of error: every refusal voids what was numbered."""
+    faults = Faults(RuntimeError("unused"))
     seq = Sequencer(with_faults(store, faults), Collector(), max_batch=1, max_delay=0)
     await seq.start()
     try:
         did = "did:plc:epoch"
-        run = Fence()
-        faults.trigger = lambda batch: not batch.events and bool(batch.accounts)
-        account_write = asyncio.create_task(seq.write_account(
-            AccountState(did=did, host="pds.example", rev=rev_for(1), commit_cid="c1", data_cid="d1"), run))
-        await asyncio.wait_for(faults.reached.wait(), 10)  # batch k held in its commit
-        behind = await seq.enqueue(replace(commit_event(2, did=did), fence=run))
-        await until(lambda: seq._next_high_water == 1, "batch k+1 numbered behind k")
-        faults.go.set()  # k is refused
-        with pytest.raises(RuntimeError, match="write refused"):
-            await account_write
-        with pytest.raises(BatchAbortedError):
-            await behind
-        assert not run.valid
-        assert await store.read_after(0, 10) == [] and await store.get_account(did) is None
-        event = await seq.submit(commit_event(3, did=did))  # a new run: numbered from the stored mark
-        assert event is not None and event.seq == 1
-        assert [e.seq for e in await store.read_after(0, 10)] == [1]
-        assert seq.stats.failed_batches == 2
+        for n, error, reason in ((1, RuntimeError("write refused"), "RuntimeError"),
+                                 (4, ReasonError("write_refused", "no"), "write_refused")):
+            faults.error, faults.reached, faults.go = error, asyncio.Event(), asyncio.Event()
+            run = Fence()
+            faults.trigger = lambda batch: not batch.events and bool(batch.accounts)
+            account_write = asyncio.create_task(seq.write_account(
+                AccountState(did=did, host="pds.example", rev=rev_for(n), commit_cid="c", data_cid="d"), run))
+            await asyncio.wait_for(faults.reached.wait(), 10)  # batch k held in its commit
+            mark = seq.high_water
+            behind = await seq.enqueue(replace(commit_event(n + 1, did=did), fence=run))
+            await until(lambda m=mark: seq._next_high_water == m + 1, "batch k+1 numbered behind k")
+            faults.go.set()  # k is refused
+            with pytest.raises(type(error)):
+                await account_write
+            with pytest.raises(BatchAbortedError):
+                await behind
+            assert not run.valid and run.reason == reason
+            event = await seq.submit(commit_event(n + 2, did=did))  # a new run: numbered from the stored mark
+            assert event is not None and event.seq == mark + 1
+        assert [e.seq for e in await store.read_after(0, 10)] == [1, 2]  # the two new runs' events only
+        stored = await store.get_account(did)
+        assert stored is not None and stored.rev == rev_for(6)
+        assert seq.stats.failed_batches == 4
+        assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("sequencer batch")] == [
+            "sequencer batch of 1 not written: write refused",
+            "sequencer batch of 1 not written: an earlier batch failed; resubmit",
+            "sequencer batch of 1 not written: write_refused: no",
+            "sequencer batch of 1 not written: an earlier batch failed; resubmit"]
     finally:
         faults.go.set()
         await seq.close()
+
+
+@pytest.mark.parametrize("case", ["unreachable", "committed", "lease_lost", "taken"])
+async def test_recovery_after_a_refused_commit(target: StoreTarget, store: Store, case: str,
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    """After a refused commit the sequencer reloads the stored mark through its lease before it
+    numbers anything else. ``unreachable``: the lease's connection is dead meanwhile — it is
+    released and taken again (logged), numbering goes on. ``committed``: the refused commit did
+    reach the database — numbering goes on after it. ``lease_lost``: the lease cannot be read for
+    another reason — stop for good. ``taken``: another writer took the lease meanwhile — stop."""
+    caplog.set_level("WARNING", logger="backfill.sequencer")
+    faults = Faults(RuntimeError("write refused"))
+    other = await target.open()
+    seq = Sequencer(with_faults(store, faults), Collector(), max_batch=1, max_delay=0)
+    await seq.start()
+    held: list[Any] = []
+    try:
+        assert (await seq.submit(commit_event(1))) is not None
+        if case == "committed":
+            faults.after_commit = RuntimeError("write refused")
+        else:
+            faults.trigger = lambda batch: bool(batch.events)
+        if case in ("unreachable", "taken"):
+            faults.lease_failures = 1
+        if case == "lease_lost":
+            faults.lease_error = RuntimeError("lease gone")
+        if case == "taken":
+            async def take() -> None:
+                held.append(await other.acquire_writer(wait=False))
+            faults.on_release = take
+        faults.go.set()
+        with pytest.raises(RuntimeError, match="write refused"):
+            await seq.submit(commit_event(2))
+        if case in ("unreachable", "committed"):
+            event = await seq.submit(commit_event(3))
+            expected = 3 if case == "committed" else 2
+            assert event is not None and event.seq == expected and seq.state == "running"
+            assert [e.seq for e in await store.read_after(0, 10)] == list(range(1, expected + 1))
+            retaken = [r for r in caplog.records if r.getMessage() == "sequencer: writer lease re-taken"]
+            assert [getattr(r, "high_water", None) for r in retaken] == ([1] if case == "unreachable" else [])
+        else:
+            assert seq.state == "failed"
+            if case == "lease_lost":
+                assert isinstance(seq.failure, SequencerConflictError)
+                assert str(seq.failure) == "writer lease lost and not recoverable: lease gone"
+            else:
+                assert isinstance(seq.failure, SequencerLockedError) and held
+            with pytest.raises(SequencerClosedError, match="^sequencer stopped: "):
+                await seq.submit(commit_event(3))
+    finally:
+        faults.go.set()
+        with contextlib.suppress(Exception):
+            await seq.close()
+        for lease in held:
+            await lease.release()
+        await other.close()
 
 
 def _outage_log(caplog: pytest.LogCaptureFixture) -> list[tuple[str, object]]:
@@ -399,7 +469,7 @@ async def test_an_unavailable_store_holds_the_batch_until_it_answers(store: Stor
         assert seq.state == "failed" and isinstance(seq.failure, SequencerConflictError)
         assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == [
             "sequencer stopped: seq high-water mark is 9, expected 3 or 4"]
-        with pytest.raises(SequencerClosedError):
+        with pytest.raises(SequencerClosedError, match="^sequencer stopped: seq high-water mark is 9"):
             await seq.submit(commit_event(5))
         with pytest.raises(SequencerClosedError, match="not running: seq high-water mark is 9"):
             seq.enqueue_nowait(commit_event(5))  # failed, not closed
@@ -519,7 +589,7 @@ async def test_enqueuer_blocked_on_a_full_queue_is_released_by_close(store: Stor
         await asyncio.wait_for(closing, 10)
         assert (await first) is not None
         for task in blocked:
-            with pytest.raises(SequencerClosedError):
+            with pytest.raises(SequencerClosedError, match="^sequencer stopped: closed$"):
                 await asyncio.wait_for(task, 10)
     finally:
         gate.set()
