@@ -72,7 +72,8 @@ class FaultyLease(WriterLease):
             f.trigger = None
             f.reached.set()
             await f.go.wait()
-            raise f.error
+            if f.error is not None:
+                raise f.error
         await self.inner.commit_batch(batch)
         if f.lose_reply > 0:
             f.lose_reply -= 1
@@ -99,8 +100,8 @@ class FaultyLease(WriterLease):
 
 
 class Faults:
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
+    def __init__(self, error: BaseException | None) -> None:
+        self.error = error  # None: the held batch is then written
         self.trigger: Callable[[BatchWrite], bool] | None = None
         self.reached = asyncio.Event()
         self.go = asyncio.Event()

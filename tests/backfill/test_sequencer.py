@@ -92,6 +92,32 @@ async def test_redelivery_of_same_or_older_rev_is_ignored(store: Store) -> None:
     assert await store.host_cursor("pds.example") == 9
 
 
+async def test_redeliveries_are_judged_against_the_stored_head_while_others_are_in_flight(store: Store) -> None:
+    """A re-delivered event is recognised against the stored head of its account also while
+    another account's batch is in flight (heads come from that batch for its accounts and from
+    the store for the rest), and also when it carries a rev but no account state."""
+    faults = Faults(None)
+    seq = Sequencer(with_faults(store, faults), Collector(), max_batch=1, max_delay=0)
+    await seq.start()
+    try:
+        assert await seq.submit(commit_event(5, did="did:plc:b")) is not None
+        faults.trigger = lambda batch: any(a.did == "did:plc:a" for a in batch.accounts)
+        in_flight = asyncio.ensure_future(seq.submit(commit_event(6, did="did:plc:a")))
+        await asyncio.wait_for(faults.reached.wait(), 10)  # A's batch held in its commit
+        again = asyncio.ensure_future(seq.submit(commit_event(5, did="did:plc:b")))
+        bare = replace(commit_event(4, did="did:plc:b"), account=None)  # a rev, no account state
+        older = asyncio.ensure_future(seq.submit(bare))
+        # both judged while A is still in flight: not newer than B's stored rev, so ignored
+        await until(lambda: seq.stats.ignored == 2, "both re-deliveries recognised behind A")
+        faults.go.set()
+        assert (await in_flight) is not None
+        assert await again is None and await older is None
+        assert [e.did for e in await store.read_after(0, 10)] == ["did:plc:b", "did:plc:a"]
+    finally:
+        faults.go.set()
+        await seq.close()
+
+
 async def test_seq_monotonic_across_restart(target: StoreTarget, store: Store) -> None:
     async with Sequencer(store, Collector()) as seq:
         for n in range(1, 11):
@@ -364,12 +390,14 @@ async def test_a_batch_numbered_before_a_refused_commit_is_voided(store: Store,
         await seq.close()
 
 
-@pytest.mark.parametrize("case", ["unreachable", "committed", "lease_lost", "taken"])
+@pytest.mark.parametrize("case", ["unreachable", "unreachable_twice", "committed", "lease_lost", "taken"])
 async def test_recovery_after_a_refused_commit(target: StoreTarget, store: Store, case: str,
                                               caplog: pytest.LogCaptureFixture) -> None:
     """After a refused commit the sequencer reloads the stored mark through its lease before it
     numbers anything else. ``unreachable``: the lease's connection is dead meanwhile — it is
-    released and taken again (logged), numbering goes on. ``committed``: the refused commit did
+    released and taken again (logged), numbering goes on; ``unreachable_twice``: the new lease
+    cannot be read at first either — the sequencer waits for the store (logged) and goes on.
+    ``committed``: the refused commit did
     reach the database — numbering goes on after it. ``lease_lost``: the lease cannot be read for
     another reason — stop for good. ``taken``: another writer took the lease meanwhile — stop."""
     caplog.set_level("WARNING", logger="backfill.sequencer")
@@ -386,6 +414,8 @@ async def test_recovery_after_a_refused_commit(target: StoreTarget, store: Store
             faults.trigger = lambda batch: bool(batch.events)
         if case in ("unreachable", "taken"):
             faults.lease_failures = 1
+        if case == "unreachable_twice":
+            faults.lease_failures = 2
         if case == "lease_lost":
             faults.lease_error = RuntimeError("lease gone")
         if case == "taken":
@@ -395,13 +425,17 @@ async def test_recovery_after_a_refused_commit(target: StoreTarget, store: Store
         faults.go.set()
         with pytest.raises(RuntimeError, match="write refused"):
             await seq.submit(commit_event(2))
-        if case in ("unreachable", "committed"):
+        if case in ("unreachable", "unreachable_twice", "committed"):
             event = await seq.submit(commit_event(3))
             expected = 3 if case == "committed" else 2
             assert event is not None and event.seq == expected and seq.state == "running"
             assert [e.seq for e in await store.read_after(0, 10)] == list(range(1, expected + 1))
             retaken = [r for r in caplog.records if r.getMessage() == "sequencer: writer lease re-taken"]
             assert [getattr(r, "high_water", None) for r in retaken] == ([1] if case == "unreachable" else [])
+            waited = [getattr(r, "error", None) for r in caplog.records
+                      if r.getMessage() == "store unavailable; holding batches and retrying"]
+            assert waited == (["OSError: store unreachable while recovering (injected)"]
+                              if case == "unreachable_twice" else [])
         else:
             assert seq.state == "failed"
             if case == "lease_lost":
@@ -411,6 +445,7 @@ async def test_recovery_after_a_refused_commit(target: StoreTarget, store: Store
                 assert isinstance(seq.failure, SequencerLockedError) and held
             with pytest.raises(SequencerClosedError, match="^sequencer stopped: "):
                 await seq.submit(commit_event(3))
+            await seq.close()  # a failed sequencer still closes cleanly (no lease left to release)
     finally:
         faults.go.set()
         with contextlib.suppress(Exception):
