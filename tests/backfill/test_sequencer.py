@@ -118,6 +118,36 @@ async def test_redeliveries_are_judged_against_the_stored_head_while_others_are_
         await seq.close()
 
 
+async def test_a_failed_head_lookup_holds_the_batch_or_fails_it(store: Store,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    """Reading the accounts' stored heads before numbering: while the store is unreachable the batch
+    is held and the read retried; any other error fails the batch (its fences revoked) and the
+    sequencer goes on."""
+    caplog.set_level("WARNING", logger="backfill.sequencer")
+    real = store.account_heads
+    errors: list[BaseException] = [OSError("unreachable"), OSError("unreachable")]
+
+    async def account_heads(dids: Any) -> Any:
+        if errors:
+            raise errors.pop(0)
+        return await real(dids)
+
+    store.account_heads = account_heads  # type: ignore[method-assign]
+    async with Sequencer(store, Collector(), retry_base=0.001, retry_max=0.002) as seq:
+        event = await seq.submit(commit_event(1))
+        assert event is not None and event.seq == 1
+        assert seq.stats.retries == 2 and seq.stats.failed_batches == 0 and seq.unavailable is None
+        assert [getattr(r, "error", None) for r in caplog.records
+                if r.getMessage().startswith("store unavailable")] == ["OSError: unreachable"]
+        errors.append(RuntimeError("bad query"))
+        run = Fence()
+        with pytest.raises(RuntimeError, match="bad query"):
+            await seq.submit(replace(commit_event(2), fence=run))
+        assert not run.valid and seq.stats.failed_batches == 1
+        later = await seq.submit(commit_event(3))
+        assert later is not None and later.seq == 2
+
+
 async def test_seq_monotonic_across_restart(target: StoreTarget, store: Store) -> None:
     async with Sequencer(store, Collector()) as seq:
         for n in range(1, 11):
