@@ -420,16 +420,18 @@ async def test_a_batch_numbered_before_a_refused_commit_is_voided(store: Store,
         await seq.close()
 
 
-@pytest.mark.parametrize("case", ["unreachable", "unreachable_twice", "committed", "lease_lost", "taken"])
+@pytest.mark.parametrize("case", ["unreachable", "unreachable_twice", "committed", "committed_unreachable",
+                                  "lease_lost", "taken"])
 async def test_recovery_after_a_refused_commit(target: StoreTarget, store: Store, case: str,
                                               caplog: pytest.LogCaptureFixture) -> None:
     """After a refused commit the sequencer reloads the stored mark through its lease before it
     numbers anything else. ``unreachable``: the lease's connection is dead meanwhile — it is
     released and taken again (logged), numbering goes on; ``unreachable_twice``: the new lease
     cannot be read at first either — the sequencer waits for the store (logged) and goes on.
-    ``committed``: the refused commit did
-    reach the database — numbering goes on after it. ``lease_lost``: the lease cannot be read for
-    another reason — stop for good. ``taken``: another writer took the lease meanwhile — stop."""
+    ``committed``: the refused commit did reach the database — numbering goes on after it
+    (``committed_unreachable``: once the store answers again). ``lease_lost``: the lease cannot be
+    read for another reason — stop for good. ``taken``: another writer took the lease meanwhile —
+    stop."""
     caplog.set_level("WARNING", logger="backfill.sequencer")
     faults = Faults(RuntimeError("write refused"))
     other = await target.open()
@@ -438,13 +440,13 @@ async def test_recovery_after_a_refused_commit(target: StoreTarget, store: Store
     held: list[Any] = []
     try:
         assert (await seq.submit(commit_event(1))) is not None
-        if case == "committed":
+        if case.startswith("committed"):
             faults.after_commit = RuntimeError("write refused")
         else:
             faults.trigger = lambda batch: bool(batch.events)
         if case in ("unreachable", "taken"):
             faults.lease_failures = 1
-        if case == "unreachable_twice":
+        if case in ("unreachable_twice", "committed_unreachable"):
             faults.lease_failures = 2
         if case == "lease_lost":
             faults.lease_error = RuntimeError("lease gone")
@@ -455,9 +457,9 @@ async def test_recovery_after_a_refused_commit(target: StoreTarget, store: Store
         faults.go.set()
         with pytest.raises(RuntimeError, match="write refused"):
             await seq.submit(commit_event(2))
-        if case in ("unreachable", "unreachable_twice", "committed"):
+        if not case.startswith(("lease_lost", "taken")):
             event = await seq.submit(commit_event(3))
-            expected = 3 if case == "committed" else 2
+            expected = 3 if case.startswith("committed") else 2
             assert event is not None and event.seq == expected and seq.state == "running"
             assert [e.seq for e in await store.read_after(0, 10)] == list(range(1, expected + 1))
             retaken = [r for r in caplog.records if r.getMessage() == "sequencer: writer lease re-taken"]
@@ -465,7 +467,7 @@ async def test_recovery_after_a_refused_commit(target: StoreTarget, store: Store
             waited = [getattr(r, "error", None) for r in caplog.records
                       if r.getMessage() == "store unavailable; holding batches and retrying"]
             assert waited == (["OSError: store unreachable while recovering (injected)"]
-                              if case == "unreachable_twice" else [])
+                              if case.endswith(("twice", "_unreachable")) else [])
         else:
             assert seq.state == "failed"
             if case == "lease_lost":
