@@ -148,6 +148,49 @@ async def test_a_failed_head_lookup_holds_the_batch_or_fails_it(store: Store,
         assert later is not None and later.seq == 2
 
 
+async def test_in_flight_heads_count_accounts_per_host_and_catch_re_deliveries(store: Store) -> None:
+    """Accounts counted per host as the sequencer stores them (a new account +1, a move −1/+1, a
+    later commit on the same host nothing), and a re-delivery judged against the head of a batch
+    still in flight — with account state or with a rev alone."""
+    faults = Faults(None)
+    seq = Sequencer(with_faults(store, faults), Collector(), max_batch=1, max_delay=0)
+    await seq.start()
+    try:
+        for n, did, host in ((1, "did:plc:a", "h1"), (2, "did:plc:b", "h1"), (3, "did:plc:a", "h1"),
+                             (4, "did:plc:b", "h2")):
+            assert await seq.submit(commit_event(n, did=did, host=host)) is not None
+        counts = {h: (await store.get_host(h)).account_count for h in ("h1", "h2")}  # type: ignore[union-attr]
+        assert counts == {"h1": 1, "h2": 1}
+        faults.trigger = lambda batch: bool(batch.events)
+        held = asyncio.ensure_future(seq.submit(commit_event(5, did="did:plc:a", host="h1")))
+        await asyncio.wait_for(faults.reached.wait(), 10)
+        again = asyncio.ensure_future(seq.submit(commit_event(5, did="did:plc:a", host="h1")))
+        await until(lambda: seq.stats.ignored == 1, "the re-delivery recognised against the batch in flight")
+        faults.go.set()
+        assert (await held) is not None and await again is None
+        faults.trigger, faults.reached, faults.go = (lambda batch: bool(batch.events)), asyncio.Event(), asyncio.Event()
+        bare = replace(commit_event(6, did="did:plc:a", host="h1"), account=None)
+        held = asyncio.ensure_future(seq.submit(bare))
+        await asyncio.wait_for(faults.reached.wait(), 10)
+        again = asyncio.ensure_future(seq.submit(replace(bare)))
+        await until(lambda: seq.stats.ignored == 2, "the bare re-delivery recognised against the batch in flight")
+        faults.go.set()
+        assert (await held) is not None and await again is None
+        assert [e.seq for e in await store.read_after(0, 10)] == [1, 2, 3, 4, 5, 6]
+    finally:
+        faults.go.set()
+        await seq.close()
+
+
+async def test_event_times_strictly_increase_by_whole_microseconds(store: Store) -> None:
+    """A clock that stands still (or goes back) still gives every event a later time: 1 µs after
+    the one before."""
+    async with Sequencer(store, Collector(), clock=lambda: 1000.0, max_batch=2) as seq:
+        events = [await seq.submit(commit_event(n)) for n in range(1, 5)]
+    times = [e.time for e in events if e]
+    assert times[0] == 1000.0 and all(abs(b - a - 1e-6) < 1e-9 for a, b in zip(times, times[1:], strict=False))
+
+
 async def test_seq_monotonic_across_restart(target: StoreTarget, store: Store) -> None:
     async with Sequencer(store, Collector()) as seq:
         for n in range(1, 11):
