@@ -191,6 +191,58 @@ async def test_event_times_strictly_increase_by_whole_microseconds(store: Store)
     assert times[0] == 1000.0 and all(abs(b - a - 1e-6) < 1e-9 for a, b in zip(times, times[1:], strict=False))
 
 
+async def test_commit_errors_after_an_outage_and_from_another_writer(store: Store) -> None:
+    """While reconnecting after an outage: a lease still unreachable means wait and commit again
+    (the batch is written once, after the outage); a lease that fails otherwise fails the batch
+    and the sequencer goes on. A commit refused because another writer holds the store stops it
+    for good, failing that batch with the writer's error."""
+    faults = Faults(None)
+    seq = Sequencer(with_faults(store, faults), Collector(), retry_base=0.001, retry_max=0.002, max_batch=1)
+    await seq.start()
+    try:
+        before = seq.last_commit_at
+        faults.down, faults.lease_failures = True, 2  # the new lease cannot be read at first either
+        held = asyncio.ensure_future(seq.submit(commit_event(1)))
+        await until(lambda: faults.refused >= 2 and faults.lease_failures == 0, "the reconnection tried")
+        faults.down = False
+        event = await asyncio.wait_for(held, 10)
+        assert event is not None and event.seq == 1
+        assert [e.seq for e in await store.read_after(0, 10)] == [1] and seq.last_commit_at > before
+        faults.down, faults.lease_error = True, RuntimeError("lease broken")
+        failing = asyncio.ensure_future(seq.submit(commit_event(2)))
+        await until(lambda: faults.lease_error is None, "the lease read while reconnecting")
+        faults.down = False
+        with pytest.raises(RuntimeError, match="lease broken"):
+            await failing
+        later = await seq.submit(commit_event(3))
+        assert later is not None and later.seq == 2 and seq.state == "running"
+        assert (seq.stats.batches, seq.stats.events, seq.stats.failed_batches) == (2, 2, 1)
+        assert seq._overlay == {}  # every committed head handed back to the store
+        faults.error, faults.trigger = SequencerConflictError("the mark moved"), (lambda batch: True)
+        faults.go.set()
+        with pytest.raises(SequencerConflictError, match="the mark moved"):
+            await seq.submit(commit_event(4))
+        assert seq.state == "failed" and str(seq.failure) == "the mark moved"
+    finally:
+        faults.down = False
+        faults.go.set()
+        with contextlib.suppress(Exception):
+            await seq.close()
+
+
+async def test_encode_errors_are_counted_across_batches(store: Store) -> None:
+    def encoder(kind: str, body: dict) -> bytes:
+        if body.get("poison"):
+            raise ValueError("cannot encode")
+        return encode_frame(kind, body)
+
+    async with Sequencer(store, Collector(), encoder, max_batch=1) as seq:
+        for _ in range(2):
+            with pytest.raises(ValueError):
+                await seq.submit(PendingEvent("#identity", "did:plc:p", {"poison": True}))
+    assert seq.stats.encode_errors == 2
+
+
 async def test_seq_monotonic_across_restart(target: StoreTarget, store: Store) -> None:
     async with Sequencer(store, Collector()) as seq:
         for n in range(1, 11):
