@@ -31,7 +31,7 @@ import httpx  # noqa: E402
 
 from bench._common import load_average, note, relay, result  # noqa: E402
 from bench.weather import Arrivals, consume, percentile  # noqa: E402
-from relay.sim import SimConfig, SimFleet, TruthEvent  # noqa: E402
+from sim import SimConfig, SimFleet, TruthEvent  # noqa: E402
 
 
 async def scraper(url: str, every: float, took: list[float], sizes: list[int]) -> None:

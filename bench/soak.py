@@ -68,7 +68,7 @@ from bench._common import (  # noqa: E402
     rss_bytes,
 )
 from bench.weather import Arrivals, lost_commits, percentile, undelivered_commits  # noqa: E402
-from relay.sim import SimConfig, SimFleet  # noqa: E402
+from sim import SimConfig, SimFleet  # noqa: E402
 
 #: fault kind → probability per generated commit (per emitted frame for slow/stall/disconnect)
 FAULTS: dict[str, float] = {

@@ -5,6 +5,12 @@ failed, 2 on usage errors). Jobs run in ``local[*]`` unless ``--master`` says ot
 ``spark-submit`` use ``spark/submit.py`` (same options; the master comes from spark-submit).
 Progress: Spark's UI address is printed, and a progress line (repositories done, outcomes) is
 redrawn on stderr from the results table while the job runs.
+
+A job never changes the relay's state: what it finds is *queued for the relay* (the outbox), and
+the running relay applies each row or discards it as stale (it had caught up meanwhile). The
+summary ends with those counts for the run's rows (``relay``: ``applied``, ``stale``, …,
+``pending`` while the relay has not got to them; ``--wait-for-relay`` waits for them), and
+``relay spark repairs --run-id ID`` tells them later.
 """
 
 from __future__ import annotations
@@ -63,8 +69,10 @@ def build_parser(default_master: str | None = "local[*]") -> argparse.ArgumentPa
         p.add_argument("--write-batch", type=int, default=200, help="rows per write-back transaction")
         p.add_argument("--no-progress", action="store_true", help="no progress line")
         p.add_argument("--json", action="store_true", help="print the summary as JSON")
+        p.add_argument("--wait-for-relay", type=float, default=0.0, metavar="SECONDS",
+                       help="after the job, wait up to this long for the relay to apply or discard what it queued")
 
-    p = sub.add_parser("resync", help="re-verify repositories from their hosts and repair the relay's state")
+    p = sub.add_parser("resync", help="re-verify repositories from their hosts; queue what differs for the relay")
     common(p)
     p.add_argument("--sync-state", action="append", default=[],
                    help="only accounts in this sync state (repeatable; e.g. desynchronized)")
@@ -86,6 +94,13 @@ def build_parser(default_master: str | None = "local[*]") -> argparse.ArgumentPa
     p.add_argument("--sync-state", action="append", default=[])
     p.add_argument("--include-inactive", action="store_true")
 
+    p = sub.add_parser("repairs", help="what the relay did with the rows a run queued (applied, stale, pending)")
+    p.add_argument("--db", default=None, help="relay database URL (default: $RELAY_DATABASE_URL or the embedded SQLite file)")
+    p.add_argument("--run-id", required=True, help="the job run whose rows to count")
+    p.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+                   help="wait up to this long while rows are still pending")
+    p.add_argument("--json", action="store_true", help="print the counts as JSON")
+
     p = sub.add_parser("package", help="zip the project's packages for spark-submit --py-files")
     p.add_argument("--out", default="dist/relay-spark.zip")
     return parser
@@ -103,8 +118,35 @@ def package(out: str) -> Path:
     return target
 
 
+#: how outcomes are shown to people (the stored code on the left)
+LABELS = {"queued": "queued for the relay"}
+
+
+def relay_outcomes(db_url: str, run_id: str, wait: float = 0.0, poll: float = 1.0) -> dict[str, int]:
+    """What the relay did with the rows ``run_id`` queued (``spark.relaydb.repair_outcomes``),
+    waiting up to ``wait`` seconds while some are still ``pending``."""
+    from spark.db import connect_db
+    from spark.relaydb import repair_outcomes
+
+    deadline = time.monotonic() + wait
+    while True:
+        with connect_db(db_url) as db:
+            counts = repair_outcomes(db, run_id)
+        if not counts.get("pending") or time.monotonic() >= deadline:
+            return counts
+        time.sleep(min(poll, max(0.0, deadline - time.monotonic())))
+
+
+def relay_line(counts: dict[str, int]) -> str:
+    """``relay, of N rows queued: applied=… stale (discarded)=… pending=…``."""
+    total = sum(counts.values())
+    shown = {"stale": "stale (discarded)"}
+    parts = " ".join(f"{shown.get(k, k)}={v}" for k, v in sorted(counts.items()))
+    return f"relay, of {total} rows queued: {parts or 'nothing queued'}"
+
+
 class Progress:
-    """Redraws ``<job>: N/total repositories  ok=… repaired=… failed=…`` on stderr."""
+    """Redraws ``<job>: N/total repositories  ok=… queued for the relay=… failed=…`` on stderr."""
 
     def __init__(self, db_url: str, run_id: str, job: str, total: int | None, every: float = 2.0) -> None:
         self.db_url, self.run_id, self.job, self.total, self.every = db_url, run_id, job, total, every
@@ -118,7 +160,7 @@ class Progress:
         with connect_db(self.db_url) as db:
             counts = result_counts(db, self.run_id)
         done = sum(counts.values())
-        parts = " ".join(f"{k}={v}" for k, v in sorted(counts.items()))
+        parts = " ".join(f"{LABELS.get(k, k)}={v}" for k, v in sorted(counts.items()))
         if self.total:
             width = 30
             filled = min(width, int(width * done / max(1, self.total)))
@@ -239,6 +281,10 @@ def main(argv: list[str] | None = None, default_master: str | None = "local[*]")
     if args.job == "package":
         print(package(args.out))
         return 0
+    if args.job == "repairs":
+        counts = relay_outcomes(args.db or _default_db(), args.run_id, args.wait)
+        print(json.dumps(counts, indent=2, sort_keys=True) if args.json else relay_line(counts))
+        return 0
     bad = [item for item in args.conf if "=" not in item]
     if bad:
         parser.error(f"--conf needs KEY=VALUE, got {bad[0]!r}")
@@ -249,6 +295,8 @@ def main(argv: list[str] | None = None, default_master: str | None = "local[*]")
               file=sys.stderr)
         return 2
     summary = run(args)
+    if args.job in ("resync", "reconcile"):  # the jobs that queue rows for the relay
+        summary["relay"] = relay_outcomes(args.db, str(summary["run_id"]), args.wait_for_relay)
     if args.json:
         print(json.dumps(summary, indent=2, sort_keys=True))
     else:
@@ -261,9 +309,10 @@ def _print_summary(summary: dict[str, Any]) -> None:
     print(f"{job} run {summary.get('run_id')}")
     if job == "resync":
         for outcome, n in sorted(summary.get("totals", {}).items()):
-            print(f"  {outcome:<10} {n}")
+            print(f"  {LABELS.get(outcome, outcome) + ':':<22} {n}")
         for key, n in sorted(summary.get("this_pass", {}).items()):
-            print(f"    this pass {key}: {n}")
+            outcome, _, reason = key.partition(":")
+            print(f"    this pass {LABELS.get(outcome, outcome)}" + (f" ({reason})" if reason else "") + f": {n}")
     elif job == "reconcile":
         for host, counts in sorted(summary.get("hosts", {}).items()):
             print(f"  {host}: " + ", ".join(f"{k}={v}" for k, v in sorted(counts.items())))
@@ -274,6 +323,8 @@ def _print_summary(summary: dict[str, Any]) -> None:
             print(f"    {coll}: {n}")
         if summary.get("failed"):
             print(f"  failed repositories: {len(summary['failed'])}")
+    if "relay" in summary:
+        print(f"  {relay_line(summary['relay'])}")
 
 
 if __name__ == "__main__":

@@ -214,6 +214,17 @@ def queue_sync_repairs(db: JobDB, run_id: str, repairs: Sequence[SyncRepair]) ->
     ])
 
 
+def repair_outcomes(db: JobDB, run_id: str) -> dict[str, int]:
+    """What the relay did with the rows ``run_id`` queued: count per outcome (``applied``, ``stale``
+    — not newer than what the relay accepted since the job looked, discarded —, ``desync_cleared``,
+    …) and ``pending`` for rows the relay has not consumed yet."""
+    rows = db.fetch(
+        "SELECT COALESCE(outcome, 'pending') AS outcome, count(*) AS n FROM spark_repair_outbox "
+        "WHERE run_id = ? GROUP BY COALESCE(outcome, 'pending')", run_id
+    )
+    return {row["outcome"]: int(row["n"]) for row in rows}
+
+
 def queue_findings(db: JobDB, run_id: str, findings: Sequence[Finding]) -> None:
     """Queue reconcile's findings (one row per account and kind per run)."""
     now = time.time()

@@ -8,8 +8,9 @@ Pure judgement (``judge``) is separated from I/O (``fetch_verified``) so it is t
   identity reasons plus the repository core's (``RepoError.reason``), ``did_mismatch`` and
   ``pds_mismatch`` (the DID document names another host: nothing is fetched).
 * ``judge(stored, fetched) -> Judgement``: ``ok`` when the stored commit/data/rev equal the
-  fetched ones (or the relay is already ahead: ``relay_ahead``); otherwise ``repaired`` with
-  reason ``state_missing``, ``state_diverged`` or ``desync_cleared``.
+  fetched ones (or the relay is already ahead: ``relay_ahead``); otherwise ``queued`` (a ``#sync``
+  is queued for the relay, which applies it or finds it stale) with reason ``state_missing``,
+  ``state_diverged`` or ``desync_cleared``.
 """
 
 from __future__ import annotations
@@ -116,13 +117,13 @@ def judge(stored: StoredAccount, fetched: FetchedRepo) -> Judgement:
     )
     if same:
         if stored.sync_state != "synced":
-            return Judgement("repaired", "desync_cleared")
+            return Judgement("queued", "desync_cleared")
         return Judgement("ok", None)
     if stored.rev is None or stored.commit_cid is None:
-        return Judgement("repaired", "state_missing")
+        return Judgement("queued", "state_missing")
     if stored.rev > fetched.rev:
         return Judgement("ok", "relay_ahead")
-    return Judgement("repaired", "state_diverged")
+    return Judgement("queued", "state_diverged")
 
 
 def sync_blocks(fetched: FetchedRepo) -> bytes:

@@ -6,18 +6,18 @@ Per repository (in executors, grouped by host, with the host's rate/concurrency 
 check, timeouts and retries — see ``spark.partitioning`` and ``spark.fetch``): ``getRepo``, resolve
 the signing key, verify signature + every block hash + the full MST (``mst.verify``), compare with
 the stored state (``spark.repo_check.judge``). Every ``cfg.write_batch`` repositories one
-transaction writes the results rows (did, host, outcome ok/repaired/failed, reason, records,
-bytes) and one ``#sync`` row per repaired account into ``spark_repair_outbox``. The job never
+transaction writes the results rows (did, host, outcome ok/queued/failed, reason, records,
+bytes) and one ``#sync`` row per ``queued`` account into ``spark_repair_outbox``. The job never
 writes account state: the running relay applies each row in the account's lane with a
-compare-and-set against its state at that moment (``backfill.outbox``), so ``repaired`` means
-"a repair was queued"; the row's ``outcome`` says whether the relay applied it or found it stale
-(the relay had caught up meanwhile).
+compare-and-set against its state at that moment (``backfill.outbox``), so ``queued`` means
+"queued for the relay"; the row's ``outcome`` says whether the relay applied it or discarded it
+as stale (the relay had caught up meanwhile): ``relaydb.repair_outcomes``.
 Verified accounts the relay holds at the verified rev get their collection counts rebuilt
 (``spark.collections``, a compare-and-set on the stored rev in the same transaction).
 
 Resumable: a rerun with the same run id skips repositories that already have a result
 (``retry_failed`` re-attempts the failed ones). Idempotent: a fresh run over accounts the relay
-has repaired finds them ``ok`` and queues nothing; one before the relay applied the first run's
+has applied finds them ``ok`` and queues nothing; one before the relay applied the first run's
 rows queues nothing new either (the rows are keyed by did, rev and commit).
 """
 
@@ -77,7 +77,7 @@ def check_account(
         account.did, account.host, verdict.outcome, verdict.reason,
         records=len(fetched.records), bytes=fetched.size, rev=fetched.rev,
     )
-    if verdict.outcome != "repaired":
+    if verdict.outcome != "queued":
         return row, None, counts if verdict.outcome == "ok" else None
     repair = SyncRepair(
         did=account.did, host=account.host, rev=fetched.rev, commit_cid=fetched.commit_cid,
@@ -109,7 +109,7 @@ def count_outcomes(pairs: Iterable[tuple[str, str]]) -> dict[str, int]:
 
 
 def run_resync(spark: SparkSession, cfg: JobConfig, flt: AccountFilter) -> dict[str, Any]:
-    """Driver side: select, distribute, verify, repair; returns the run's summary."""
+    """Driver side: select, distribute, verify, queue for the relay; returns the run's summary."""
     sc = spark.sparkContext
     parts = cfg.partitions or max(1, sc.defaultParallelism)
     flt = replace(flt, skip_finished_run=cfg.run_id)

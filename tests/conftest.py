@@ -7,9 +7,13 @@ Tests use the real PostgreSQL and Redis on this machine. Override the addresses 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis
+
+from tests.redis_keys import current_keys, keys_removed, leftovers
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = Path(os.environ.get("RELAY_SHARED_DIR", ROOT.parent / "shared"))
@@ -30,6 +34,21 @@ def pg_dsn() -> str:
     return PG_DSN
 
 
-@pytest.fixture(scope="session")
-def redis_url() -> str:
-    return REDIS_URL
+@pytest.fixture
+def redis_url() -> Iterator[str]:
+    """The test Redis database; every key the test creates there is deleted after it."""
+    with keys_removed(REDIS_URL):
+        yield REDIS_URL
+
+
+@pytest.fixture(scope="session", autouse=True)
+def redis_left_as_found() -> Iterator[None]:
+    """After the whole run, the test Redis database holds no key it did not hold before."""
+    try:
+        before = current_keys(REDIS_URL)
+    except redis.ConnectionError:  # no Redis here: the tests that need it fail on their own
+        yield
+        return
+    yield
+    left = leftovers(REDIS_URL, before)
+    assert not left, f"tests left {len(left)} keys in {REDIS_URL}: {left[:10]}"

@@ -1,7 +1,12 @@
-"""Event builders shared by the backfill tests and the crash-test child process."""
+"""Event builders shared by the backfill tests and the crash-test child process, and a real store
+whose writes can be made to fail (``with_faults``)."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable, Callable
+
+from backfill.store import BatchWrite, Store, WriterLease
 from firehose.state import AccountState, PendingEvent, SequencedEvent
 
 
@@ -47,3 +52,75 @@ class Collector:
     @property
     def events(self) -> list[SequencedEvent]:
         return [e for batch in self.batches for e in batch]
+
+
+class FaultyLease(WriterLease):
+    """A real lease whose ``commit_batch`` can be made to stop at a chosen batch, wait for the
+    test's go-ahead, and then fail with the test's error (once); to fail while the store is
+    "down"; or to lose the reply of a commit that was made (``Faults``)."""
+
+    def __init__(self, inner: WriterLease, faults: Faults) -> None:
+        self.inner = inner
+        self.faults = faults
+
+    async def commit_batch(self, batch: BatchWrite) -> None:
+        f = self.faults
+        if f.down:
+            f.refused += 1
+            raise OSError("store unreachable (injected)")
+        if f.trigger is not None and f.trigger(batch):
+            f.trigger = None
+            f.reached.set()
+            await f.go.wait()
+            if f.error is not None:
+                raise f.error
+        await self.inner.commit_batch(batch)
+        if f.lose_reply > 0:
+            f.lose_reply -= 1
+            raise OSError("connection lost after COMMIT (injected)")
+        if f.after_commit is not None:
+            error, f.after_commit = f.after_commit, None
+            raise error
+
+    async def high_water(self) -> int:
+        f = self.faults
+        if f.lease_failures > 0:
+            f.lease_failures -= 1
+            raise OSError("store unreachable while recovering (injected)")
+        if f.lease_error is not None:
+            error, f.lease_error = f.lease_error, None
+            raise error
+        return await self.inner.high_water() + f.high_water_shift
+
+    async def release(self) -> None:
+        await self.inner.release()
+        if self.faults.on_release is not None:
+            hook, self.faults.on_release = self.faults.on_release, None
+            await hook()
+
+
+class Faults:
+    def __init__(self, error: BaseException | None) -> None:
+        self.error = error  # None: the held batch is then written
+        self.trigger: Callable[[BatchWrite], bool] | None = None
+        self.reached = asyncio.Event()
+        self.go = asyncio.Event()
+        self.down = False  # while True every commit fails as "unreachable"
+        self.refused = 0
+        self.lease_failures = 0  # the next this-many lease reads fail as "unreachable"
+        self.lose_reply = 0  # the next this-many commits are made, then fail as "unreachable"
+        self.high_water_shift = 0  # added to the stored mark the lease reads (another writer moved it)
+        self.after_commit: BaseException | None = None  # the next commit is made, then fails with this
+        self.lease_error: BaseException | None = None  # the next lease read fails with this
+        self.on_release: Callable[[], Awaitable[None]] | None = None  # run once after a lease is released
+
+
+def with_faults(store: Store, faults: Faults) -> Store:
+    """``store`` with every writer lease it hands out wrapped in a ``FaultyLease``."""
+    real_acquire = store.acquire_writer
+
+    async def acquire_writer(*, wait: bool = False, timeout: float | None = None) -> WriterLease:
+        return FaultyLease(await real_acquire(wait=wait, timeout=timeout), faults)
+
+    store.acquire_writer = acquire_writer  # type: ignore[method-assign]
+    return store

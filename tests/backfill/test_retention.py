@@ -8,6 +8,7 @@ import asyncio
 from backfill.sequencer import Sequencer
 from backfill.store import Store, retention_prefix
 from tests.backfill.helpers import Collector, commit_event
+from tests.waiting import until
 
 
 class FakeClock:
@@ -142,7 +143,7 @@ async def test_follow_replays_then_tails(store: Store) -> None:
                     return
 
         task = asyncio.create_task(consume())
-        await asyncio.sleep(0.05)
+        await until(lambda: len(got) == 3, "the stored events read")  # then follows what comes next
         for n in range(6, 9):
             await seq.submit(commit_event(n))
         await asyncio.wait_for(task, 10)

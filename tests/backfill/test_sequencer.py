@@ -4,16 +4,27 @@ restart, TRUNCATE, the single-writer lock."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from dataclasses import replace
+from typing import Any
 
 import pytest
 
-from backfill.errors import SequencerClosedError, SequencerLockedError
+from backfill.errors import (
+    BatchAbortedError,
+    FencedOffError,
+    SequencerClosedError,
+    SequencerConflictError,
+    SequencerLockedError,
+)
 from backfill.sequencer import Sequencer
 from backfill.store import Store
 from firehose.frames import encode_frame
-from firehose.state import AccountState, PendingEvent, SequencedEvent
+from firehose.state import AccountState, Fence, PendingEvent, SequencedEvent
+from mst.errors import ReasonError
 from tests.backfill.conftest import StoreTarget, decode_frame
-from tests.backfill.helpers import Collector, commit_event
+from tests.backfill.helpers import Collector, Faults, commit_event, rev_for, with_faults
+from tests.waiting import until
 
 
 async def test_sequences_frames_accounts_and_cursor(store: Store) -> None:
@@ -81,6 +92,157 @@ async def test_redelivery_of_same_or_older_rev_is_ignored(store: Store) -> None:
     assert await store.host_cursor("pds.example") == 9
 
 
+async def test_redeliveries_are_judged_against_the_stored_head_while_others_are_in_flight(store: Store) -> None:
+    """A re-delivered event is recognised against the stored head of its account also while
+    another account's batch is in flight (heads come from that batch for its accounts and from
+    the store for the rest), and also when it carries a rev but no account state."""
+    faults = Faults(None)
+    seq = Sequencer(with_faults(store, faults), Collector(), max_batch=1, max_delay=0)
+    await seq.start()
+    try:
+        assert await seq.submit(commit_event(5, did="did:plc:b")) is not None
+        faults.trigger = lambda batch: any(a.did == "did:plc:a" for a in batch.accounts)
+        in_flight = asyncio.ensure_future(seq.submit(commit_event(6, did="did:plc:a")))
+        await asyncio.wait_for(faults.reached.wait(), 10)  # A's batch held in its commit
+        again = asyncio.ensure_future(seq.submit(commit_event(5, did="did:plc:b")))
+        bare = replace(commit_event(4, did="did:plc:b"), account=None)  # a rev, no account state
+        older = asyncio.ensure_future(seq.submit(bare))
+        # both judged while A is still in flight: not newer than B's stored rev, so ignored
+        await until(lambda: seq.stats.ignored == 2, "both re-deliveries recognised behind A")
+        faults.go.set()
+        assert (await in_flight) is not None
+        assert await again is None and await older is None
+        assert [e.did for e in await store.read_after(0, 10)] == ["did:plc:b", "did:plc:a"]
+    finally:
+        faults.go.set()
+        await seq.close()
+
+
+async def test_a_failed_head_lookup_holds_the_batch_or_fails_it(store: Store,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    """Reading the accounts' stored heads before numbering: while the store is unreachable the batch
+    is held and the read retried; any other error fails the batch (its fences revoked) and the
+    sequencer goes on."""
+    caplog.set_level("WARNING", logger="backfill.sequencer")
+    real = store.account_heads
+    errors: list[BaseException] = [OSError("unreachable"), OSError("unreachable")]
+
+    async def account_heads(dids: Any) -> Any:
+        if errors:
+            raise errors.pop(0)
+        return await real(dids)
+
+    store.account_heads = account_heads  # type: ignore[method-assign]
+    async with Sequencer(store, Collector(), retry_base=0.001, retry_max=0.002) as seq:
+        event = await seq.submit(commit_event(1))
+        assert event is not None and event.seq == 1
+        assert seq.stats.retries == 2 and seq.stats.failed_batches == 0 and seq.unavailable is None
+        assert [getattr(r, "error", None) for r in caplog.records
+                if r.getMessage().startswith("store unavailable")] == ["OSError: unreachable"]
+        errors.append(RuntimeError("bad query"))
+        run = Fence()
+        with pytest.raises(RuntimeError, match="bad query"):
+            await seq.submit(replace(commit_event(2), fence=run))
+        assert not run.valid and seq.stats.failed_batches == 1
+        later = await seq.submit(commit_event(3))
+        assert later is not None and later.seq == 2
+
+
+async def test_in_flight_heads_count_accounts_per_host_and_catch_re_deliveries(store: Store) -> None:
+    """Accounts counted per host as the sequencer stores them (a new account +1, a move −1/+1, a
+    later commit on the same host nothing), and a re-delivery judged against the head of a batch
+    still in flight — with account state or with a rev alone."""
+    faults = Faults(None)
+    seq = Sequencer(with_faults(store, faults), Collector(), max_batch=1, max_delay=0)
+    await seq.start()
+    try:
+        for n, did, host in ((1, "did:plc:a", "h1"), (2, "did:plc:b", "h1"), (3, "did:plc:a", "h1"),
+                             (4, "did:plc:b", "h2")):
+            assert await seq.submit(commit_event(n, did=did, host=host)) is not None
+        counts = {h: (await store.get_host(h)).account_count for h in ("h1", "h2")}  # type: ignore[union-attr]
+        assert counts == {"h1": 1, "h2": 1}
+        faults.trigger = lambda batch: bool(batch.events)
+        held = asyncio.ensure_future(seq.submit(commit_event(5, did="did:plc:a", host="h1")))
+        await asyncio.wait_for(faults.reached.wait(), 10)
+        again = asyncio.ensure_future(seq.submit(commit_event(5, did="did:plc:a", host="h1")))
+        await until(lambda: seq.stats.ignored == 1, "the re-delivery recognised against the batch in flight")
+        faults.go.set()
+        assert (await held) is not None and await again is None
+        faults.trigger, faults.reached, faults.go = (lambda batch: bool(batch.events)), asyncio.Event(), asyncio.Event()
+        bare = replace(commit_event(6, did="did:plc:a", host="h1"), account=None)
+        held = asyncio.ensure_future(seq.submit(bare))
+        await asyncio.wait_for(faults.reached.wait(), 10)
+        again = asyncio.ensure_future(seq.submit(replace(bare)))
+        await until(lambda: seq.stats.ignored == 2, "the bare re-delivery recognised against the batch in flight")
+        faults.go.set()
+        assert (await held) is not None and await again is None
+        assert [e.seq for e in await store.read_after(0, 10)] == [1, 2, 3, 4, 5, 6]
+    finally:
+        faults.go.set()
+        await seq.close()
+
+
+async def test_event_times_strictly_increase_by_whole_microseconds(store: Store) -> None:
+    """A clock that stands still (or goes back) still gives every event a later time: 1 µs after
+    the one before."""
+    async with Sequencer(store, Collector(), clock=lambda: 1000.0, max_batch=2) as seq:
+        events = [await seq.submit(commit_event(n)) for n in range(1, 5)]
+    times = [e.time for e in events if e]
+    assert times[0] == 1000.0 and all(abs(b - a - 1e-6) < 1e-9 for a, b in zip(times, times[1:], strict=False))
+
+
+async def test_commit_errors_after_an_outage_and_from_another_writer(store: Store) -> None:
+    """While reconnecting after an outage: a lease still unreachable means wait and commit again
+    (the batch is written once, after the outage); a lease that fails otherwise fails the batch
+    and the sequencer goes on. A commit refused because another writer holds the store stops it
+    for good, failing that batch with the writer's error."""
+    faults = Faults(None)
+    seq = Sequencer(with_faults(store, faults), Collector(), retry_base=0.001, retry_max=0.002, max_batch=1)
+    await seq.start()
+    try:
+        before = seq.last_commit_at
+        faults.down, faults.lease_failures = True, 2  # the new lease cannot be read at first either
+        held = asyncio.ensure_future(seq.submit(commit_event(1)))
+        await until(lambda: faults.refused >= 2 and faults.lease_failures == 0, "the reconnection tried")
+        faults.down = False
+        event = await asyncio.wait_for(held, 10)
+        assert event is not None and event.seq == 1
+        assert [e.seq for e in await store.read_after(0, 10)] == [1] and seq.last_commit_at > before
+        faults.down, faults.lease_error = True, RuntimeError("lease broken")
+        failing = asyncio.ensure_future(seq.submit(commit_event(2)))
+        await until(lambda: faults.lease_error is None, "the lease read while reconnecting")
+        faults.down = False
+        with pytest.raises(RuntimeError, match="lease broken"):
+            await failing
+        later = await seq.submit(commit_event(3))
+        assert later is not None and later.seq == 2 and seq.state == "running"
+        assert (seq.stats.batches, seq.stats.events, seq.stats.failed_batches) == (2, 2, 1)
+        assert seq._overlay == {}  # every committed head handed back to the store
+        faults.error, faults.trigger = SequencerConflictError("the mark moved"), (lambda batch: True)
+        faults.go.set()
+        with pytest.raises(SequencerConflictError, match="the mark moved"):
+            await seq.submit(commit_event(4))
+        assert seq.state == "failed" and str(seq.failure) == "the mark moved"
+    finally:
+        faults.down = False
+        faults.go.set()
+        with contextlib.suppress(Exception):
+            await seq.close()
+
+
+async def test_encode_errors_are_counted_across_batches(store: Store) -> None:
+    def encoder(kind: str, body: dict) -> bytes:
+        if body.get("poison"):
+            raise ValueError("cannot encode")
+        return encode_frame(kind, body)
+
+    async with Sequencer(store, Collector(), encoder, max_batch=1) as seq:
+        for _ in range(2):
+            with pytest.raises(ValueError):
+                await seq.submit(PendingEvent("#identity", "did:plc:p", {"poison": True}))
+    assert seq.stats.encode_errors == 2
+
+
 async def test_seq_monotonic_across_restart(target: StoreTarget, store: Store) -> None:
     async with Sequencer(store, Collector()) as seq:
         for n in range(1, 11):
@@ -138,8 +300,8 @@ async def test_waiting_sequencer_gets_lock_after_release(target: StoreTarget, st
         await first.start()
         waiter = Sequencer(other_store, Collector(), wait_for_lock=True, lock_timeout=10)
         start = asyncio.create_task(waiter.start())
-        await asyncio.sleep(0.5)
-        assert not start.done()
+        await until(lambda: waiter.state == "waiting", "the second sequencer waiting for the lease")
+        assert not start.done() and waiter.lease_holder is not None
         await first.submit(commit_event(1))
         await first.close()
         await asyncio.wait_for(start, 10)
@@ -151,6 +313,29 @@ async def test_waiting_sequencer_gets_lock_after_release(target: StoreTarget, st
             with pytest.raises(SequencerLockedError):
                 await timed_out.start()
     finally:
+        await other_store.close()
+
+
+async def test_a_lease_holder_that_cannot_be_named_is_unknown(target: StoreTarget, store: Store) -> None:
+    other_store = await target.open()
+
+    async def unnamed() -> str | None:
+        raise RuntimeError("cannot read the lock table")
+
+    other_store.writer_holder = unnamed  # type: ignore[method-assign]
+    first = Sequencer(store, Collector())
+    await first.start()
+    waiter = Sequencer(other_store, Collector(), wait_for_lock=True, lock_timeout=10)
+    start = asyncio.create_task(waiter.start())
+    try:
+        await until(lambda: waiter.state == "waiting", "the second sequencer waiting for the lease")
+        assert waiter.lease_holder == "unknown (RuntimeError)"
+        await first.close()
+        await asyncio.wait_for(start, 10)
+        assert waiter.lease_holder is None and waiter.state == "running"
+    finally:
+        await first.close()
+        await waiter.close()
         await other_store.close()
 
 
@@ -213,8 +398,10 @@ async def test_closed_sequencer_refuses(store: Store) -> None:
     seq = Sequencer(store, Collector())
     await seq.submit(commit_event(1))
     await seq.close()
-    with pytest.raises(SequencerClosedError):
+    with pytest.raises(SequencerClosedError, match="^sequencer is closed$"):
         await seq.submit(commit_event(2))
+    with pytest.raises(SequencerClosedError, match="^sequencer is closed$"):
+        await seq.start()
 
 
 async def test_seq_stays_below_2_pow_53(target: StoreTarget, store: Store) -> None:
@@ -283,6 +470,219 @@ async def test_failed_commit_writes_nothing_and_numbering_resumes(target: StoreT
     assert seq.stats.failed_batches >= 1
 
 
+async def test_a_batch_numbered_before_a_refused_commit_is_voided(store: Store,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """Batch k+1 is numbered while batch k commits, on top of k's in-flight account state. When
+    the store refuses k, k+1 is void even where its seqs still fit the stored mark (k wrote no
+    event: an account row alone): its submitter gets ``BatchAbortedError``, nothing of it is
+    stored, and its fence — shared with k's, one upstream run — is revoked with k's reason;
+    numbering resumes. Twice, with two kinds of error: every refusal voids what was numbered."""
+    faults = Faults(RuntimeError("unused"))
+    seq = Sequencer(with_faults(store, faults), Collector(), max_batch=1, max_delay=0)
+    await seq.start()
+    try:
+        did = "did:plc:epoch"
+        for n, error, reason in ((1, RuntimeError("write refused"), "RuntimeError"),
+                                 (4, ReasonError("write_refused", "no"), "write_refused")):
+            faults.error, faults.reached, faults.go = error, asyncio.Event(), asyncio.Event()
+            run = Fence()
+            faults.trigger = lambda batch: not batch.events and bool(batch.accounts)
+            account_write = asyncio.create_task(seq.write_account(
+                AccountState(did=did, host="pds.example", rev=rev_for(n), commit_cid="c", data_cid="d"), run))
+            await asyncio.wait_for(faults.reached.wait(), 10)  # batch k held in its commit
+            mark = seq.high_water
+            behind = await seq.enqueue(replace(commit_event(n + 1, did=did), fence=run))
+            await until(lambda m=mark: seq._next_high_water == m + 1, "batch k+1 numbered behind k")
+            faults.go.set()  # k is refused
+            with pytest.raises(type(error)):
+                await account_write
+            with pytest.raises(BatchAbortedError):
+                await behind
+            assert not run.valid and run.reason == reason
+            event = await seq.submit(commit_event(n + 2, did=did))  # a new run: numbered from the stored mark
+            assert event is not None and event.seq == mark + 1
+        assert [e.seq for e in await store.read_after(0, 10)] == [1, 2]  # the two new runs' events only
+        stored = await store.get_account(did)
+        assert stored is not None and stored.rev == rev_for(6)
+        assert seq.stats.failed_batches == 4
+        assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("sequencer batch")] == [
+            "sequencer batch of 1 not written: write refused",
+            "sequencer batch of 1 not written: an earlier batch failed; resubmit",
+            "sequencer batch of 1 not written: write_refused: no",
+            "sequencer batch of 1 not written: an earlier batch failed; resubmit"]
+    finally:
+        faults.go.set()
+        await seq.close()
+
+
+@pytest.mark.parametrize("case", ["unreachable", "unreachable_twice", "committed", "committed_unreachable",
+                                  "lease_lost", "taken"])
+async def test_recovery_after_a_refused_commit(target: StoreTarget, store: Store, case: str,
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    """After a refused commit the sequencer reloads the stored mark through its lease before it
+    numbers anything else. ``unreachable``: the lease's connection is dead meanwhile — it is
+    released and taken again (logged), numbering goes on; ``unreachable_twice``: the new lease
+    cannot be read at first either — the sequencer waits for the store (logged) and goes on.
+    ``committed``: the refused commit did reach the database — numbering goes on after it
+    (``committed_unreachable``: once the store answers again). ``lease_lost``: the lease cannot be
+    read for another reason — stop for good. ``taken``: another writer took the lease meanwhile —
+    stop."""
+    caplog.set_level("WARNING", logger="backfill.sequencer")
+    faults = Faults(RuntimeError("write refused"))
+    other = await target.open()
+    seq = Sequencer(with_faults(store, faults), Collector(), max_batch=1, max_delay=0)
+    await seq.start()
+    held: list[Any] = []
+    try:
+        assert (await seq.submit(commit_event(1))) is not None
+        if case.startswith("committed"):
+            faults.after_commit = RuntimeError("write refused")
+        else:
+            faults.trigger = lambda batch: bool(batch.events)
+        if case in ("unreachable", "taken"):
+            faults.lease_failures = 1
+        if case in ("unreachable_twice", "committed_unreachable"):
+            faults.lease_failures = 2
+        if case == "lease_lost":
+            faults.lease_error = RuntimeError("lease gone")
+        if case == "taken":
+            async def take() -> None:
+                held.append(await other.acquire_writer(wait=False))
+            faults.on_release = take
+        faults.go.set()
+        with pytest.raises(RuntimeError, match="write refused"):
+            await seq.submit(commit_event(2))
+        if not case.startswith(("lease_lost", "taken")):
+            event = await seq.submit(commit_event(3))
+            expected = 3 if case.startswith("committed") else 2
+            assert event is not None and event.seq == expected and seq.state == "running"
+            assert [e.seq for e in await store.read_after(0, 10)] == list(range(1, expected + 1))
+            retaken = [r for r in caplog.records if r.getMessage() == "sequencer: writer lease re-taken"]
+            assert [getattr(r, "high_water", None) for r in retaken] == ([1] if case == "unreachable" else [])
+            waited = [getattr(r, "error", None) for r in caplog.records
+                      if r.getMessage() == "store unavailable; holding batches and retrying"]
+            assert waited == (["OSError: store unreachable while recovering (injected)"]
+                              if case.endswith(("twice", "_unreachable")) else [])
+        else:
+            assert seq.state == "failed"
+            if case == "lease_lost":
+                assert isinstance(seq.failure, SequencerConflictError)
+                assert str(seq.failure) == "writer lease lost and not recoverable: lease gone"
+            else:
+                assert isinstance(seq.failure, SequencerLockedError) and held
+            with pytest.raises(SequencerClosedError, match="^sequencer stopped: "):
+                await seq.submit(commit_event(3))
+            await seq.close()  # a failed sequencer still closes cleanly (no lease left to release)
+    finally:
+        faults.go.set()
+        with contextlib.suppress(Exception):
+            await seq.close()
+        for lease in held:
+            await lease.release()
+        await other.close()
+
+
+def _outage_log(caplog: pytest.LogCaptureFixture) -> list[tuple[str, object]]:
+    """The sequencer's outage lines: (message, its ``error`` or ``retries`` field)."""
+    out: list[tuple[str, object]] = []
+    for r in caplog.records:
+        if r.name == "backfill.sequencer" and "available" in r.getMessage():
+            out.append((r.getMessage(), getattr(r, "error", getattr(r, "retries", None))))
+    return out
+
+
+async def test_an_unavailable_store_holds_the_batch_until_it_answers(store: Store,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """While commits fail as unreachable (``Store.is_transient``) the batch is held and retried —
+    nothing failed, ``retrying``, one log line when an outage begins and one when it ends, with
+    the attempts of that outage — and written once the store answers; a commit made whose reply
+    was lost is recognised by the stored mark and not written twice; a mark moved elsewhere
+    (another writer) stops the sequencer for good."""
+    caplog.set_level("INFO", logger="backfill.sequencer")
+    faults = Faults(RuntimeError("unused"))
+    published = Collector()
+    seq = Sequencer(with_faults(store, faults), published, retry_base=0.001, retry_max=0.002)
+    await seq.start()
+    try:
+        refused = 0
+        for n, attempts in ((1, 3), (2, 2)):  # two outages, each counted on its own
+            faults.down, faults.refused = True, 0
+            held = asyncio.ensure_future(seq.submit(commit_event(n)))
+            await until(lambda a=attempts: faults.refused >= a, "refused attempts")
+            assert seq.state == "retrying" and isinstance(seq.unavailable, OSError) and not held.done()
+            faults.down = False
+            event = await asyncio.wait_for(held, 10)
+            assert event is not None and event.seq == n
+            assert seq.state == "running" and seq.unavailable is None and seq.stats.failed_batches == 0
+            assert _outage_log(caplog)[-2:] == [
+                ("store unavailable; holding batches and retrying", "OSError: store unreachable (injected)"),
+                ("store available again; sequencing resumed", faults.refused)]
+            refused += faults.refused
+        assert seq.stats.retries == refused  # one per refused attempt
+        faults.lose_reply = 1  # committed, but the connection drops before the reply
+        third = await seq.submit(commit_event(3))
+        assert third is not None and third.seq == 3
+        assert [e.seq for e in await store.read_after(0, 10)] == [1, 2, 3]
+        assert [e.seq for e in published.events] == [1, 2, 3] and seq.stats.failed_batches == 0
+        # the stored mark is neither before nor after the batch: another writer; stop for good
+        faults.high_water_shift, faults.lose_reply = 5, 1
+        with pytest.raises(SequencerConflictError, match=r"^seq high-water mark is 9, expected 3 or 4$"):
+            await seq.submit(commit_event(4))
+        assert seq.state == "failed" and isinstance(seq.failure, SequencerConflictError)
+        assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == [
+            "sequencer stopped: seq high-water mark is 9, expected 3 or 4"]
+        with pytest.raises(SequencerClosedError, match="^sequencer stopped: seq high-water mark is 9"):
+            await seq.submit(commit_event(5))
+        with pytest.raises(SequencerClosedError, match="not running: seq high-water mark is 9"):
+            seq.enqueue_nowait(commit_event(5))  # failed, not closed
+    finally:
+        faults.down, faults.high_water_shift = False, 0
+        with contextlib.suppress(Exception):
+            await seq.close()
+
+
+async def test_enqueue_nowait_hands_over_in_order_only_while_running(store: Store) -> None:
+    gate = asyncio.Event()
+
+    async def held_publish(events: list[SequencedEvent]) -> None:
+        await gate.wait()
+
+    seq = Sequencer(store, held_publish)
+    with pytest.raises(SequencerClosedError, match="not running: stopped"):
+        seq.enqueue_nowait(commit_event(1))  # not started
+    await seq.start()
+    futures = [seq.enqueue_nowait(commit_event(n)) for n in range(1, 4)]
+    await until(lambda: all(f.done() for f in futures), "events 1-3 durable")  # their publish is held
+    assert [f.result().seq for f in futures if f.result()] == [1, 2, 3]
+    closing = asyncio.create_task(seq.close())
+    await until(lambda: seq._closed, "close() begun")  # the writer has not stopped yet
+    with pytest.raises(SequencerClosedError, match="not running"):
+        seq.enqueue_nowait(commit_event(4))
+    gate.set()
+    await closing
+    with pytest.raises(SequencerClosedError, match="not running"):
+        seq.enqueue_nowait(commit_event(4))
+
+
+async def test_a_cursor_advance_of_a_lost_run_is_refused(store: Store) -> None:
+    """``advance_cursor`` and ``write_account`` with a revoked fence (an event of their run was
+    lost) store nothing."""
+    async with Sequencer(store, Collector()) as seq:
+        await seq.advance_cursor("h.example", 5)
+        lost = Fence()
+        lost.revoke("an earlier event of this run failed")
+        with pytest.raises(FencedOffError):
+            await seq.advance_cursor("h.example", 9, lost)
+        assert seq.stats.fenced == 1
+        await seq.advance_cursor("h.example", 7, Fence())
+        with pytest.raises(FencedOffError):  # nor an account row of a lost run
+            await seq.write_account(AccountState(did="did:plc:lost", host="h.example", rev=rev_for(1)), lost)
+        assert seq.stats.fenced == 2
+    host = await store.get_host("h.example")
+    assert host is not None and host.cursor == 7  # 9 never stored: only forward from 5
+    assert await store.get_account("did:plc:lost") is None
+
+
 async def test_lost_postgres_connection_is_recovered(pg_target: StoreTarget) -> None:
     """The writer's connection (which holds the advisory lock) is killed by the server: the batch
     in flight fails, the sequencer re-takes the lock and carries on from the stored mark."""
@@ -337,22 +737,22 @@ async def test_enqueuer_blocked_on_a_full_queue_is_released_by_close(store: Stor
     await seq.start()
     try:
         first = await seq.enqueue(commit_event(1))
-        # The writer is stuck publishing event 1; a few more fill the pipeline, then one blocks.
-        blocked = None
-        for n in range(2, 12):
-            task = asyncio.create_task(seq.enqueue(commit_event(n)))
-            await asyncio.sleep(0.05)
-            if not task.done():
-                blocked = task
-                break
-        assert blocked is not None, "max_pending did not hold enqueuers back"
+        # The writer is stuck publishing event 1. Behind it the pipeline holds event 2 (numbered,
+        # handed to the committer), event 3 (numbered, waiting to be handed over) and event 4
+        # (queued: max_pending=1); the enqueuers of events 5.. are held back for good.
+        tasks = [asyncio.create_task(seq.enqueue(commit_event(n))) for n in range(2, 12)]
+        await until(lambda: sum(t.done() for t in tasks) == 3, "events 2-4 taken in")
+        # (three is all the pipeline can take while publishing is stuck: the rest wait for room)
+        blocked = [t for t in tasks if not t.done()]
+        assert len(blocked) == 7 and not seq._has_room.is_set(), "max_pending did not hold enqueuers back"
         closing = asyncio.create_task(seq.close())
-        await asyncio.sleep(0.05)
+        await until(lambda: seq._closed, "close() begun")
         gate.set()
         await asyncio.wait_for(closing, 10)
         assert (await first) is not None
-        with pytest.raises(SequencerClosedError):
-            await asyncio.wait_for(blocked, 10)
+        for task in blocked:
+            with pytest.raises(SequencerClosedError, match="^sequencer stopped: closed$"):
+                await asyncio.wait_for(task, 10)
     finally:
         gate.set()
         await seq.close()
@@ -365,7 +765,6 @@ async def test_number_batch_decides_each_item() -> None:
     than the stored head, or than an event earlier in the batch) and a fenced-off item are not
     numbered, a refused body gives its seq to the next event, host cursors only move forward, and
     event times are ``now`` + 1 µs per event."""
-    from backfill.errors import FencedOffError
     from backfill.numbering import CursorOnly, number_batch
     from firehose.framing import encode_unsequenced, frame_header, splice_seq
     from firehose.state import Fence

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 
 from firehose.broadcast import Broadcaster
-from firehose.bus import BusClosed, InProcessBus, RedisStreamBus
+from firehose.bus import BusClosed, InProcessBus, RedisStreamBus, RedisTimeouts
 from firehose.state import SequencedEvent
 from tests.waiting import until
 
@@ -44,8 +44,9 @@ async def test_in_process_bus_backpressures_publisher() -> None:
     await bus.publish([ev(1)])
     await bus.publish([ev(2)])
     blocked = asyncio.create_task(bus.publish([ev(3)]))
-    await asyncio.sleep(0.05)
-    assert not blocked.done()  # the queue is full: publish waits, nothing is dropped
+    # the queue is full: publish waits for room (nothing is dropped)
+    await until(lambda: bool(getattr(sub._queue, "_putters", None)) or blocked.done(), "publish waiting for room")
+    assert not blocked.done()
     assert [e.seq for e in await sub.next_batch()] == [1]
     await asyncio.wait_for(blocked, 5)
     assert [e.seq for e in await sub.next_batch()] == [2]
@@ -64,7 +65,7 @@ async def redis_bus(redis_url: str):
 async def test_redis_bus_round_trip_and_positions(redis_bus: RedisStreamBus) -> None:
     live = redis_bus.subscribe()  # from "now"
     first = asyncio.create_task(live.next_batch())
-    await asyncio.sleep(0.05)
+    await until(lambda: live._last_id is not None, "the subscription's position taken")  # "now": before ev(1)
     await redis_bus.publish([ev(1), ev(2)])
     got = await asyncio.wait_for(first, 5)
     if len(got) == 1:  # a blocked XREAD may be served after the first XADD of the pipeline
@@ -130,9 +131,7 @@ async def test_fan_out_survives_bus_errors(ingest: Ingest) -> None:
     b = Broadcaster(ingest.store, dead)
     await b.start()
     try:
-        async with asyncio.timeout(10):
-            while b.stats.bus_errors < 2:
-                await asyncio.sleep(0.05)
+        await until(lambda: b.stats.bus_errors >= 2, "two bus errors", timeout=10)
         assert b._task is not None and not b._task.done()  # still retrying, not crashed
     finally:
         await b.close()
@@ -186,3 +185,58 @@ async def test_bus_down_the_fan_out_follows_the_store(ingest: Ingest) -> None:
             assert b.stats.bus_errors >= 1
     finally:
         await dead.close()
+
+
+async def test_in_process_subscriptions_close_and_the_head_is_the_last_published() -> None:
+    bus = InProcessBus(maxsize=1)
+    assert await bus.head() is None
+    await bus.publish([])  # nothing: no head, nothing delivered
+    assert await bus.head() is None
+    kept, closed = bus.subscribe(), bus.subscribe()
+    await bus.publish([ev(1)])
+    assert await bus.head() == 1
+    await closed.close()  # its queue is full (maxsize 1): the close marker does not fit
+    await closed.close()  # idempotent
+    assert [e.seq for e in await kept.next_batch()] == [1]
+    await bus.publish([ev(2)])  # the closed subscription is no longer fed (nor holds the publisher)
+    assert await bus.head() == 2 and [e.seq for e in await kept.next_batch()] == [2]
+    assert [e.seq for e in await closed.next_batch()] == [1]  # what it held, then closed
+    with pytest.raises(BusClosed):
+        await closed.next_batch()
+    await bus.close()
+    with pytest.raises(BusClosed):
+        await kept.next_batch()
+
+
+async def test_redis_bus_bounds_and_fields(redis_bus: RedisStreamBus, redis_url: str) -> None:
+    """A blocking read waits at most half the socket timeout; the client has the configured
+    timeouts and no retries of its own; an entry keeps every field; a subscription "from now" on
+    an empty stream starts at its beginning; the head is the last entry's seq."""
+    slow = RedisStreamBus(redis_url, "test:fh:unused", block_ms=5000, timeouts=RedisTimeouts(socket=2.0))
+    tiny = RedisStreamBus(redis_url, "test:fh:unused", block_ms=0)
+    try:
+        assert (slow.block_ms, tiny.block_ms) == (1000, 1)
+        kwargs = slow.redis.connection_pool.connection_kwargs
+        assert (kwargs["socket_timeout"], kwargs["socket_connect_timeout"], kwargs["health_check_interval"]) == \
+            (2.0, 2.0, 30.0)
+        assert kwargs["retry"].get_retries() == 0
+    finally:
+        await slow.close()
+        await tiny.close()
+    assert await redis_bus.head() is None
+    live = redis_bus.subscribe()  # the stream is empty: "now" is its beginning
+    first = asyncio.create_task(live.next_batch())
+    await until(lambda: live._last_id == "0-0", "the position at the stream's beginning")
+    when = 1767225600.123456
+    events = [SequencedEvent(7, "did:plc:x", "#identity", when, b"\x00frame"), ev(9)]
+    await redis_bus.publish(events)
+    got = await asyncio.wait_for(first, 5)
+    if len(got) == 1:
+        got += await asyncio.wait_for(live.next_batch(), 5)
+    assert [(e.seq, e.did, e.kind, e.time, e.frame, e.extra) for e in got] == [
+        (7, "did:plc:x", "#identity", when, b"\x00frame", {}),
+        (9, "did:plc:x", "#commit", events[1].time, commit_frame(9), {"prev_seq": 7})]
+    assert await redis_bus.head() == 9
+    await live.close()
+    with pytest.raises(BusClosed):
+        await live.next_batch()

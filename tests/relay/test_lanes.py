@@ -9,70 +9,22 @@ in order, exactly once (the host run re-reads them from its durable cursor) — 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from backfill.store import BatchWrite, Store, WriterLease, open_store
+from backfill.store import Store, open_store
 from backfill.types import HostState
 from sim import SimConfig, SimFleet
+from tests.backfill.helpers import Faults, with_faults
 from tests.relay.e2e import Consumer, check_stream, commits_of, crawl, one_account
 from tests.relay.helpers import judge, lane_work, logged_frames, sequence
 from tests.waiting import until, until_async
 
 
-class FaultyLease(WriterLease):
-    """A real lease whose ``commit_batch`` can be made to stop at a chosen batch, wait for the
-    test's go-ahead, and then fail with the test's error (once)."""
-
-    def __init__(self, inner: WriterLease, faults: Faults) -> None:
-        self.inner = inner
-        self.faults = faults
-
-    async def commit_batch(self, batch: BatchWrite) -> None:
-        f = self.faults
-        if f.down:
-            f.refused += 1
-            raise OSError("store unreachable (injected)")
-        if f.trigger is not None and f.trigger(batch):
-            f.trigger = None
-            f.reached.set()
-            await f.go.wait()
-            raise f.error
-        await self.inner.commit_batch(batch)
-
-    async def high_water(self) -> int:
-        if self.faults.lease_failures > 0:
-            self.faults.lease_failures -= 1
-            raise OSError("store unreachable while recovering (injected)")
-        return await self.inner.high_water()
-
-    async def release(self) -> None:
-        await self.inner.release()
-
-
-class Faults:
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
-        self.trigger: Callable[[BatchWrite], bool] | None = None
-        self.reached = asyncio.Event()
-        self.go = asyncio.Event()
-        self.down = False  # while True every commit fails as "unreachable"
-        self.refused = 0
-        self.lease_failures = 0  # the next this-many lease reads fail as "unreachable"
-
-
 async def faulty_store(path: Path, faults: Faults) -> Store:
-    store = await open_store(str(path))
-    real_acquire = store.acquire_writer
-
-    async def acquire_writer(*, wait: bool = False, timeout: float | None = None) -> WriterLease:
-        return FaultyLease(await real_acquire(wait=wait, timeout=timeout), faults)
-
-    store.acquire_writer = acquire_writer  # type: ignore[method-assign]
-    return store
+    return with_faults(await open_store(str(path)), faults)
 
 
 @pytest.mark.parametrize("error,refused,lease_failures", [

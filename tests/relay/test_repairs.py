@@ -5,7 +5,6 @@ drop valid upstream commits, and a commit the relay really missed is repaired wi
 
 from __future__ import annotations
 
-import asyncio
 import time
 from pathlib import Path
 from typing import Any
@@ -129,12 +128,17 @@ async def test_repairs_wait_while_the_host_is_unreachable(relay_factory: Any, tm
             upstreams = relay.service.upstreams
             assert upstreams is not None
             await until(lambda: not upstreams.connected(acct.host.hostname))
+            observed, observed_mono = time.time(), time.monotonic()
             with connect_db(db) as jobdb:
-                queue_sync_repairs(jobdb, "job-2", [sync_repair(acct, stored_account(db, acct.did), time.time())])
-            for _ in range(3):
-                result = await relay.service.apply_repairs()
-                assert result is not None and (result.consumed, result.deferred) == (0, 1)
-                await asyncio.sleep(0.3)  # longer than the settle time: still not caught up
+                queue_sync_repairs(jobdb, "job-2", [sync_repair(acct, stored_account(db, acct.did), observed)])
+            result = await relay.service.apply_repairs()
+            assert result is not None and (result.consumed, result.deferred) == (0, 1)
+            # Once the settle time has passed on both clocks the catch-up check reads, a connected
+            # host that sent nothing since would count as caught up; an unreachable one still does not.
+            await until(lambda: time.time() >= observed + 0.2 and time.monotonic() >= observed_mono + 0.2,
+                        "the settle time passed")
+            result = await relay.service.apply_repairs()
+            assert result is not None and (result.consumed, result.deferred) == (0, 1)
             assert outcomes(db) == {acct.did: None}
     finally:
         await fleet.stop()

@@ -32,7 +32,7 @@ from backfill.sequencer import Sequencer
 from backfill.sqlite_store import SqliteStore
 from backfill.store import Store, open_store
 from firehose.state import PendingEvent
-from relay.sim import SimConfig, SimFleet, TruthEvent
+from sim import SimConfig, SimFleet, TruthEvent
 from tests.faults.observe import RecordingConsumer
 from tests.relay.e2e import crawl, key_of
 from tests.relay.helpers import running_relay

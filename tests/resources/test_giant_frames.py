@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from relay.sim import SimConfig, SimFleet
+from sim import SimConfig, SimFleet
 from tests.relay.e2e import Consumer, check_stream, crawl, key_of, metric_value
 from tests.relay.helpers import running_relay
 from tests.waiting import until

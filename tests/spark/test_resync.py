@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections import Counter
 from typing import Any
+
+import pytest
 
 from backfill.store import open_store
 from mst.car import read_car
 from mst.cbor import decode, decode_prefix
 from mst.cid import cid_str
+from relay.cli import main as relay_main
 from spark.db import connect_db
 from spark.relaydb import AccountFilter, ResultRow, write_results
 from spark.resync import run_resync
@@ -46,7 +50,7 @@ def _store_state(url: str, state: Any) -> None:
 
 
 def test_resync_verifies_detects_tampering_and_queues_repairs_the_relay_applies_with_cas(
-    spark_session: Any, fleet: FleetThread, relay_db: str
+    spark_session: Any, fleet: FleetThread, relay_db: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     accounts = fleet.fleet.accounts
     tampered, diverged, flagged, moved, overtaken = accounts[0], accounts[1], accounts[2], accounts[3], accounts[4]
@@ -66,14 +70,14 @@ def test_resync_verifies_detects_tampering_and_queues_repairs_the_relay_applies_
     cfg = job_config(relay_db, fleet)
     summary = run_resync(spark_session, cfg, AccountFilter())
 
-    assert summary["totals"] == {"ok": 15, "repaired": 3, "failed": 2}
+    assert summary["totals"] == {"ok": 15, "queued": 3, "failed": 2}
     results = _results(relay_db, cfg.run_id)
     assert len(results) == 20
     assert results[tampered.did] == ("failed", "car_hash_mismatch")
     assert results[moved.did] == ("failed", "pds_mismatch")
-    assert results[diverged.did] == ("repaired", "state_diverged")
-    assert results[overtaken.did] == ("repaired", "state_diverged")
-    assert results[flagged.did] == ("repaired", "desync_cleared")
+    assert results[diverged.did] == ("queued", "state_diverged")
+    assert results[overtaken.did] == ("queued", "state_diverged")
+    assert results[flagged.did] == ("queued", "desync_cleared")
     with connect_db(relay_db) as db:
         sizes = db.fetch("SELECT did, records, bytes FROM spark_job_results WHERE run_id = ? AND outcome = 'ok'",
                          cfg.run_id)
@@ -97,6 +101,10 @@ def test_resync_verifies_detects_tampering_and_queues_repairs_the_relay_applies_
     fleet.call(lambda: overtaken.repo.apply_writes([]))
     _store_state(relay_db, fleet.call(account_state, overtaken))
 
+    # what the relay did with them, as `relay spark repairs` tells it: nothing yet
+    assert relay_main(["spark", "repairs", "--db", relay_db, "--run-id", cfg.run_id]) == 0
+    assert capsys.readouterr().out == "relay, of 3 rows queued: pending=3\n"
+
     # the relay applies the outbox in the accounts' lanes: one durable #sync for the account it
     # really missed; the flag is cleared without an event; the overtaken repair is stale
     drained, events = asyncio.run(apply_outbox(relay_db, fleet.fleet.plc_url))
@@ -109,6 +117,10 @@ def test_resync_verifies_detects_tampering_and_queues_repairs_the_relay_applies_
     assert bytes(body["blocks"]) == bytes(sync_row["blocks"])
     outcomes = {r["did"]: r["outcome"] for r in _outbox(relay_db)}
     assert outcomes == {diverged.did: "applied", flagged.did: "desync_cleared", overtaken.did: "stale"}
+    assert relay_main(["spark", "repairs", "--db", relay_db, "--run-id", cfg.run_id, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"applied": 1, "desync_cleared": 1, "stale": 1}
+    assert relay_main(["spark", "repairs", "--db", relay_db, "--run-id", cfg.run_id]) == 0
+    assert capsys.readouterr().out == "relay, of 3 rows queued: applied=1 desync_cleared=1 stale (discarded)=1\n"
 
     stored = _accounts(relay_db)
     assert (stored[diverged.did]["commit_cid"], stored[diverged.did]["rev"],
@@ -124,7 +136,7 @@ def test_resync_verifies_detects_tampering_and_queues_repairs_the_relay_applies_
     assert stored[tampered.did]["sync_state"] == "synced"  # a bad download changes nothing
     assert asyncio.run(apply_outbox(relay_db, fleet.fleet.plc_url))[0].consumed == 0  # consumed once
 
-    # a fresh run changes nothing: repaired accounts are ok now, nothing new is queued
+    # a fresh run changes nothing: the applied accounts are ok now, nothing new is queued
     before_accounts, before_outbox = _accounts(relay_db), _outbox(relay_db)
     cfg2 = job_config(relay_db, fleet)
     again = run_resync(spark_session, cfg2, AccountFilter())

@@ -31,7 +31,7 @@ def test_resync_on_sqlite_queues_a_sync_the_relay_applies(spark_session: Any, fl
 
     summary = run_resync(spark_session, job_config(url, fleet), AccountFilter())
 
-    assert summary["totals"] == {"ok": 19, "repaired": 1}
+    assert summary["totals"] == {"ok": 19, "queued": 1}
     rev, head = fleet.call(lambda: (stale.repo.rev, cid_str(stale.repo.head)))
     with connect_db(url) as db:
         outbox = db.fetch("SELECT kind, did, rev FROM spark_repair_outbox")

@@ -64,10 +64,10 @@ def _fetched(rev: str, commit: str, data: str) -> FetchedRepo:
     ("stored", "expected"),
     [
         (("3k2", "c1", "d1", "synced"), ("ok", None)),
-        (("3k2", "c1", "d1", "desynchronized"), ("repaired", "desync_cleared")),
-        ((None, None, None, "desynchronized"), ("repaired", "state_missing")),
-        (("3k1", "c0", "d0", "synced"), ("repaired", "state_diverged")),
-        (("3k2", "c1", "dX", "synced"), ("repaired", "state_diverged")),
+        (("3k2", "c1", "d1", "desynchronized"), ("queued", "desync_cleared")),
+        ((None, None, None, "desynchronized"), ("queued", "state_missing")),
+        (("3k1", "c0", "d0", "synced"), ("queued", "state_diverged")),
+        (("3k2", "c1", "dX", "synced"), ("queued", "state_diverged")),
         (("3k3", "c9", "d9", "synced"), ("ok", "relay_ahead")),
     ],
 )
@@ -331,3 +331,25 @@ def test_collection_runs_count_like_counts_from_paths() -> None:
         assert summed == counts_from_paths(paths)
         assert [p for _, start, end in runs for p in paths[start:end]] == paths  # contiguous, in order
         assert RepoCollections.of("did:x", "r", dict.fromkeys(reversed(paths))).counts == counts_from_paths(paths)
+
+
+def test_summary_says_queued_for_the_relay_and_what_the_relay_did(capsys: pytest.CaptureFixture[str]) -> None:
+    """A resync never repairs anything itself: its text summary and its progress line call what it
+    found "queued for the relay", and the summary ends with what the relay did with those rows."""
+    from spark.cli import LABELS, _print_summary
+
+    _print_summary({"job": "resync", "run_id": "r1", "totals": {"ok": 27, "queued": 3},
+                    "this_pass": {"ok": 27, "queued:state_diverged": 3},
+                    "relay": {"applied": 1, "stale": 2}})
+    out = capsys.readouterr().out
+    assert out.splitlines() == [
+        "resync run r1",
+        "  ok:                    27",
+        "  queued for the relay:  3",
+        "    this pass ok: 27",
+        "    this pass queued for the relay (state_diverged): 3",
+        "  relay, of 3 rows queued: applied=1 stale (discarded)=2",
+    ]
+    assert "repaired" not in out and LABELS["queued"] == "queued for the relay"
+    _print_summary({"job": "reconcile", "run_id": "r2", "hosts": {}, "relay": {}})
+    assert capsys.readouterr().out.splitlines()[-1] == "  relay, of 0 rows queued: nothing queued"
