@@ -84,6 +84,11 @@ _STOP = object()
 
 
 @dataclass(slots=True)
+class _LeaseLost(Exception):
+    """The writer lease was released during an outage and is not held yet (internal signal of
+    ``Sequencer._commit_until_done``: take it again, never fail the batch for it)."""
+
+
 class SequencerStats:
     batches: int = 0
     events: int = 0
@@ -487,7 +492,10 @@ class Sequencer:
         A fatal error (another writer) stops the sequencer; any other error fails this batch."""
         while True:
             try:
-                assert self._lease is not None
+                if self._lease is None:
+                    # Released while the store was down (``_hold_lease``) and not taken again yet:
+                    # take it, and learn whether the batch landed before the connection dropped.
+                    raise _LeaseLost
                 batch = prepared.batch
                 if batch.events or batch.accounts or batch.host_updates or batch.upstream_done:
                     await self._lease.commit_batch(batch)
@@ -495,10 +503,12 @@ class Sequencer:
                 self._fatal(exc, prepared)
                 return
             except Exception as exc:
-                if not self.store.is_transient(exc) or self._closed:
+                lease_lost = isinstance(exc, _LeaseLost)
+                if (not lease_lost and not self.store.is_transient(exc)) or self._closed:
                     await self._failed_commit(prepared, exc)
                     return
-                await self._wait_for_store(exc)
+                if not lease_lost:
+                    await self._wait_for_store(exc)
                 try:
                     committed = await self._reconnect(prepared.batch)
                 except (SequencerLockedError, SequencerConflictError) as fatal:
@@ -508,6 +518,8 @@ class Sequencer:
                     if not self.store.is_transient(again):
                         await self._failed_commit(prepared, again)
                         return
+                    if lease_lost:  # still unavailable: back off before the next try
+                        await self._wait_for_store(again)
                     continue  # still unavailable: wait and try again
                 if not committed:
                     continue

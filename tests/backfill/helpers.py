@@ -113,6 +113,7 @@ class Faults:
         self.after_commit: BaseException | None = None  # the next commit is made, then fails with this
         self.lease_error: BaseException | None = None  # the next lease read fails with this
         self.on_release: Callable[[], Awaitable[None]] | None = None  # run once after a lease is released
+        self.acquire_failures = 0  # the next this-many lease acquisitions fail as "unreachable"
 
 
 def with_faults(store: Store, faults: Faults) -> Store:
@@ -120,6 +121,9 @@ def with_faults(store: Store, faults: Faults) -> Store:
     real_acquire = store.acquire_writer
 
     async def acquire_writer(*, wait: bool = False, timeout: float | None = None) -> WriterLease:
+        if faults.acquire_failures > 0:
+            faults.acquire_failures -= 1
+            raise OSError("store unreachable while taking the lease (injected)")
         return FaultyLease(await real_acquire(wait=wait, timeout=timeout), faults)
 
     store.acquire_writer = acquire_writer  # type: ignore[method-assign]

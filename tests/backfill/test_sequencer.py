@@ -895,3 +895,27 @@ async def test_events_stored_above_their_watermark_are_recorded_for_a_re_read(st
         await seq.submit(account)  # its frame is below the cursor stored with it: nothing to record
     assert await store.host_cursor("pds.example") == 8
     assert await store.upstream_done_above("pds.example", 0) == [5]
+
+
+async def test_a_lease_not_taken_again_during_an_outage_loses_no_batch(store: Store) -> None:
+    """The store goes away; reconnecting, the old lease's connection is dead (released) and taking
+    a new one fails too while the store is still away. The held batch is not failed for want of a
+    lease: once the store answers the lease is taken again and the batch is written, once."""
+    faults = Faults(RuntimeError("unused"))
+    published = Collector()
+    seq = Sequencer(with_faults(store, faults), published, retry_base=0.001, retry_max=0.002)
+    await seq.start()
+    try:
+        faults.down = True
+        faults.lease_failures, faults.acquire_failures = 1, 1
+        held = asyncio.ensure_future(seq.submit(commit_event(1)))
+        await until(lambda: faults.acquire_failures == 0 and faults.refused >= 1, "the lease to be lost")
+        faults.down = False
+        event = await asyncio.wait_for(held, 10)
+        assert event is not None and event.seq == 1
+        assert seq.stats.failed_batches == 0 and seq.state == "running"
+        assert [e.seq for e in await store.read_after(0, 10)] == [1]
+        assert [e.seq for e in published.events] == [1]
+    finally:
+        faults.down = False
+        await seq.close()
