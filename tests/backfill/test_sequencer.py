@@ -177,6 +177,16 @@ async def test_in_flight_heads_count_accounts_per_host_and_catch_re_deliveries(s
         faults.go.set()
         assert (await held) is not None and await again is None
         assert [e.seq for e in await store.read_after(0, 10)] == [1, 2, 3, 4, 5, 6]
+        # one batch mixing an account in flight and a re-delivery for an account only in the store
+        faults.trigger, faults.reached, faults.go = (lambda batch: bool(batch.events)), asyncio.Event(), asyncio.Event()
+        held = asyncio.ensure_future(seq.submit(commit_event(7, did="did:plc:a", host="h1")))
+        await asyncio.wait_for(faults.reached.wait(), 10)
+        seq.max_batch = 2
+        mixed = [asyncio.ensure_future(seq.submit(commit_event(8, did="did:plc:a", host="h1"))),
+                 asyncio.ensure_future(seq.submit(commit_event(4, did="did:plc:b", host="h2")))]  # stored rev 4
+        await until(lambda: seq.stats.ignored == 3, "the stored account's re-delivery recognised")
+        faults.go.set()
+        assert (await held) is not None and (await mixed[0]) is not None and await mixed[1] is None
     finally:
         faults.go.set()
         await seq.close()
@@ -363,11 +373,12 @@ async def test_cursor_only_advance_and_publish_errors(store: Store) -> None:
         event = await seq.submit(commit_event(3, host="h.example"))
         await seq.advance_cursor("h.example", 10)
         await seq.advance_cursor("new.example", 4)
-    assert event is not None  # durable even though the bus failed
-    assert seq.stats.publish_errors == 1
-    assert await store.host_cursor("h.example") == 10
+        second = await seq.submit(commit_event(11, host="h.example"))
+    assert event is not None and second is not None  # durable even though the bus failed
+    assert seq.stats.publish_errors == 2
+    assert await store.host_cursor("h.example") == 11
     assert await store.host_cursor("new.example") == 4
-    assert len(await store.read_after(0)) == 1
+    assert len(await store.read_after(0)) == 2
 
 
 async def test_account_rows_are_written_whole_with_their_event_or_alone(store: Store) -> None:
