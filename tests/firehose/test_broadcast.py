@@ -6,6 +6,7 @@ import asyncio
 import gc
 import socket
 import time
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -22,10 +23,18 @@ from .servers import serve, ws_url
 pytestmark = pytest.mark.timeout(60)
 
 
-async def collect(url: str, *, until_seq: int | None = None, count: int | None = None, delay: float = 0.0):
-    """Read frames until a seq >= until_seq, ``count`` frames, an error frame or close."""
+async def collect(url: str, *, until_seq: int | None = None, count: int | None = None, delay: float = 0.0,
+                  rcvbuf: int | None = None):
+    """Read frames until a seq >= until_seq, ``count`` frames, an error frame or close. ``rcvbuf``:
+    the socket's receive buffer (small: the kernel cannot absorb what a slow reader leaves)."""
     out: list = []
-    async with connect(url, max_size=None) as ws:
+    sock = None
+    if rcvbuf is not None:
+        host, port = urlsplit(url).netloc.split(":")
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        sock.connect((host, int(port)))
+    async with connect(url, max_size=None, sock=sock) as ws:
         try:
             while True:
                 f = decode_frame(await ws.recv())
@@ -238,7 +247,7 @@ async def test_slow_live_consumer_receives_consumer_too_slow(ingest: Ingest, tra
     await b.start()
     try:
         async with serve(b, transport) as hp:
-            reader = asyncio.create_task(collect(ws_url(hp), until_seq=10_000, delay=0.003))
+            reader = asyncio.create_task(collect(ws_url(hp), until_seq=10_000, delay=0.003, rcvbuf=4096))
             await until(lambda: b.consumer_count == 1)
             await ingest.add(400, batch=20, payload=b"s" * 32768)
             got = await asyncio.wait_for(reader, 30)
