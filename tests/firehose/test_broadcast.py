@@ -507,3 +507,31 @@ async def test_deliver_hands_each_event_on_once(ingest: Ingest) -> None:
     await early.aclose()
     await late.aclose()
     assert b.consumer_count == 0
+
+
+async def test_live_batches_are_framed_once_for_every_consumer(ingest: Ingest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the main port caught-up consumers are written by the fan-out itself (``DIRECT_WRITE``):
+    each live batch is framed once, whatever the number of consumers, and every consumer still
+    gets every frame in order."""
+    import firehose.serve_wire as serve_wire
+
+    framed: list[int] = []
+    real = serve_wire.binary_wire
+
+    def counting(frames: list[bytes]) -> bytes:
+        framed.append(len(frames))
+        return real(frames)
+
+    monkeypatch.setattr(serve_wire, "binary_wire", counting)
+    b = Broadcaster(ingest.store, ingest.bus)
+    await b.start()
+    try:
+        async with serve(b, "asgi-batch") as hp:
+            readers = [asyncio.create_task(collect(ws_url(hp), until_seq=60)) for _ in range(3)]
+            await until(lambda: b.consumer_count == 3)  # registered, hence writing directly
+            await ingest.add(60, batch=10)
+            got = await asyncio.wait_for(asyncio.gather(*readers), 20)
+        assert got == [list(range(1, 61))] * 3
+        assert sum(framed) == 60  # once per frame, not once per frame per consumer
+    finally:
+        await b.close()
