@@ -98,7 +98,7 @@ async def test_direct_write_goes_out_in_order_with_the_other_sends(deflate: bool
                 wire += len(data)
                 receive_data(data)
 
-            ws.protocol.receive_data = counted  # type: ignore[method-assign]
+            ws.protocol.receive_data = counted  # type: ignore[method-assign,assignment]
             await ws.send(b"go")
             got = [await asyncio.wait_for(ws.recv(), 5) for _ in range(5)]
             assert (ws.protocol.extensions != []) is deflate
@@ -138,6 +138,7 @@ async def test_direct_write_refuses_a_full_buffer_and_writes_nothing() -> None:
             await asyncio.wait_for(refused.wait(), 10)  # the client has not read anything yet
             got = []
             while (msg := await asyncio.wait_for(ws.recv(), 5)) != b"end":
+                assert isinstance(msg, bytes)
                 got.append(int.from_bytes(msg[:4], "big"))
     assert accepted and got == accepted
 
