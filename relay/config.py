@@ -175,8 +175,9 @@ SETTINGS: tuple[Setting, ...] = (
             "a live subscribeRepos consumer whose connection has not taken an event this long after it was "
             "sent (checked with WebSocket pings) gets ConsumerTooSlow and is disconnected", "duration"),
     Setting("consumer_max_queue_bytes", "RELAY_CONSUMER_MAX_QUEUE_BYTES", "--consumer-max-queue-bytes",
-            "67108864", "bytes of live events the relay queues for one consumer (at most 10,000 events) "
-            "before it gets ConsumerTooSlow", "int"),
+            "67108864", "bytes of live events waiting for one consumer — unsent in its connection's write buffer, "
+            "or queued (at most 10,000 events) while it is not yet written to directly — before it gets "
+            "ConsumerTooSlow", "int"),
     Setting("http_header_timeout", "RELAY_HTTP_HEADER_TIMEOUT", "--http-header-timeout", "10s",
             "main port: a connection whose request headers (a WebSocket upgrade request included) have not all "
             "arrived this long after it opened, or after its previous response, is answered 408 and closed "
