@@ -26,7 +26,7 @@ from websockets.protocol import Protocol, Side, State
 from firehose.broadcast import Broadcaster, ConsumerSession, pump
 from firehose.frames import MAX_FRAME_BYTES
 from firehose.serve_asgi import SUBSCRIBE_REPOS_PATH, CursorError, error_json, parse_cursor
-from firehose.serve_wire import WireBatch, binary_frame_header
+from firehose.serve_wire import WireBatch, binary_frame_header, write_live_batch
 
 
 class _DirectWriter:
@@ -39,18 +39,8 @@ class _DirectWriter:
         protocol = conn.protocol
         if protocol.state is not State.OPEN:
             return True  # closing: the handler's pump sees the close
-        transport = conn.transport
-        if transport.get_write_buffer_size() > self.limit:
-            return False
         # One transport call per consumer per batch, the batch framed once for every consumer.
-        if protocol.extensions or protocol.side is not Side.SERVER or protocol.expect_continuation_frame:
-            _write_binary_frames(protocol, transport, batch.frames)
-            return True
-        pending = protocol.data_to_send()  # normally empty; keeps control frames in order
-        if pending:
-            transport.writelines(pending)
-        transport.write(batch.wire())
-        return True
+        return write_live_batch(protocol, conn.transport, batch, self.limit)
 
 
 def _write_binary_frames(protocol: Protocol, transport: asyncio.WriteTransport, frames: list[bytes]) -> None:

@@ -7,15 +7,19 @@ connection. :class:`WireBatch` therefore frames the batch once, on first use, in
 object; each consumer's transport then gets that object in one ``write`` call (one send attempt
 per consumer per batch, instead of one ``send_binary`` and one write per frame per consumer).
 
-Pure: no I/O, no state beyond the cached bytes. A connection that negotiated an extension must
-not use :meth:`WireBatch.wire` (its frames differ per connection); it frames ``frames`` itself.
+No state beyond the cached bytes, no I/O beyond :func:`write_live_batch`'s one write into the
+transport it is given. A connection that negotiated an extension must not be sent
+:meth:`WireBatch.wire` (its frames differ per connection); it frames ``frames`` itself.
 """
 
 from __future__ import annotations
 
+import asyncio
 import struct
 
-__all__ = ["WireBatch", "binary_frame_header", "binary_wire"]
+from websockets.protocol import Protocol, Side
+
+__all__ = ["WireBatch", "binary_frame_header", "binary_wire", "write_live_batch"]
 
 _BINARY_FIN = 0x82  # FIN + opcode 0x2 (binary); server frames are unmasked
 _HEADER16 = struct.Struct("!BBH")
@@ -59,3 +63,23 @@ class WireBatch:
         if wire is None:
             wire = self._wire = binary_wire(self.frames)
         return wire
+
+
+def write_live_batch(protocol: Protocol, transport: asyncio.WriteTransport, batch: WireBatch, limit: int) -> bool:
+    """Write ``batch`` to an OPEN connection (the caller checked) in one transport call: False,
+    writing nothing, when more than ``limit`` bytes are already unsent. Without extensions the
+    shared :meth:`WireBatch.wire`, behind anything the protocol has queued (normally nothing:
+    control frames keep their order); with one (permessage-deflate) each frame is framed, and
+    compressed, by this connection's ``protocol``."""
+    if transport.get_write_buffer_size() > limit:
+        return False
+    if protocol.extensions or protocol.side is not Side.SERVER or protocol.expect_continuation_frame:
+        for frame in batch.frames:
+            protocol.send_binary(frame)
+        transport.writelines(protocol.data_to_send())
+        return True
+    pending = protocol.data_to_send()
+    if pending:
+        transport.writelines(pending)
+    transport.write(batch.wire())
+    return True

@@ -45,7 +45,7 @@ from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIO
 from websockets.exceptions import InvalidState
 from websockets.protocol import State
 
-from firehose.serve_wire import WireBatch
+from firehose.serve_wire import WireBatch, write_live_batch
 
 __all__ = ["DIRECT_WRITE", "PROBE", "SEND_BATCH", "BatchingWebSocketsProtocol"]
 
@@ -106,19 +106,7 @@ class BatchingWebSocketsProtocol(WebSocketsSansIOProtocol):
         if (self.disconnected or self.close_sent or not self.handshake_complete
                 or self.initial_response is not None or conn.state is not State.OPEN):
             return True  # not open (any more): the app learns it from receive
-        transport = self.transport
-        if transport.get_write_buffer_size() > limit:
-            return False
-        if conn.extensions:  # e.g. permessage-deflate: framed (compressed) for this connection
-            for frame in batch.frames:
-                conn.send_binary(frame)
-            transport.writelines(conn.data_to_send())
-            return True
-        pending = conn.data_to_send()  # normally empty; keeps control frames in order
-        if pending:
-            transport.writelines(pending)
-        transport.write(batch.wire())
-        return True
+        return write_live_batch(conn, self.transport, batch, limit)
 
     async def _probe(self) -> None:
         if self.disconnected or self.close_sent or not self.handshake_complete:
