@@ -67,6 +67,7 @@ from firehose.backoff import Backoff
 from firehose.budget import ByteBudget
 from firehose.bus import BusClosed, EventBus, Subscription
 from firehose.frames import encode_error_frame, encode_info_frame
+from firehose.serve_wire import WireBatch
 from firehose.state import SequencedEvent
 
 log = logging.getLogger(__name__)
@@ -199,11 +200,12 @@ class ConsumerSession:
         self._handed_at: float | None = None
 
     # -- called by the broadcaster's fan-out (synchronously, never awaits)
-    def offer(self, batch: list[SequencedEvent]) -> None:
+    def offer(self, batch: list[SequencedEvent], wire: WireBatch | None = None) -> None:
         """A live batch (ascending seq): written at once through :attr:`direct_writer` once the
-        session is in direct mode, else queued (bounded) for :meth:`frame_batches`."""
+        session is in direct mode, else queued (bounded) for :meth:`frame_batches`. ``wire``:
+        the batch's frames as a :class:`WireBatch` shared by every session (built if absent)."""
         if self._direct:
-            self._offer_direct(batch)  # one write per consumer per batch
+            self._offer_direct(batch, wire)  # one write per consumer per batch
         else:
             for ev in batch:
                 self._offer(ev)
@@ -240,20 +242,22 @@ class ConsumerSession:
         self._queued_bytes += size
         self._wake.set()
 
-    def _offer_direct(self, batch: list[SequencedEvent]) -> None:
+    def _offer_direct(self, batch: list[SequencedEvent], wire: WireBatch | None = None) -> None:
         last = self.last_seq
         if last is not None and batch[0].seq <= last:
             batch = [e for e in batch if e.seq > last]
             if not batch:
                 return
+            wire = None  # a subset: not the shared batch
         assert self.direct_writer is not None
-        frames = [e.frame for e in batch]
-        if not self.direct_writer.write(frames):
+        if wire is None:
+            wire = WireBatch([e.frame for e in batch])
+        if not self.direct_writer.write(wire):
             self._overflowed_live()
             return
         self.last_seq = batch[-1].seq
         self.sent += len(batch)
-        self.bytes_sent += sum(map(len, frames))
+        self.bytes_sent += wire.nbytes
         self._note_written()
 
     def _note_written(self) -> None:
@@ -490,11 +494,12 @@ class ConsumerSession:
 
 
 class DirectWriter(Protocol):
-    """A transport that can take a frame synchronously (e.g. a ``websockets`` connection:
+    """A transport that can take frames synchronously (e.g. a ``websockets`` connection:
     the frames go straight into its write buffer). ``write`` returns False when the transport's
-    buffer is over the consumer's limit: the consumer is then too slow."""
+    buffer is over the consumer's limit: the consumer is then too slow. The batch is shared by
+    every consumer (:meth:`WireBatch.wire` is framed once for all of them)."""
 
-    def write(self, frames: list[bytes]) -> bool: ...
+    def write(self, batch: WireBatch) -> bool: ...
 
 
 class Broadcaster:
@@ -688,8 +693,9 @@ class Broadcaster:
         if not batch:
             return
         self._last_seq = batch[-1].seq
+        wire = WireBatch([e.frame for e in batch])  # framed once, on first use, for every consumer
         for s in self._sessions:
-            s.offer(batch)
+            s.offer(batch, wire)
 
 
 SendFn = Callable[[bytes], Awaitable[None]]

@@ -8,6 +8,9 @@
   accept and stream via :func:`firehose.broadcast.pump`. Under ``firehose.uvicorn_batch`` (what
   ``relay serve`` runs) a live consumer's lag is probed with pings, so a stalled one gets
   ``ConsumerTooSlow`` within ``Broadcaster.max_lag``; under plain uvicorn only its queue is bounded.
+  There, too, a caught-up consumer is written to by the fan-out itself (``DIRECT_WRITE``: each
+  live batch framed once for all consumers, one transport write per consumer per batch; too slow
+  when its write buffer exceeds ``Broadcaster.live_queue_bytes``).
 
 Mount it with ``subscribe_repos_routes(broadcaster)`` (a ``Route`` + ``WebSocketRoute`` pair).
 """
@@ -15,6 +18,7 @@ Mount it with ``subscribe_repos_routes(broadcaster)`` (a ``Route`` + ``WebSocket
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from starlette.requests import Request
@@ -24,7 +28,8 @@ from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from firehose.broadcast import Broadcaster, pump
-from firehose.uvicorn_batch import PROBE, SEND_BATCH
+from firehose.serve_wire import WireBatch
+from firehose.uvicorn_batch import DIRECT_WRITE, PROBE, SEND_BATCH
 
 SUBSCRIBE_REPOS_PATH = "/xrpc/com.atproto.sync.subscribeRepos"
 
@@ -73,6 +78,19 @@ async def deny_websocket(ws: WebSocket, status: int, error: str, message: str) -
         await ws.close(code=1013 if status == 429 else 1008, reason=error)
 
 
+class _ExtensionWriter:
+    """The ``DIRECT_WRITE`` extension as a :class:`firehose.broadcast.DirectWriter`."""
+
+    __slots__ = ("_limit", "_write")
+
+    def __init__(self, write: Callable[[WireBatch, int], bool], limit: int) -> None:
+        self._write = write
+        self._limit = limit
+
+    def write(self, batch: WireBatch) -> bool:
+        return self._write(batch, self._limit)
+
+
 class SubscribeReposWebSocket:
     """The WebSocket half; an ASGI app usable as a ``WebSocketRoute`` endpoint."""
 
@@ -105,6 +123,10 @@ class SubscribeReposWebSocket:
 
             async def send_final(frame: bytes) -> None:
                 await send({"type": SEND_BATCH, "frames": [frame], "close": (1008, "ConsumerTooSlow")})
+
+            direct = extensions.get(DIRECT_WRITE)
+            if direct is not None:  # live batches written by the fan-out itself
+                session.direct_writer = _ExtensionWriter(direct["write"], self.broadcaster.live_queue_bytes)
 
         if PROBE in extensions:  # firehose.uvicorn_batch: lag probes (ConsumerTooSlow at any rate)
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import http
-import struct
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any
@@ -27,6 +26,7 @@ from websockets.protocol import Protocol, Side, State
 from firehose.broadcast import Broadcaster, ConsumerSession, pump
 from firehose.frames import MAX_FRAME_BYTES
 from firehose.serve_asgi import SUBSCRIBE_REPOS_PATH, CursorError, error_json, parse_cursor
+from firehose.serve_wire import WireBatch, binary_frame_header, write_live_batch
 
 
 class _DirectWriter:
@@ -34,33 +34,13 @@ class _DirectWriter:
         self.connection = connection
         self.limit = limit
 
-    def write(self, frames: list[bytes]) -> bool:
+    def write(self, batch: WireBatch) -> bool:
         conn = self.connection
         protocol = conn.protocol
         if protocol.state is not State.OPEN:
             return True  # closing: the handler's pump sees the close
-        transport = conn.transport
-        if transport.get_write_buffer_size() > self.limit:
-            return False
-        # One transport call per consumer per batch instead of one per frame.
-        _write_binary_frames(protocol, transport, frames)
-        return True
-
-
-_BINARY_FIN = 0x82  # RFC 6455 §5.2: FIN + opcode 0x2 (binary); server frames are unmasked
-
-
-def _binary_frame_header(n: int) -> bytes:
-    """RFC 6455 §5.2 header of one unmasked, unfragmented binary frame of ``n`` payload bytes."""
-    if n < 126:
-        return bytes((_BINARY_FIN, n))
-    if n < 1 << 16:
-        return _HEADER16.pack(_BINARY_FIN, 126, n)
-    return _HEADER64.pack(_BINARY_FIN, 127, n)
-
-
-_HEADER16 = struct.Struct("!BBH")
-_HEADER64 = struct.Struct("!BBQ")
+        # One transport call per consumer per batch, the batch framed once for every consumer.
+        return write_live_batch(protocol, conn.transport, batch, self.limit)
 
 
 def _write_binary_frames(protocol: Protocol, transport: asyncio.WriteTransport, frames: list[bytes]) -> None:
@@ -77,7 +57,7 @@ def _write_binary_frames(protocol: Protocol, transport: asyncio.WriteTransport, 
     if protocol.state is not State.OPEN:
         raise InvalidState(f"connection is {protocol.state.name.lower()}")
     parts = protocol.data_to_send()  # normally empty; keeps control frames in order
-    header = _binary_frame_header
+    header = binary_frame_header
     for frame in frames:
         parts.append(header(len(frame)))
         parts.append(frame)

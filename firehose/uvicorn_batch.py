@@ -20,6 +20,16 @@ may send:
   when its pong arrives (a pong answers its ping and every earlier one), i.e. once the peer has
   read all of it. ``ClientDisconnected`` if the connection goes away first.
 
+The scope also advertises ``scope["extensions"][DIRECT_WRITE]["write"]``, a plain (not async)
+function ``write(batch: WireBatch, limit: int) -> bool`` for a fan-out that writes to many
+connections in one loop turn: the batch goes into the transport at once, without a task switch,
+an ASGI message or a backpressure wait — as unmasked binary messages framed once for every
+connection (:meth:`firehose.serve_wire.WireBatch.wire`) unless this connection negotiated an
+extension. It returns False, writing nothing, when the transport already holds more than
+``limit`` unsent bytes (the caller decides what a full buffer means); True when written, and
+also when the connection is no longer open (nothing is written; the app sees the disconnect
+through ``receive``). The app must not call it while a ``send`` of its own is in progress.
+
 Apps that do not look for the extensions are unaffected (``firehose.serve_asgi`` uses them when
 present).
 """
@@ -33,13 +43,18 @@ from typing import Any
 from uvicorn.protocols.utils import ClientDisconnected
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.exceptions import InvalidState
+from websockets.protocol import State
 
-__all__ = ["PROBE", "SEND_BATCH", "BatchingWebSocketsProtocol"]
+from firehose.serve_wire import WireBatch, write_live_batch
+
+__all__ = ["DIRECT_WRITE", "PROBE", "SEND_BATCH", "BatchingWebSocketsProtocol"]
 
 #: ASGI message type (and scope extension name) for a batch of binary messages.
 SEND_BATCH = "relay.websocket.send_batch"
 #: ASGI message type (and scope extension name) for a ping that ``send`` waits to see answered.
 PROBE = "relay.websocket.probe"
+#: ASGI scope extension name: a synchronous batch write (see the module docstring).
+DIRECT_WRITE = "relay.websocket.direct_write"
 _probe_ids = itertools.count(1)
 
 
@@ -50,6 +65,7 @@ class BatchingWebSocketsProtocol(WebSocketsSansIOProtocol):
         super().handle_connect(event)
         self.scope["extensions"][SEND_BATCH] = {}  # the app task has not run yet
         self.scope["extensions"][PROBE] = {}
+        self.scope["extensions"][DIRECT_WRITE] = {"write": self.direct_write}
         self._probes: dict[bytes, asyncio.Future[None]] = {}
 
     async def send(self, message: Any) -> None:
@@ -83,6 +99,14 @@ class BatchingWebSocketsProtocol(WebSocketsSansIOProtocol):
                 self.read_paused = False
                 self.transport.resume_reading()
             self.close_timer = self.loop.call_later(self.close_timeout, self.transport.abort)
+
+    def direct_write(self, batch: WireBatch, limit: int) -> bool:
+        """See the module docstring (``DIRECT_WRITE``)."""
+        conn = self.conn
+        if (self.disconnected or self.close_sent or not self.handshake_complete
+                or self.initial_response is not None or conn.state is not State.OPEN):
+            return True  # not open (any more): the app learns it from receive
+        return write_live_batch(conn, self.transport, batch, limit)
 
     async def _probe(self) -> None:
         if self.disconnected or self.close_sent or not self.handshake_complete:

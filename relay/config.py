@@ -185,8 +185,9 @@ SETTINGS: tuple[Setting, ...] = (
             "a live subscribeRepos consumer whose connection has not taken an event this long after it was "
             "sent (checked with WebSocket pings) gets ConsumerTooSlow and is disconnected", "duration"),
     Setting("consumer_max_queue_bytes", "RELAY_CONSUMER_MAX_QUEUE_BYTES", "--consumer-max-queue-bytes",
-            "67108864", "bytes of live events the relay queues for one consumer (at most 10,000 events) "
-            "before it gets ConsumerTooSlow", "int"),
+            "67108864", "bytes of live events waiting for one consumer — unsent in its connection's write buffer, "
+            "or queued (at most 10,000 events) while it is not yet written to directly — before it gets "
+            "ConsumerTooSlow", "int"),
     Setting("replay_buffer_mb", "RELAY_REPLAY_BUFFER_MB", "--replay-buffer-mb", "128",
             "memory for events read from the store for replaying consumers, all of them together (MB); each "
             "read asks for an equal share (at most 4 MiB), so more replaying consumers each wait longer, never "

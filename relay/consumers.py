@@ -17,7 +17,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from firehose.uvicorn_batch import SEND_BATCH
+from firehose.uvicorn_batch import DIRECT_WRITE, SEND_BATCH
 from relay.metrics import RelayMetrics
 from relay.siblings import with_server_header
 
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from websockets.asyncio.server import ServerConnection
 
     from firehose.broadcast import ConsumerSession
+    from firehose.serve_wire import WireBatch
 
 
 @dataclass(slots=True)
@@ -164,6 +165,22 @@ class ConsumerTracking:
                 info.bytes_sent += size
                 sent_bytes.inc(size)
             await send(message)
+
+        extensions = scope.get("extensions") or {}
+        direct = extensions.get(DIRECT_WRITE)
+        if direct is not None:  # live batches written by the fan-out, past ``send``: counted here
+            write = direct["write"]
+
+            def tracked_write(batch: WireBatch, limit: int) -> bool:
+                if not write(batch, limit):
+                    return False
+                if info is not None:
+                    info.frames_sent += len(batch.frames)
+                    info.bytes_sent += batch.nbytes
+                    sent_bytes.inc(batch.nbytes)
+                return True
+
+            scope = {**scope, "extensions": {**extensions, DIRECT_WRITE: {"write": tracked_write}}}
 
         try:
             await self.app(scope, receive, tracked_send)

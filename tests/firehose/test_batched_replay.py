@@ -9,7 +9,7 @@ from websockets.frames import Frame, Opcode
 
 from firehose.broadcast import Broadcaster
 from firehose.frames import decode_frame
-from firehose.serve_websockets import _binary_frame_header
+from firehose.serve_wire import binary_frame_header
 from tests.waiting import until
 
 from .conftest import Ingest
@@ -67,7 +67,7 @@ async def test_replay_batches_are_one_store_read_each_then_live(ingest: Ingest) 
 def test_binary_frame_header_matches_websockets_framing(n: int) -> None:
     payload = b"\x07" * n
     expected = Frame(Opcode.BINARY, payload).serialize(mask=False, extensions=[])
-    assert _binary_frame_header(n) + payload == expected
+    assert binary_frame_header(n) + payload == expected
 
 
 async def test_closing_mid_replay_deregisters_and_drops_the_read_ahead(ingest: Ingest) -> None:

@@ -6,6 +6,7 @@ import asyncio
 import gc
 import socket
 import time
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -22,10 +23,18 @@ from .servers import serve, ws_url
 pytestmark = pytest.mark.timeout(60)
 
 
-async def collect(url: str, *, until_seq: int | None = None, count: int | None = None, delay: float = 0.0):
-    """Read frames until a seq >= until_seq, ``count`` frames, an error frame or close."""
+async def collect(url: str, *, until_seq: int | None = None, count: int | None = None, delay: float = 0.0,
+                  rcvbuf: int | None = None):
+    """Read frames until a seq >= until_seq, ``count`` frames, an error frame or close. ``rcvbuf``:
+    the socket's receive buffer (small: the kernel cannot absorb what a slow reader leaves)."""
     out: list = []
-    async with connect(url, max_size=None) as ws:
+    sock = None
+    if rcvbuf is not None:
+        host, port = urlsplit(url).netloc.split(":")
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        sock.connect((host, int(port)))
+    async with connect(url, max_size=None, sock=sock) as ws:
         try:
             while True:
                 f = decode_frame(await ws.recv())
@@ -238,7 +247,7 @@ async def test_slow_live_consumer_receives_consumer_too_slow(ingest: Ingest, tra
     await b.start()
     try:
         async with serve(b, transport) as hp:
-            reader = asyncio.create_task(collect(ws_url(hp), until_seq=10_000, delay=0.003))
+            reader = asyncio.create_task(collect(ws_url(hp), until_seq=10_000, delay=0.003, rcvbuf=4096))
             await until(lambda: b.consumer_count == 1)
             await ingest.add(400, batch=20, payload=b"s" * 32768)
             got = await asyncio.wait_for(reader, 30)
@@ -498,3 +507,31 @@ async def test_deliver_hands_each_event_on_once(ingest: Ingest) -> None:
     await early.aclose()
     await late.aclose()
     assert b.consumer_count == 0
+
+
+async def test_live_batches_are_framed_once_for_every_consumer(ingest: Ingest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the main port caught-up consumers are written by the fan-out itself (``DIRECT_WRITE``):
+    each live batch is framed once, whatever the number of consumers, and every consumer still
+    gets every frame in order."""
+    import firehose.serve_wire as serve_wire
+
+    framed: list[int] = []
+    real = serve_wire.binary_wire
+
+    def counting(frames: list[bytes]) -> bytes:
+        framed.append(len(frames))
+        return real(frames)
+
+    monkeypatch.setattr(serve_wire, "binary_wire", counting)
+    b = Broadcaster(ingest.store, ingest.bus)
+    await b.start()
+    try:
+        async with serve(b, "asgi-batch") as hp:
+            readers = [asyncio.create_task(collect(ws_url(hp), until_seq=60)) for _ in range(3)]
+            await until(lambda: b.consumer_count == 3)  # registered, hence writing directly
+            await ingest.add(60, batch=10)
+            got = await asyncio.wait_for(asyncio.gather(*readers), 20)
+        assert got == [list(range(1, 61))] * 3
+        assert sum(framed) == 60  # once per frame, not once per frame per consumer
+    finally:
+        await b.close()

@@ -237,6 +237,24 @@ async def test_consumer_accounting_counts_batched_frames(relay_factory) -> None:
         assert f'relay_consumer_sent_bytes_total{{encoding="cbor"}} {float(sum(map(len, frames)))}' in text
 
 
+async def test_consumer_accounting_counts_live_frames(relay_factory) -> None:  # type: ignore[no-untyped-def]
+    """A caught-up consumer on the main port is written by the fan-out itself, past the ASGI
+    ``send``; the consumer registry and relay_consumer_sent_bytes_total still count every frame and byte."""
+    async with relay_factory(admin_token="tok") as relay, httpx.AsyncClient(base_url=relay.url) as http:
+        auth = {"authorization": "Bearer tok"}
+        async with connect(relay.ws_url) as ws:  # live only
+            await until(lambda: len(relay.service.consumers) == 1, "the consumer registered")
+            for _ in range(3):  # 6 live #account events
+                await http.post(f"/admin/accounts/{DID_A}/takedown", headers=auth)
+                await http.post(f"/admin/accounts/{DID_A}/reverse-takedown", headers=auth)
+            frames = [await asyncio.wait_for(ws.recv(), 5) for _ in range(6)]
+            consumers = (await http.get("/admin/consumers", headers=auth)).json()["consumers"]
+        assert len(consumers) == 1
+        assert (consumers[0]["framesSent"], consumers[0]["bytesSent"]) == (6, sum(map(len, frames)))
+        text = (await http.get("/metrics")).text
+        assert f'relay_consumer_sent_bytes_total{encoding="cbor"} {float(sum(map(len, frames)))}' in text
+
+
 def _decode(frame: bytes) -> tuple[dict, dict]:
     from firehose.frames import decode_frame
 
