@@ -252,7 +252,7 @@ async def test_consumer_accounting_counts_live_frames(relay_factory) -> None:  #
         assert len(consumers) == 1
         assert (consumers[0]["framesSent"], consumers[0]["bytesSent"]) == (6, sum(map(len, frames)))
         text = (await http.get("/metrics")).text
-        assert f'relay_consumer_sent_bytes_total{encoding="cbor"} {float(sum(map(len, frames)))}' in text
+        assert f'relay_consumer_sent_bytes_total{{encoding="cbor"}} {float(sum(map(len, frames)))}' in text
 
 
 def _decode(frame: bytes) -> tuple[dict, dict]:
