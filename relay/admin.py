@@ -29,7 +29,7 @@ the admin API and the dashboard alike; each ``RelayService`` has one failure tab
 | GET/POST | /admin/crawling | ``{enabled}`` public requestCrawl on/off |
 | GET | /admin/audit | recent admin actions |
 
-Changes marked in ``admin_routes`` with ``forward=True`` (limits, block/unblock, domain bans,
+Changes marked in ``relay.routes`` with ``forward=True`` (limits, block/unblock, domain bans,
 takedowns) are passed on to the sibling relays once they succeed here (``relay.siblings``).
 """
 
@@ -43,7 +43,6 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import BaseRoute, Route
 
 from relay.client_limits import ClientRateLimiter, RateLimited
 from relay.hosts import CrawlRefused
@@ -160,7 +159,7 @@ def _admin_host_view(service: RelayService, host: HostState) -> dict[str, Any]:
             "createdAt": host.created_at}
 
 
-def _admin(handler: AdminHandler, *, forward: bool = False) -> Callable[[Request], Awaitable[Response]]:
+def admin_endpoint(handler: AdminHandler, *, forward: bool = False) -> Callable[[Request], Awaitable[Response]]:
     """Wrap ``handler`` as a route endpoint: authorize, then map ``KeyError`` to 404 ``NotFound``
     and ``CrawlRefused`` to 400 with its XRPC error name. ``forward``: a change that succeeded is
     passed on to the sibling relays (``relay.siblings``; queued, never waited for)."""
@@ -347,30 +346,5 @@ async def audit(request: Request, service: RelayService) -> Response:
     return JSONResponse({"actions": await service.store.list_admin_actions(200)})
 
 
-def admin_routes() -> list[BaseRoute]:
-    return [
-        Route("/admin/hosts", _admin(list_hosts), methods=["GET"]),
-        Route("/admin/hosts", _admin(add_host), methods=["POST"]),
-        Route("/admin/hosts/{hostname}/block", _admin(block_host, forward=True), methods=["POST"]),
-        Route("/admin/hosts/{hostname}/unblock", _admin(unblock_host, forward=True), methods=["POST"]),
-        Route("/admin/hosts/{hostname}/limits", _admin(set_limits, forward=True), methods=["POST"]),
-        Route("/admin/hosts/{hostname}/reset-cursor", _admin(reset_cursor), methods=["POST"]),
-        Route("/admin/hosts/{hostname}/validation", _admin(set_validation), methods=["POST"]),
-        Route("/admin/domain-bans", _admin(domain_bans), methods=["GET"]),
-        Route("/admin/domain-bans", _admin(domain_bans, forward=True), methods=["POST"]),
-        Route("/admin/domain-bans/{domain}", _admin(remove_domain_ban, forward=True), methods=["DELETE"]),
-        Route("/admin/accounts/{did}", _admin(get_account), methods=["GET"]),
-        Route("/admin/desynchronized", _admin(desynchronized), methods=["GET"]),
-        Route("/admin/accounts/{did}/takedown", _admin(takedown, forward=True), methods=["POST"]),
-        Route("/admin/accounts/{did}/reverse-takedown", _admin(reverse_takedown, forward=True), methods=["POST"]),
-        Route("/admin/accounts/{did}/resync", _admin(resync_account), methods=["POST"]),
-        Route("/admin/hosts/{hostname}/resync", _admin(resync_host), methods=["POST"]),
-        Route("/admin/consumers", _admin(consumers), methods=["GET"]),
-        Route("/admin/crawling", _admin(crawling), methods=["GET", "POST"]),
-        Route("/admin/audit", _admin(audit), methods=["GET"]),
-        Route("/admin/{rest:path}", _admin(_unknown), methods=["GET", "POST", "DELETE"]),
-    ]
-
-
-async def _unknown(request: Request, service: RelayService) -> Response:
+async def unknown(request: Request, service: RelayService) -> Response:
     raise XrpcError(404, "NotFound", f"no admin endpoint {request.url.path}")

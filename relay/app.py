@@ -1,6 +1,7 @@
-"""The relay's HTTP surface: public XRPC (com.atproto.sync.*), health, metrics and the admin API.
+"""The relay's public HTTP handlers: XRPC (com.atproto.sync.*), health, readiness, metrics.
 
-``build_app(service)`` returns a Starlette app over a running ``relay.service.RelayService``.
+Each handler reads the ``relay.service.RelayService`` it serves from ``request.app.state.service``;
+``relay.routes`` holds the route table and builds the apps.
 Public endpoints follow the Lexicons in ``lexicons/com/atproto/sync/`` exactly; errors are
 ``{"error", "message"}`` with the Lexicon's error names. The admin API lives in ``relay.admin``.
 """
@@ -11,23 +12,16 @@ import logging
 from typing import TYPE_CHECKING
 from urllib.parse import urlencode
 
-from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, RedirectResponse, Response
-from starlette.routing import BaseRoute, Route
 
 from backfill.types import HostState
 from firehose.state import AccountState
 from relay.accounts import reported_status
-from relay.admin import admin_routes
-from relay.dashboard import dashboard_routes
 from relay.hosts import CrawlRefused, HostManager, host_base_url
 from relay.metrics import CONTENT_TYPE_LATEST
 from relay.repo_proxy import RepoRefused, RepoUnavailable
-from relay.request_guard import RequestGuard
-from relay.siblings import ServerHeader
 from relay.xrpc import XrpcError, did_param, int_param, invalid, json_object, param
 
 if TYPE_CHECKING:
@@ -265,11 +259,7 @@ async def root(request: Request) -> Response:
         "Hosts:  /xrpc/com.atproto.sync.listHosts\n")
 
 
-def _xrpc_route(name: str, endpoint, methods: tuple[str, ...] = ("GET", "HEAD")) -> Route:  # type: ignore[no-untyped-def]
-    return Route(f"/xrpc/{NSID}{name}", endpoint, methods=list(methods))
-
-
-async def _xrpc_error(request: Request, exc: Exception) -> Response:
+async def xrpc_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, XrpcError)
     return exc.response()
 
@@ -278,7 +268,7 @@ async def _xrpc_error(request: Request, exc: Exception) -> Response:
 _HTTP_ERRORS = {404: "NotFound", 405: "MethodNotAllowed"}
 
 
-async def _http_error(request: Request, exc: Exception) -> Response:
+async def http_error(request: Request, exc: Exception) -> Response:
     """Starlette's routing errors as XRPC error bodies (it would answer them in plain text)."""
     assert isinstance(exc, HTTPException)
     error = _HTTP_ERRORS.get(exc.status_code, "InvalidRequest" if exc.status_code < 500 else "InternalServerError")
@@ -286,35 +276,18 @@ async def _http_error(request: Request, exc: Exception) -> Response:
                         headers=exc.headers)
 
 
-async def _server_error(request: Request, exc: Exception) -> Response:
+async def server_error(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error", exc_info=exc)
     return JSONResponse({"error": "InternalServerError", "message": "internal error"}, status_code=500)
 
 
-def build_app(service: RelayService) -> Starlette:
-    """The Starlette app. Fan-out-only processes skip requestCrawl/admin (ingest owns them).
-    Every response names the relay (``Server: atproto-relay``, ``relay.siblings.ServerHeader``)."""
-    routes: list[BaseRoute] = [Route("/", root), Route("/_health", health), Route("/_ready", ready),
-                               Route("/metrics", metrics), *dashboard_routes()]
-    routes += service.subscribe_routes()
-    routes += [
-        _xrpc_route("listHosts", list_hosts),
-        _xrpc_route("getHostStatus", get_host_status),
-        _xrpc_route("listRepos", list_repos),
-        _xrpc_route("listReposByCollection", list_repos_by_collection, ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE")),
-        _xrpc_route("getRepoStatus", get_repo_status),
-        _xrpc_route("getLatestCommit", get_latest_commit),
-        _xrpc_route("getRepo", get_repo),
-    ]
-    if service.hosts is not None:
-        routes.append(_xrpc_route("requestCrawl", request_crawl, ("POST", "GET")))
-        routes += admin_routes()
-    routes.append(Route("/xrpc/{method}", not_implemented, methods=["GET", "POST"]))
-    app = Starlette(routes=routes, exception_handlers={XrpcError: _xrpc_error, HTTPException: _http_error,
-                                                        Exception: _server_error},
-                    middleware=[Middleware(ServerHeader), Middleware(RequestGuard)])
-    app.state.service = service
-    return app
+async def not_ready(request: Request) -> Response:
+    """Anything but the probes while the service starts (``relay.gate``): 503 ``NotReady`` with
+    the readiness reasons and ``Retry-After``."""
+    service = _service(request)
+    reasons = await service.readiness()
+    return JSONResponse({"error": "NotReady", "message": f"the relay is not running yet ({service.phase})",
+                         "reasons": reasons}, status_code=503, headers={"retry-after": "5"})
 
 
-__all__ = ["build_app", "host_view"]
+__all__ = ["host_view"]

@@ -1,4 +1,4 @@
-"""Operator console: ``GET /dashboard`` (one self-contained HTML page, ``relay/console/console.html``)
+"""Operator console: ``GET /dashboard`` (routes in ``relay.routes``) (one self-contained HTML page, ``relay/console/console.html``)
 over the JSON endpoints of ``relay.console.api``.
 
 What the page shows, and where it comes from: every process of the deployment (its report:
@@ -24,26 +24,9 @@ from importlib import resources
 
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
-from starlette.routing import BaseRoute, Route
-
-from relay.console import api
 
 _PAGE = resources.files("relay.console").joinpath("console.html")
 
 
 async def page(request: Request) -> Response:
     return HTMLResponse(_PAGE.read_text(encoding="utf-8"), headers={"cache-control": "no-store"})
-
-
-def dashboard_routes() -> list[BaseRoute]:
-    """The console's routes (one block: the page, its data, and the admin-only API)."""
-    return [
-        Route("/dashboard", page, methods=["GET", "HEAD"]),
-        Route("/dashboard/data", api.data, methods=["GET"]),
-        Route("/dashboard/api/hosts", api.hosts, methods=["GET"]),
-        Route("/dashboard/api/hosts/{hostname}", api.on_ingest(api.host_detail), methods=["GET"]),
-        Route("/dashboard/api/accounts", api.on_ingest(api.accounts), methods=["GET"]),
-        Route("/dashboard/api/requestCrawl", api.on_ingest(api.request_crawl), methods=["POST"]),
-        Route("/dashboard/api/admin/{rest:path}", api.on_ingest(api.admin_call, checks_token=True),
-              methods=["GET", "POST", "DELETE"]),
-    ]

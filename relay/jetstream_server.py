@@ -31,7 +31,6 @@ from dataclasses import dataclass
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import BaseRoute, Route, WebSocketRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
@@ -48,7 +47,7 @@ from firehose.jetstream import (
     seq_for_time,
 )
 from firehose.reasons import Reason
-from firehose.serve_asgi import deny_websocket, upgrade_required
+from firehose.serve_asgi import deny_websocket
 from firehose.state import SequencedEvent
 from firehose.uvicorn_batch import PROBE, SEND_BATCH
 from relay.consumers import ConsumerRegistry, ConsumerTracking, jetstream_encoding
@@ -108,23 +107,19 @@ class JetstreamServer:
         self._count_messages = count_messages or (lambda compressed, n: None)
         self._wrap = wrap
 
-    def routes(self) -> list[BaseRoute]:
+    def websocket_app(self) -> ASGIApp:
+        """The WebSocket endpoint for ``SUBSCRIBE_PATH`` (mounted by ``relay.routes``)."""
         # an ASGI callable, not a bound method: Starlette would call a method as ``endpoint(session)``
         app: ASGIApp = _AsgiApp(self._websocket)
         if self._wrap is not None:
             app = self._wrap(app)
-        return [
-            WebSocketRoute(SUBSCRIBE_PATH, app),
-            Route(SUBSCRIBE_PATH, upgrade_required, methods=["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE"]),
-            Route(DICTIONARY_PATH, self._dictionary, methods=["GET", "HEAD"]),
-            Route(GET_DICTIONARY_PATH, self._dictionary_by_id, methods=["GET", "HEAD"]),
-        ]
+        return app
 
-    async def _dictionary(self, request: Request) -> Response:
+    async def dictionary(self, request: Request) -> Response:
         """The dictionary of ``compress=true``."""
         return _dictionary_response(self.converter.codec)
 
-    async def _dictionary_by_id(self, request: Request) -> Response:
+    async def dictionary_by_id(self, request: Request) -> Response:
         """A dictionary by its zstd id (``?id``; omitted: the current one): ``400 InvalidRequest``
         for an id that is not a positive integer, ``400 DictionaryNotFound`` for an unknown one."""
         raw = request.query_params.get("id")

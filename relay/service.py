@@ -28,7 +28,6 @@ import time
 from typing import Any
 
 from starlette.applications import Starlette
-from starlette.routing import BaseRoute, Route, WebSocketRoute
 
 from backfill.failure import describe_store_error
 from backfill.outbox import DrainResult, drain_repair_outbox
@@ -43,7 +42,7 @@ from relay.config import RelayConfig, parse_nameservers
 from relay.console.api import HostIndex
 from relay.console.ledger import HostLedger
 from relay.console.reports import ReplicaReporter
-from relay.consumers import ConsumerRegistry, ConsumerTracking
+from relay.consumers import ConsumerRegistry
 from relay.fdlimit import hosts_allowed, raise_open_file_limit
 from relay.hosts import HostManager, HostPolicy
 from relay.identity import (
@@ -442,21 +441,6 @@ class RelayService:
             await self.store.close()
 
     # -- used by the app ------------------------------------------------------------------
-    def subscribe_routes(self) -> list[BaseRoute]:
-        from firehose.serve_asgi import SUBSCRIBE_REPOS_PATH, subscribe_repos_routes
-
-        routes = subscribe_repos_routes(self.broadcaster)
-        out: list[BaseRoute] = []
-        for route in routes:
-            if isinstance(route, WebSocketRoute):
-                out.append(WebSocketRoute(SUBSCRIBE_REPOS_PATH, ConsumerTracking(route.app, self.consumers)))
-            else:
-                assert isinstance(route, Route)
-                out.append(route)
-        if self.jetstream is not None:
-            out += self.jetstream.routes()
-        return out
-
     async def readiness(self) -> list[str]:
         """Why this process should not receive traffic now (empty: ready). Each reason is
         ``what: cause (Type: message)``, the cause one word an operator can act on
@@ -536,6 +520,7 @@ class RelayService:
         return state
 
     def build_app(self) -> Starlette:
-        from relay.app import build_app
+        """The full app over this service (``relay.routes``)."""
+        from relay.routes import build_app
 
         return build_app(self)

@@ -18,8 +18,8 @@ from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
 from firehose.state import AccountState
-from relay.admin import admin_routes
 from relay.request_guard import MAX_BODY_BYTES, RequestGuard
+from relay.routes import admin_routes
 from relay.ssrf import static_resolver
 from relay.xrpc import XrpcError, json_object
 from tests.relay.fuzz import FuzzRequest, Generator, load_methods

@@ -30,6 +30,7 @@ from firehose.frames import encode_frame
 from firehose.jetstream import JetstreamConverter, ZstdCodec
 from firehose.state import SequencedEvent
 from relay.jetstream_server import JetstreamServer
+from relay.routes import jetstream_routes
 from tests.firehose.commits import commit_body, new_repo
 from tests.relay.helpers import serve_asgi
 from tests.waiting import until
@@ -98,7 +99,7 @@ async def endpoint(store: Store, bus: InProcessBus, counted: list[str],
     await broadcaster.start()
     server = JetstreamServer(broadcaster, JetstreamConverter(ZstdCodec.default()), count=counted.append)
     try:
-        async with serve_asgi(Starlette(routes=server.routes())) as url:
+        async with serve_asgi(Starlette(routes=jetstream_routes(server))) as url:
             yield broadcaster, url.replace("http://", "ws://") + "/subscribe"
     finally:
         await broadcaster.close()
