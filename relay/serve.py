@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
     from relay.connection_limits import ConnectionLimits
+    from relay.service import RelayService
 
 log = logging.getLogger("relay.serve")
 
@@ -106,14 +107,15 @@ def build_server(app: Any, config: RelayConfig,
     return server, limits
 
 
-async def run(config: RelayConfig, role: str) -> None:
+async def run(config: RelayConfig, role: str, service_class: type[RelayService] | None = None) -> None:
     """Open the port first (probes, metrics and dashboard answer from then on: a standby ingest
     waiting for the writer lease is alive, not ready), then start the service; serve until
-    SIGINT/SIGTERM. A start that fails ends the process (the error propagates)."""
+    SIGINT/SIGTERM. A start that fails ends the process (the error propagates).
+    ``service_class``: a ``RelayService`` subclass to run instead (the fault suite's)."""
     from relay.gate import ServiceGate
     from relay.service import RelayService
 
-    service = RelayService(config, role=role)
+    service = (service_class or RelayService)(config, role=role)
     sock = _bind_socket(config.host, config.port)
     server, _ = build_server(ServiceGate(service), config, service.metrics.registry)
     host, port = sock.getsockname()[:2]
@@ -148,7 +150,8 @@ async def run(config: RelayConfig, role: str) -> None:
         log.info("stopped")
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, service_class: type[RelayService] | None = None) -> int:
+    """``relay serve|ingest|fanout``; ``service_class`` as for :func:`run`."""
     args = list(sys.argv[1:] if argv is None else argv)
     role = args[args.index("--role") + 1] if "--role" in args[:-1] else "serve"
     parser = build_parser(role if role in ("serve", "ingest", "fanout") else "serve")
@@ -166,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux/macOS
         runner = asyncio.run
     try:
-        runner(run(config, ns.role))
+        runner(run(config, ns.role, service_class))
     except KeyboardInterrupt:
         return 0
     except Exception as exc:

@@ -73,27 +73,6 @@ from relay.status_suspects import SuspectQueue, WatchedLanes
 log = logging.getLogger("relay.service")
 
 ROLES = ("serve", "ingest", "fanout")
-#: Fault injection for the fault suite (``tests/faults``), read from the environment at start: the
-#: process ends instead of publishing its N-th batch, which the sequencer has already committed.
-EXIT_BEFORE_PUBLISH = "RELAY_FAULT_EXIT_BEFORE_PUBLISH"
-
-
-def exit_before_publish(publish: Publish, nth: int) -> Publish:
-    """``publish``, except that its ``nth`` call ends the process at once (exit status 137, no
-    cleanup, as SIGKILL would): a crash between commit and publish, on purpose."""
-    calls = 0
-
-    async def publish_or_exit(events: list[SequencedEvent]) -> None:
-        nonlocal calls
-        calls += 1
-        if calls >= nth:
-            log.warning("fault injection: exiting before publishing a committed batch",
-                        extra=fields(first_seq=events[0].seq if events else None))
-            logging.shutdown()
-            os._exit(137)
-        await publish(events)
-
-    return publish_or_exit
 SEQUENCER_STATES = ("running", "retrying", "failed", "waiting", "stopped")
 VERSION = "0.1.0"
 
@@ -215,11 +194,7 @@ class RelayService:
                                           timeout=config.bus_publish_timeout)
             self.publisher.start()
             self.metrics.watch_publisher(lambda: self.publisher.stats if self.publisher is not None else None)
-            publish: Publish = self._publish
-            exit_at = os.environ.get(EXIT_BEFORE_PUBLISH)
-            if exit_at:
-                publish = exit_before_publish(publish, int(exit_at))
-            self.sequencer = Sequencer(self.store, publish, wait_for_lock=self.role == "ingest")
+            self.sequencer = Sequencer(self.store, self.sequencer_publish(), wait_for_lock=self.role == "ingest")
             await self.sequencer.start()
             if not await self._write_check():  # first try inline: a healthy start is ready at once
                 self._tasks.append(asyncio.create_task(self._prove_writable(), name="store-write-check"))
@@ -305,6 +280,12 @@ class RelayService:
         assert self.resync is not None and self.admission is not None
         self.admission.forget_host(hostname)
         await self.resync.release_throttled(hostname)
+
+    def sequencer_publish(self) -> Publish:
+        """The publish step the sequencer calls after each committed batch (``_publish``). The
+        fault suite's subclass (``tests/faults/faulty_relay.py``) wraps it to crash between commit
+        and publish."""
+        return self._publish
 
     async def _publish(self, events: list[SequencedEvent]) -> None:
         """The sequencer's publish: count every committed event by type — upstream ones, the

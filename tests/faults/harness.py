@@ -157,7 +157,7 @@ def children_of(pid: int) -> list[int]:
 
 def session_members(sids: set[int]) -> list[int]:
     """Running processes whose session id is in ``sids`` and which run this project's Python
-    (``relay.cli`` or a validation worker): what is left of relays started with their own session."""
+    (``relay.cli``, ``tests.faults.faulty_relay`` or a validation worker): what is left of relays started with their own session."""
     found: list[int] = []
     for pid, fields in _proc_stats():
         try:
@@ -167,7 +167,7 @@ def session_members(sids: set[int]) -> list[int]:
                 cmdline = fh.read()
         except (OSError, IndexError, ValueError):
             continue
-        if b"relay.cli" in cmdline or b"firehose.worker_main" in cmdline:
+        if b"relay.cli" in cmdline or b"faulty_relay" in cmdline or b"firehose.worker_main" in cmdline:
             found.append(pid)
     return found
 
@@ -573,6 +573,8 @@ class RelayProcess(_Managed):
         self.port = port or free_port()
         self.log_path = log_path
         self.settings = {"RELAY_LOG_LEVEL": "warning", **settings, "RELAY_BIND": f"127.0.0.1:{self.port}"}
+        #: the command line to start instead of ``relay <role>`` (a faulty relay: ``tests.faults.faulty_relay``)
+        self.command: list[str] | None = None
         self.server: Supervised | None = None
         self._sessions: set[int] = set()
         self._closed = False
@@ -602,7 +604,7 @@ class RelayProcess(_Managed):
         before it answers (a fault hook made it exit) is not an error; returns when it ended."""
         if self.alive:
             raise RuntimeError(f"relay {self.role} already running")
-        self.server = Supervised([sys.executable, "-m", "relay.cli", self.role], cwd=ROOT, env=self._env(),
+        self.server = Supervised(self.command or [sys.executable, "-m", "relay.cli", self.role], cwd=ROOT, env=self._env(),
                                  log_path=self.log_path, pidfile=self.log_path.with_suffix(".pid"),
                                  new_session=True)
         self._sessions.add(self.server.reaper.pid)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -550,18 +551,18 @@ async def upstream_storm(rig: Rig) -> FaultTimes:
 
 async def ingest_kill_unpublished(rig: Rig) -> FaultTimes:
     """(h) scale-out: the ingest dies between commit and publish. It is SIGKILLed and started again
-    with the fault hook ``RELAY_FAULT_EXIT_BEFORE_PUBLISH=3`` (``relay.service``): it commits its
+    as ``tests.faults.faulty_relay`` (its publish step wrapped): it commits its
     third batch to PostgreSQL and ends the process (exit 137, no cleanup) instead of publishing
     it. It is then started a third time, normally ("back" when ``/_health`` answers). The fan-outs
     must read the never-published batch from the store before delivering anything after it. The
     final check proves the hole existed: the store holds seqs the stream never got."""
-    from relay.service import EXIT_BEFORE_PUBLISH
+    from tests.faults.faulty_relay import EXIT_MESSAGE
 
     assert rig.redis is not None and rig.writer is not None
     writer = rig.writer
     down = time.monotonic()
     await writer.kill9()
-    writer.settings[EXIT_BEFORE_PUBLISH] = "3"
+    writer.command = [sys.executable, "-m", "tests.faults.faulty_relay", "3", writer.role]
     try:
         # it may reach its third batch (and exit) before /_health is first polled
         await writer.start(may_exit=True)
@@ -569,9 +570,9 @@ async def ingest_kill_unpublished(rig: Rig) -> FaultTimes:
         while writer.alive and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         # exited through the hook (its log line), not through a crash of its own
-        exited = not writer.alive and "exiting before publishing a committed batch" in log_tail(writer.log_path, 200)
+        exited = not writer.alive and EXIT_MESSAGE in log_tail(writer.log_path, 200)
     finally:
-        del writer.settings[EXIT_BEFORE_PUBLISH]
+        writer.command = None
     published = await rig.redis.last_entry_seq()
     committed = await _store_seq(rig)
     restart = time.monotonic()
@@ -607,7 +608,6 @@ async def _spark_job(rig: Rig, job: str) -> object:
     """Run ``relay spark <job>`` (resync or reconcile of every account) against the rig's database as
     an operator would: its own process, Spark ``local[1]``; returns its ``--json`` summary."""
     import json
-    import sys
     from pathlib import Path
 
     relay_cli = Path(sys.executable).with_name("relay")
