@@ -6,6 +6,7 @@ within its bound. (The publisher against a hung Redis: ``tests/faults/test_bus_h
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Sequence
 
 import pytest
@@ -201,3 +202,48 @@ def test_bus_errors_are_classified() -> None:
         BusPublisher(GatedBus(), max_events=0)
     with pytest.raises(ValueError):
         BusPublisher(GatedBus(), timeout=0)
+
+
+def warnings_of(caplog: pytest.LogCaptureFixture) -> list[tuple[str, object]]:
+    """The publisher's warnings so far, as ``(message, events field)``."""
+    return [(r.getMessage(), getattr(r, "events", None)) for r in caplog.records
+            if r.name == "firehose.publisher" and r.levelno == logging.WARNING]
+
+
+QUEUE_FULL = "bus publisher: queue full; dropping the oldest unpublished events (fan-outs read them from the store)"
+CLOSED = "bus publisher: closed with events unpublished (fan-outs read them from the store)"
+
+
+async def test_drops_log_once_per_run_and_close_adds_what_it_drops(caplog: pytest.LogCaptureFixture) -> None:
+    """One warning per run of drops (with the events of the first drop), again only after a publish
+    succeeded; ``close`` adds the events it drops to the ones dropped before and logs them; a
+    second ``close`` does nothing (it does not wait for the drain again)."""
+    caplog.set_level(logging.WARNING, logger="firehose.publisher")
+    bus = GatedBus()
+    per_event = batch_bytes([ev(1)])
+    publisher = BusPublisher(bus, max_bytes=2 * per_event, drain_timeout=0.05)
+    publisher.start()
+    bus.open.clear()
+    publisher.offer([ev(1)])
+    await until(lambda: bus.calls == [[1]], "event 1 being published")
+    publisher.offer([ev(2)])
+    publisher.offer([ev(3), ev(4)])  # 2 is dropped: logged
+    publisher.offer([ev(5)])  # 3 and 4 are dropped: the same run, not logged again
+    assert publisher.stats.dropped == 3
+    assert warnings_of(caplog) == [(QUEUE_FULL, 1)]
+    bus.open.set()
+    await asyncio.wait_for(publisher.flushed(), 10)
+    assert await bus.received() == [1, 5]
+    bus.open.clear()  # a publish succeeded: the next run of drops is logged again
+    publisher.offer([ev(6)])
+    await until(lambda: bus.calls[-1] == [6], "event 6 being published")
+    publisher.offer([ev(7)])
+    publisher.offer([ev(8), ev(9)])
+    assert publisher.stats.dropped == 4
+    assert warnings_of(caplog) == [(QUEUE_FULL, 1), (QUEUE_FULL, 1)]
+    await publisher.close()  # 8 and 9 queued behind the hung call: dropped, added to the 4
+    assert publisher.stats.dropped == 6
+    assert warnings_of(caplog) == [(QUEUE_FULL, 1), (QUEUE_FULL, 1), (CLOSED, 2)]
+    publisher.drain_timeout = 3600.0  # a second close would wait this long for a drain
+    await asyncio.wait_for(publisher.close(), 10)
+    assert publisher.stats.dropped == 6 and len(warnings_of(caplog)) == 3
