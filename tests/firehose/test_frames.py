@@ -39,6 +39,8 @@ def test_error_and_info_frames() -> None:
     assert f.is_error and f.t is None and f.error == "FutureCursor" and f.body["message"] == "ahead"
     i = decode_frame(encode_info_frame("OutdatedCursor"))
     assert i.t == "#info" and i.body == {"name": "OutdatedCursor"}
+    i = decode_frame(encode_info_frame("OutdatedCursor", "too old"))
+    assert i.t == "#info" and i.body == {"name": "OutdatedCursor", "message": "too old"}
 
 
 def test_unknown_op_and_type_are_ignorable_not_errors() -> None:
