@@ -247,3 +247,63 @@ async def test_drops_log_once_per_run_and_close_adds_what_it_drops(caplog: pytes
     publisher.drain_timeout = 3600.0  # a second close would wait this long for a drain
     await asyncio.wait_for(publisher.close(), 10)
     assert publisher.stats.dropped == 6 and len(warnings_of(caplog)) == 3
+
+
+class FlakyBus:
+    """The real in-process bus; each call of ``publish`` first raises the next of ``failures``."""
+
+    def __init__(self) -> None:
+        self.inner = InProcessBus(maxsize=10_000)
+        self.failures: list[Exception] = []
+
+    async def publish(self, events: Sequence[SequencedEvent]) -> None:
+        if self.failures:
+            raise self.failures.pop(0)
+        await self.inner.publish(events)
+
+    async def head(self) -> int | None:
+        return self.inner.last_seq
+
+
+def outage_lines(caplog: pytest.LogCaptureFixture) -> list[tuple[str, dict[str, object]]]:
+    """The publisher's warnings with their structured fields."""
+    fields = ("error", "cause", "failed_attempts", "events")
+    return [(r.getMessage(), {f: getattr(r, f) for f in fields if hasattr(r, f)}) for r in caplog.records
+            if r.name == "firehose.publisher" and r.levelno == logging.WARNING]
+
+
+FAILED = "bus publish failed; retrying (fan-outs follow the store meanwhile)"
+AGAIN = "bus publishing works again"
+
+
+async def test_an_outage_logs_its_start_and_its_end_once(caplog: pytest.LogCaptureFixture) -> None:
+    """One line when an outage starts (the first error, cut to 300 characters, and its cause) and
+    one when publishing works again (how many attempts failed); nothing for a publish that works;
+    the count starts again at the next outage."""
+    caplog.set_level(logging.WARNING, logger="firehose.publisher")
+    bus = FlakyBus()
+    publisher = BusPublisher(bus, retry_base=0.001, retry_max=0.001)
+    publisher.start()
+    try:
+        long = "x" * 400
+        bus.failures = [redis.exceptions.ConnectionError(long), TimeoutError(), redis.exceptions.ResponseError("ERR")]
+        publisher.offer([ev(1)])
+        await asyncio.wait_for(publisher.flushed(), 10)
+        assert outage_lines(caplog) == [
+            (FAILED, {"error": f"ConnectionError: {long}"[:300], "cause": "bus_unreachable"}),
+            (AGAIN, {"failed_attempts": 3}),
+        ]
+        assert publisher.stats.errors == 3 and publisher.failing is None
+        publisher.offer([ev(2)])  # works at once: no line
+        await asyncio.wait_for(publisher.flushed(), 10)
+        assert len(outage_lines(caplog)) == 2
+        bus.failures = [TimeoutError("slow")]
+        publisher.offer([ev(3)])
+        await asyncio.wait_for(publisher.flushed(), 10)
+        assert outage_lines(caplog)[2:] == [
+            (FAILED, {"error": "TimeoutError: slow", "cause": "bus_hung"}),
+            (AGAIN, {"failed_attempts": 1}),
+        ]
+        assert bus.inner.last_seq == 3 and publisher.stats.published == 3
+    finally:
+        await publisher.close()
