@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from functools import partial
 
 import pytest
 
@@ -123,7 +124,7 @@ def test_option_refusals_and_limits() -> None:
     assert both.prefixes == ("app.", "app.bsky.feed.")  # once each, shortest first
     assert [parse_max_size(v) for v in (None, "", -5, "-5", 0, 12, "12", 2**40)] == [0, 0, 0, 0, 0, 12, 12, 2**31 - 1]
     for bad in (True, 1.5, "1.5", [1]):
-        assert _refusal(lambda bad=bad: parse_max_size(bad)) == (Reason.JETSTREAM_BAD_MAX_SIZE,
-                                                                 "maxMessageSizeBytes must be an integer")
+        assert _refusal(partial(parse_max_size, bad)) == (Reason.JETSTREAM_BAD_MAX_SIZE,
+                                                          "maxMessageSizeBytes must be an integer")
     exact = JetstreamOptions(collections=frozenset({"app.bsky.feed.post"}))
     assert exact.wants_collection("app.bsky.feed.post") and not exact.wants_collection("app.bsky.feed.like")

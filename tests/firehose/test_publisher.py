@@ -196,12 +196,14 @@ def test_bus_errors_are_classified() -> None:
     assert classify_bus_error(redis.exceptions.ConnectionError()) == "bus_unreachable"
     assert classify_bus_error(ConnectionRefusedError()) == "bus_unreachable"
     assert classify_bus_error(redis.exceptions.ResponseError("ERR")) == "bus_error"
-    with pytest.raises(ValueError):
-        BusPublisher(GatedBus(), max_bytes=0)
-    with pytest.raises(ValueError):
-        BusPublisher(GatedBus(), max_events=0)
-    with pytest.raises(ValueError):
-        BusPublisher(GatedBus(), timeout=0)
+    for bad in ({"max_bytes": 0}, {"max_events": 0}, {"timeout": 0}):
+        with pytest.raises(ValueError, match="^max_bytes, max_events and timeout must be positive$"):
+            BusPublisher(GatedBus(), **bad)
+    smallest = BusPublisher(GatedBus(), max_bytes=1, max_events=1, timeout=0.001)  # the least that is positive
+    assert (smallest.max_bytes, smallest.max_events, smallest.timeout) == (1, 1, 0.001)
+    default = BusPublisher(GatedBus())  # the defaults the relay runs with (it sets max_bytes and timeout)
+    assert (default.max_bytes, default.max_events, default.timeout, default.retry_base, default.retry_max,
+            default.drain_timeout) == (64 * 1024 * 1024, 2000, 5.0, 0.05, 2.0, 5.0)
 
 
 def warnings_of(caplog: pytest.LogCaptureFixture) -> list[tuple[str, object]]:
