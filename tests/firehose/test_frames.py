@@ -116,3 +116,17 @@ def test_lenient_decode_leaves_drisl_extras_to_validation() -> None:
     for bad in (b"\xff", bytes.fromhex("a2626f70016174622378") + b"\xa0", encode_frame("#x", {}) + b"\x00"):
         with pytest.raises(FrameError):
             decode_frame(bad, strict=False)  # still canonical DAG-CBOR only
+
+
+def test_a_cbor_error_names_what_the_decoder_refused() -> None:
+    """The frame error's message is the strict decoder's own reason (or, lenient, the error type
+    cbrrr raised): what a rejected frame's detail tells an operator."""
+    unordered = bytes.fromhex("a2626f70016174622378") + b"\xa0"
+    details = []
+    for data in (unordered, b"\xff"):
+        for strict in (True, False):
+            with pytest.raises(FrameError) as err:
+                decode_frame(data, strict=strict)
+            details.append((err.value.reason, err.value.message))
+    assert details == [(Reason.BAD_HEADER_CBOR, "cbor_map_key_order"), (Reason.BAD_HEADER_CBOR, "CbrrrDecodeError"),
+                       (Reason.BAD_HEADER_CBOR, "cbor_simple_value"), (Reason.BAD_HEADER_CBOR, "CbrrrDecodeError")]
