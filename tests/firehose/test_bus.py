@@ -240,3 +240,19 @@ async def test_redis_bus_bounds_and_fields(redis_bus: RedisStreamBus, redis_url:
     await live.close()
     with pytest.raises(BusClosed):
         await live.next_batch()
+
+
+async def test_redis_entries_chain_across_publishes_and_an_entry_without_prev_is_read(redis_bus: RedisStreamBus) -> None:
+    """``prev`` carries on from the previous ``publish`` call of this publisher; an entry without a
+    ``prev`` field (another writer's) is read with no ``prev_seq``."""
+    sub = redis_bus.subscribe(after_seq=0)
+    await redis_bus.publish([ev(1)])
+    await redis_bus.publish([ev(2), ev(3)])
+    await redis_bus.redis.xadd(redis_bus.stream, {"seq": "4", "did": "did:plc:y", "kind": "#account",
+                                                  "time": "1.5", "frame": b"raw"}, id="4-0")
+    got: list[SequencedEvent] = []
+    while len(got) < 4:
+        got += await asyncio.wait_for(sub.next_batch(), 5)
+    assert [(e.seq, e.extra) for e in got] == [(1, {}), (2, {"prev_seq": 1}), (3, {"prev_seq": 2}), (4, {})]
+    assert (got[3].did, got[3].kind, got[3].time, got[3].frame) == ("did:plc:y", "#account", 1.5, b"raw")
+    await sub.close()
