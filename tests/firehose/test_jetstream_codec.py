@@ -19,6 +19,7 @@ def test_a_codec_round_trips_through_its_own_dictionary_only(make: Callable[[], 
                        "commit": {"collection": "app.bsky.feed.post", "record": {"text": "hello"}}}).encode()
     packed = codec.compress(data)
     assert zstandard.get_frame_parameters(packed).dict_id == codec.dict_id
+    assert not zstandard.get_frame_parameters(packed).has_checksum  # no checksum: 4 bytes less a message
     assert codec.decompressor().decompress(packed) == data
     with pytest.raises(zstandard.ZstdError):
         zstandard.ZstdDecompressor().decompress(packed)  # not readable without the dictionary

@@ -16,6 +16,7 @@ from firehose.jetstream import (
     ClientMessage,
     JetstreamOptions,
     JetstreamOptionsError,
+    heartbeat_message,
     parse_client_message,
     parse_max_size,
     parse_options,
@@ -55,7 +56,7 @@ def test_a_deeply_nested_options_update_is_refused_with_a_reason(depth: int) -> 
     with pytest.raises(JetstreamOptionsError) as info:
         parse_client_message(message)
     assert info.value.reason == Reason.JETSTREAM_BAD_MESSAGE
-    assert "nested" in info.value.message
+    assert info.value.message == "message is nested too deeply"
 
 
 def _refusal(call: Callable[[], object]) -> tuple[str, str]:
@@ -128,3 +129,7 @@ def test_option_refusals_and_limits() -> None:
                                                           "maxMessageSizeBytes must be an integer")
     exact = JetstreamOptions(collections=frozenset({"app.bsky.feed.post"}))
     assert exact.wants_collection("app.bsky.feed.post") and not exact.wants_collection("app.bsky.feed.like")
+
+
+def test_a_heartbeat_is_echoed_as_jetstream_sends_it() -> None:
+    assert heartbeat_message("hi") == b'{"kind":"heartbeat","payload":"hi"}'
