@@ -48,6 +48,8 @@ def test_unknown_op_and_type_are_ignorable_not_errors() -> None:
     assert f.ignored_reason == Reason.UNKNOWN_OP
     g = decode_frame(encode_frame("#future", {"x": 1, "extra": [1, 2]}))
     assert g.ignored_reason == Reason.UNKNOWN_TYPE
+    h = decode_frame(cbrrr.encode_dag_cbor({"op": 2, "t": 5}) + cbrrr.encode_dag_cbor({}))
+    assert (h.op, h.t, h.ignored_reason) == (2, None, Reason.UNKNOWN_OP)  # a type that is no text is no type
 
 
 @pytest.mark.parametrize(
