@@ -110,6 +110,13 @@ def test_option_refusals_and_limits() -> None:
         Reason.JETSTREAM_BAD_COLLECTION, "invalid collection 'app.bsky.feed.post*'")
     assert _refusal(lambda: parse_options(["app..x.*"], [])) == (Reason.JETSTREAM_BAD_COLLECTION,
                                                             "invalid collection prefix 'app..x.*'")
+    assert _refusal(lambda: parse_options(["app.b-.*"], [])) == (Reason.JETSTREAM_BAD_COLLECTION,
+                                                                 "invalid collection prefix 'app.b-.*'")
+    long = "app." + "b" * 300
+    assert _refusal(lambda: parse_options([long + "-"], [])) == (Reason.JETSTREAM_BAD_COLLECTION,
+                                                                 f"invalid collection {long[:120]!r}")
+    assert _refusal(lambda: parse_options([long + "-.*"], [])) == (Reason.JETSTREAM_BAD_COLLECTION,
+                                                                   f"invalid collection prefix {long[:120]!r}")
     assert _refusal(lambda: parse_options([], ["did:nope"])) == (Reason.JETSTREAM_BAD_DID, "invalid DID 'did:nope'")
     assert _refusal(lambda: parse_options([], [7])) == (Reason.JETSTREAM_BAD_DID, "invalid DID '7'")
     names = [f"app.bsky.c{i}.post" for i in range(MAX_WANTED_COLLECTIONS)]
