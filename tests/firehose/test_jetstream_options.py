@@ -119,6 +119,8 @@ def test_option_refusals_and_limits() -> None:
                                                                    f"invalid collection prefix {long[:120]!r}")
     assert _refusal(lambda: parse_options([], ["did:nope"])) == (Reason.JETSTREAM_BAD_DID, "invalid DID 'did:nope'")
     assert _refusal(lambda: parse_options([], [7])) == (Reason.JETSTREAM_BAD_DID, "invalid DID '7'")
+    assert _refusal(lambda: parse_options([], ["did:" + "x" * 300])) == (Reason.JETSTREAM_BAD_DID,
+                                                                         f"invalid DID {('did:' + 'x' * 116)!r}")
     names = [f"app.bsky.c{i}.post" for i in range(MAX_WANTED_COLLECTIONS)]
     assert len(parse_options(names, []).collections) == MAX_WANTED_COLLECTIONS
     assert len(parse_options(names[:-1] + ["app.bsky.z.*"], []).prefixes) == 1
