@@ -293,3 +293,17 @@ async def test_redis_clients_take_the_timeouts_and_decoding_asked_for(redis_url:
         finally:
             await bus.redis.delete(stream)
             await bus.close()
+
+
+async def test_an_in_process_subscription_holds_1024_batches_by_default() -> None:
+    """The relay's in-process bus: a subscription holds 1024 unread batches, then ``publish`` waits."""
+    bus = InProcessBus()
+    sub = bus.subscribe()
+    for seq in range(1, 1025):
+        await bus.publish([ev(seq)])
+    blocked = asyncio.create_task(bus.publish([ev(1025)]))
+    await until(lambda: bool(getattr(sub._queue, "_putters", None)) or blocked.done(), "publish waiting for room")
+    assert not blocked.done()
+    assert [e.seq for e in await sub.next_batch()] == [1]
+    await asyncio.wait_for(blocked, 5)
+    await bus.close()
