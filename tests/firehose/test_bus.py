@@ -212,13 +212,13 @@ async def test_redis_bus_bounds_and_fields(redis_bus: RedisStreamBus, redis_url:
     """A blocking read waits at most half the socket timeout; the client has the configured
     timeouts and no retries of its own; an entry keeps every field; a subscription "from now" on
     an empty stream starts at its beginning; the head is the last entry's seq."""
-    slow = RedisStreamBus(redis_url, "test:fh:unused", block_ms=5000, timeouts=RedisTimeouts(socket=2.0))
+    slow = RedisStreamBus(redis_url, "test:fh:unused", block_ms=5000, timeouts=RedisTimeouts(socket=2.5))
     tiny = RedisStreamBus(redis_url, "test:fh:unused", block_ms=0)
     try:
-        assert (slow.block_ms, tiny.block_ms) == (1000, 1)
+        assert (slow.block_ms, tiny.block_ms) == (1250, 1)
         kwargs = slow.redis.connection_pool.connection_kwargs
         assert (kwargs["socket_timeout"], kwargs["socket_connect_timeout"], kwargs["health_check_interval"]) == \
-            (2.0, 2.0, 30.0)
+            (2.5, 2.0, 30.0)
         assert kwargs["retry"].get_retries() == 0
     finally:
         await slow.close()
