@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 
 from firehose.broadcast import Broadcaster
-from firehose.bus import BusClosed, InProcessBus, RedisStreamBus, RedisTimeouts
+from firehose.bus import BusClosed, InProcessBus, RedisStreamBus, RedisTimeouts, redis_client
 from firehose.state import SequencedEvent
 from tests.waiting import until
 
@@ -212,13 +212,13 @@ async def test_redis_bus_bounds_and_fields(redis_bus: RedisStreamBus, redis_url:
     """A blocking read waits at most half the socket timeout; the client has the configured
     timeouts and no retries of its own; an entry keeps every field; a subscription "from now" on
     an empty stream starts at its beginning; the head is the last entry's seq."""
-    slow = RedisStreamBus(redis_url, "test:fh:unused", block_ms=5000, timeouts=RedisTimeouts(socket=2.0))
+    slow = RedisStreamBus(redis_url, "test:fh:unused", block_ms=5000, timeouts=RedisTimeouts(socket=2.5))
     tiny = RedisStreamBus(redis_url, "test:fh:unused", block_ms=0)
     try:
-        assert (slow.block_ms, tiny.block_ms) == (1000, 1)
+        assert (slow.block_ms, tiny.block_ms) == (1250, 1)
         kwargs = slow.redis.connection_pool.connection_kwargs
         assert (kwargs["socket_timeout"], kwargs["socket_connect_timeout"], kwargs["health_check_interval"]) == \
-            (2.0, 2.0, 30.0)
+            (2.5, 2.0, 30.0)
         assert kwargs["retry"].get_retries() == 0
     finally:
         await slow.close()
@@ -240,3 +240,70 @@ async def test_redis_bus_bounds_and_fields(redis_bus: RedisStreamBus, redis_url:
     await live.close()
     with pytest.raises(BusClosed):
         await live.next_batch()
+
+
+async def test_redis_entries_chain_across_publishes_and_an_entry_without_prev_is_read(redis_bus: RedisStreamBus) -> None:
+    """``prev`` carries on from the previous ``publish`` call of this publisher; an entry without a
+    ``prev`` field (another writer's) is read with no ``prev_seq``."""
+    sub = redis_bus.subscribe(after_seq=0)
+    await redis_bus.publish([ev(1)])
+    await redis_bus.publish([ev(2), ev(3)])
+    await redis_bus.redis.xadd(redis_bus.stream, {"seq": "4", "did": "did:plc:y", "kind": "#account",
+                                                  "time": "1.5", "frame": b"raw"}, id="4-0")
+    got: list[SequencedEvent] = []
+    while len(got) < 4:
+        got += await asyncio.wait_for(sub.next_batch(), 5)
+    assert [(e.seq, e.extra) for e in got] == [(1, {}), (2, {"prev_seq": 1}), (3, {"prev_seq": 2}), (4, {})]
+    assert (got[3].did, got[3].kind, got[3].time, got[3].frame) == ("did:plc:y", "#account", 1.5, b"raw")
+    await sub.close()
+
+
+async def test_a_redis_subscription_from_now_skips_what_the_stream_holds(redis_bus: RedisStreamBus) -> None:
+    await redis_bus.publish([ev(1), ev(2)])
+    live = redis_bus.subscribe()  # "now" is after seq 2, not the stream's beginning
+    first = asyncio.create_task(live.next_batch())
+    await until(lambda: live._last_id is not None, "the subscription's position taken")
+    assert live._last_id == "2-0"
+    await redis_bus.publish([ev(3)])
+    assert [e.seq for e in await asyncio.wait_for(first, 5)] == [3]
+    await live.close()
+
+
+async def test_redis_clients_take_the_timeouts_and_decoding_asked_for(redis_url: str) -> None:
+    """The timeouts given (not the defaults); ``decode_responses`` as asked; a bus trims its stream
+    approximately (whole nodes) unless told to trim exactly."""
+    asked = RedisTimeouts(connect=1.5, socket=3.0, health_check=10.0)
+    for client, decoded, timeouts in ((redis_client(redis_url, asked, decode_responses=True), True, (3.0, 1.5, 10.0)),
+                                      (redis_client(redis_url), False, (2.0, 2.0, 30.0))):
+        try:
+            kwargs = client.connection_pool.connection_kwargs
+            assert kwargs["decode_responses"] is decoded
+            assert (kwargs["socket_timeout"], kwargs["socket_connect_timeout"], kwargs["health_check_interval"]) == \
+                timeouts
+        finally:
+            await client.aclose()
+    for approximate in (True, False):
+        stream = f"test:fh:{uuid.uuid4().hex}"
+        bus = RedisStreamBus(redis_url, stream, maxlen=5, approximate_trim=approximate)
+        try:
+            await bus.publish([ev(seq) for seq in range(1, 301)])
+            length = await bus.redis.xlen(stream)
+            assert (length > 5) if approximate else (length == 5)
+            assert await bus.head() == 300
+        finally:
+            await bus.redis.delete(stream)
+            await bus.close()
+
+
+async def test_an_in_process_subscription_holds_1024_batches_by_default() -> None:
+    """The relay's in-process bus: a subscription holds 1024 unread batches, then ``publish`` waits."""
+    bus = InProcessBus()
+    sub = bus.subscribe()
+    for seq in range(1, 1025):
+        await bus.publish([ev(seq)])
+    blocked = asyncio.create_task(bus.publish([ev(1025)]))
+    await until(lambda: bool(getattr(sub._queue, "_putters", None)) or blocked.done(), "publish waiting for room")
+    assert not blocked.done()
+    assert [e.seq for e in await sub.next_batch()] == [1]
+    await asyncio.wait_for(blocked, 5)
+    await bus.close()

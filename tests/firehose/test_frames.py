@@ -39,6 +39,8 @@ def test_error_and_info_frames() -> None:
     assert f.is_error and f.t is None and f.error == "FutureCursor" and f.body["message"] == "ahead"
     i = decode_frame(encode_info_frame("OutdatedCursor"))
     assert i.t == "#info" and i.body == {"name": "OutdatedCursor"}
+    i = decode_frame(encode_info_frame("OutdatedCursor", "too old"))
+    assert i.t == "#info" and i.body == {"name": "OutdatedCursor", "message": "too old"}
 
 
 def test_unknown_op_and_type_are_ignorable_not_errors() -> None:
@@ -46,6 +48,8 @@ def test_unknown_op_and_type_are_ignorable_not_errors() -> None:
     assert f.ignored_reason == Reason.UNKNOWN_OP
     g = decode_frame(encode_frame("#future", {"x": 1, "extra": [1, 2]}))
     assert g.ignored_reason == Reason.UNKNOWN_TYPE
+    h = decode_frame(cbrrr.encode_dag_cbor({"op": 2, "t": 5}) + cbrrr.encode_dag_cbor({}))
+    assert (h.op, h.t, h.ignored_reason) == (2, None, Reason.UNKNOWN_OP)  # a type that is no text is no type
 
 
 @pytest.mark.parametrize(
@@ -111,6 +115,48 @@ def test_lenient_decode_leaves_drisl_extras_to_validation() -> None:
         decode_frame(data)
     assert err.value.reason == Reason.BAD_BODY_CBOR
     assert decode_frame(data, strict=False).body["commit"] == odd
+    in_header = cbrrr.encode_dag_cbor({"op": 1, "t": "#commit", "x": odd}) + cbrrr.encode_dag_cbor({"seq": 1})
+    with pytest.raises(FrameError) as err:
+        decode_frame(in_header)  # the header is judged by the same rules
+    assert err.value.reason == Reason.BAD_HEADER_CBOR
+    assert decode_frame(in_header, strict=False).body == {"seq": 1}
     for bad in (b"\xff", bytes.fromhex("a2626f70016174622378") + b"\xa0", encode_frame("#x", {}) + b"\x00"):
         with pytest.raises(FrameError):
             decode_frame(bad, strict=False)  # still canonical DAG-CBOR only
+
+
+def test_a_cbor_error_names_what_the_decoder_refused() -> None:
+    """The frame error's message is the strict decoder's own reason (or, lenient, the error type
+    cbrrr raised): what a rejected frame's detail tells an operator."""
+    unordered = bytes.fromhex("a2626f70016174622378") + b"\xa0"
+    details = []
+    for data in (unordered, b"\xff"):
+        for strict in (True, False):
+            with pytest.raises(FrameError) as err:
+                decode_frame(data, strict=strict)
+            details.append((err.value.reason, err.value.message))
+    assert details == [(Reason.BAD_HEADER_CBOR, "cbor_map_key_order"), (Reason.BAD_HEADER_CBOR, "CbrrrDecodeError"),
+                       (Reason.BAD_HEADER_CBOR, "cbor_simple_value"), (Reason.BAD_HEADER_CBOR, "CbrrrDecodeError")]
+
+
+def test_every_frame_error_has_its_reason_and_detail() -> None:
+    """Reason and detail of each refusal (the detail is what a rejected frame's log shows), in
+    both decoders; the size bound is inclusive."""
+    header = cbrrr.encode_dag_cbor({"op": 1, "t": "#commit"})
+    cases: list[tuple[object, tuple[str, str]]] = [
+        ("text", (Reason.BAD_HEADER_CBOR, "not binary")),
+        (header, (Reason.BAD_BODY_CBOR, "no payload")),
+        (cbrrr.encode_dag_cbor({"op": -1}) + cbrrr.encode_dag_cbor({"message": "x"}), (Reason.MISSING_FIELD, "error")),
+        (cbrrr.encode_dag_cbor({"op": -1}) + cbrrr.encode_dag_cbor({"error": 5}), (Reason.MISSING_FIELD, "error")),
+    ]
+    for strict in (True, False):
+        for data, expected in cases:
+            with pytest.raises(FrameError) as err:
+                decode_frame(data, strict=strict)  # type: ignore[arg-type]
+            assert (err.value.reason, err.value.message) == expected
+    frame = encode_frame("#commit", {"seq": 1})
+    for strict in (True, False):
+        assert decode_frame(frame, max_bytes=len(frame), strict=strict).body == {"seq": 1}
+        with pytest.raises(FrameError) as err:
+            decode_frame(frame, max_bytes=len(frame) - 1, strict=strict)
+        assert (err.value.reason, err.value.message) == (Reason.FRAME_TOO_LARGE, f"{len(frame)} bytes")

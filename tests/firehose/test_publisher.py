@@ -6,6 +6,7 @@ within its bound. (The publisher against a hung Redis: ``tests/faults/test_bus_h
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Sequence
 
 import pytest
@@ -195,9 +196,116 @@ def test_bus_errors_are_classified() -> None:
     assert classify_bus_error(redis.exceptions.ConnectionError()) == "bus_unreachable"
     assert classify_bus_error(ConnectionRefusedError()) == "bus_unreachable"
     assert classify_bus_error(redis.exceptions.ResponseError("ERR")) == "bus_error"
-    with pytest.raises(ValueError):
-        BusPublisher(GatedBus(), max_bytes=0)
-    with pytest.raises(ValueError):
-        BusPublisher(GatedBus(), max_events=0)
-    with pytest.raises(ValueError):
-        BusPublisher(GatedBus(), timeout=0)
+    for bad in ({"max_bytes": 0}, {"max_events": 0}, {"timeout": 0}):
+        with pytest.raises(ValueError, match="^max_bytes, max_events and timeout must be positive$"):
+            BusPublisher(GatedBus(), **bad)
+    smallest = BusPublisher(GatedBus(), max_bytes=1, max_events=1, timeout=0.001)  # the least that is positive
+    assert (smallest.max_bytes, smallest.max_events, smallest.timeout) == (1, 1, 0.001)
+    default = BusPublisher(GatedBus())  # the defaults the relay runs with (it sets max_bytes and timeout)
+    assert (default.max_bytes, default.max_events, default.timeout, default.retry_base, default.retry_max,
+            default.drain_timeout) == (64 * 1024 * 1024, 2000, 5.0, 0.05, 2.0, 5.0)
+
+
+def warnings_of(caplog: pytest.LogCaptureFixture) -> list[tuple[str, object]]:
+    """The publisher's warnings so far, as ``(message, events field)``."""
+    return [(r.getMessage(), getattr(r, "events", None)) for r in caplog.records
+            if r.name == "firehose.publisher" and r.levelno == logging.WARNING]
+
+
+QUEUE_FULL = "bus publisher: queue full; dropping the oldest unpublished events (fan-outs read them from the store)"
+CLOSED = "bus publisher: closed with events unpublished (fan-outs read them from the store)"
+
+
+async def test_drops_log_once_per_run_and_close_adds_what_it_drops(caplog: pytest.LogCaptureFixture) -> None:
+    """One warning per run of drops (with the events of the first drop), again only after a publish
+    succeeded; ``close`` adds the events it drops to the ones dropped before and logs them; a
+    second ``close`` does nothing (it does not wait for the drain again)."""
+    caplog.set_level(logging.WARNING, logger="firehose.publisher")
+    bus = GatedBus()
+    per_event = batch_bytes([ev(1)])
+    publisher = BusPublisher(bus, max_bytes=2 * per_event, drain_timeout=0.05)
+    publisher.start()
+    bus.open.clear()
+    publisher.offer([ev(1)])
+    await until(lambda: bus.calls == [[1]], "event 1 being published")
+    publisher.offer([ev(2)])
+    publisher.offer([ev(3), ev(4)])  # 2 is dropped: logged
+    publisher.offer([ev(5)])  # 3 and 4 are dropped: the same run, not logged again
+    assert publisher.stats.dropped == 3
+    assert warnings_of(caplog) == [(QUEUE_FULL, 1)]
+    bus.open.set()
+    await asyncio.wait_for(publisher.flushed(), 10)
+    assert await bus.received() == [1, 5]
+    bus.open.clear()  # a publish succeeded: the next run of drops is logged again
+    publisher.offer([ev(6)])
+    await until(lambda: bus.calls[-1] == [6], "event 6 being published")
+    publisher.offer([ev(7)])
+    publisher.offer([ev(8), ev(9)])
+    assert publisher.stats.dropped == 4
+    assert warnings_of(caplog) == [(QUEUE_FULL, 1), (QUEUE_FULL, 1)]
+    await publisher.close()  # 8 and 9 queued behind the hung call: dropped, added to the 4
+    assert publisher.stats.dropped == 6
+    assert warnings_of(caplog) == [(QUEUE_FULL, 1), (QUEUE_FULL, 1), (CLOSED, 2)]
+    publisher.drain_timeout = 3600.0  # a second close would wait this long for a drain
+    await asyncio.wait_for(publisher.close(), 10)
+    assert publisher.stats.dropped == 6 and len(warnings_of(caplog)) == 3
+
+
+class FlakyBus:
+    """The real in-process bus; each call of ``publish`` first raises the next of ``failures``."""
+
+    def __init__(self) -> None:
+        self.inner = InProcessBus(maxsize=10_000)
+        self.failures: list[Exception] = []
+
+    async def publish(self, events: Sequence[SequencedEvent]) -> None:
+        if self.failures:
+            raise self.failures.pop(0)
+        await self.inner.publish(events)
+
+    async def head(self) -> int | None:
+        return self.inner.last_seq
+
+
+def outage_lines(caplog: pytest.LogCaptureFixture) -> list[tuple[str, dict[str, object]]]:
+    """The publisher's warnings with their structured fields."""
+    fields = ("error", "cause", "failed_attempts", "events")
+    return [(r.getMessage(), {f: getattr(r, f) for f in fields if hasattr(r, f)}) for r in caplog.records
+            if r.name == "firehose.publisher" and r.levelno == logging.WARNING]
+
+
+FAILED = "bus publish failed; retrying (fan-outs follow the store meanwhile)"
+AGAIN = "bus publishing works again"
+
+
+async def test_an_outage_logs_its_start_and_its_end_once(caplog: pytest.LogCaptureFixture) -> None:
+    """One line when an outage starts (the first error, cut to 300 characters, and its cause) and
+    one when publishing works again (how many attempts failed); nothing for a publish that works;
+    the count starts again at the next outage."""
+    caplog.set_level(logging.WARNING, logger="firehose.publisher")
+    bus = FlakyBus()
+    publisher = BusPublisher(bus, retry_base=0.001, retry_max=0.001)
+    publisher.start()
+    try:
+        long = "x" * 400
+        bus.failures = [redis.exceptions.ConnectionError(long), TimeoutError(), redis.exceptions.ResponseError("ERR")]
+        publisher.offer([ev(1)])
+        await asyncio.wait_for(publisher.flushed(), 10)
+        assert outage_lines(caplog) == [
+            (FAILED, {"error": f"ConnectionError: {long}"[:300], "cause": "bus_unreachable"}),
+            (AGAIN, {"failed_attempts": 3}),
+        ]
+        assert publisher.stats.errors == 3 and publisher.failing is None
+        publisher.offer([ev(2)])  # works at once: no line
+        await asyncio.wait_for(publisher.flushed(), 10)
+        assert len(outage_lines(caplog)) == 2
+        bus.failures = [TimeoutError("slow")]
+        publisher.offer([ev(3)])
+        await asyncio.wait_for(publisher.flushed(), 10)
+        assert outage_lines(caplog)[2:] == [
+            (FAILED, {"error": "TimeoutError: slow", "cause": "bus_hung"}),
+            (AGAIN, {"failed_attempts": 1}),
+        ]
+        assert bus.inner.last_seq == 3 and publisher.stats.published == 3
+    finally:
+        await publisher.close()

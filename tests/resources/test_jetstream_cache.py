@@ -48,3 +48,38 @@ def test_an_event_larger_than_the_bound_is_converted_but_not_kept() -> None:
     assert conv.cached_bytes == 0
     select(conv, [ev], JetstreamOptions(), None)
     assert conv.stats.converted == 2  # converted again: nothing was kept
+
+
+def held(conv: JetstreamConverter) -> dict[int, int]:
+    """What the cache holds: each kept event's seq and counted size."""
+    out = {}
+    for seq in list(conv._cache):
+        kept = conv._cache.peek(seq)
+        assert kept is not None
+        out[seq] = kept.size
+    return out
+
+
+def test_compressed_forms_are_made_once_and_counted_exactly() -> None:
+    """Each compressed form is made once per dictionary and added to its event's size; the cache's
+    count is the sum of what it holds, also when making room for a grown event evicts others (the
+    grown event itself is never evicted for its own growth)."""
+    legacy, current = ZstdCodec.legacy(), ZstdCodec.default()
+    evs = events(3, 3_000)
+    conv = JetstreamConverter(legacy, current, cache_bytes=10**9)
+    jets = [conv.event(ev) for ev in evs]
+    plain = [j.size for j in jets]
+    msg = jets[0].messages[0]
+    first = conv.zstd(msg, None, jets[0])  # None: the `compress=true` dictionary
+    assert conv.zstd(msg, legacy.dict_id, jets[0]) is first and conv.stats.compressed == 1
+    own = conv.zstd(msg, current.dict_id, jets[0])
+    assert own != first and conv.stats.compressed == 2
+    assert jets[0].size == plain[0] + len(first) + len(own)
+    assert held(conv) == {1: jets[0].size, 2: plain[1], 3: plain[2]} and conv.cached_bytes == sum(held(conv).values())
+    # a bound that fits the three plain events and little more: event 1 (the least recently used) grows
+    tight = JetstreamConverter(legacy, current, cache_bytes=sum(plain) + 10)
+    tjets = [tight.event(ev) for ev in evs]
+    packed = tight.zstd(tjets[0].messages[0], legacy.dict_id, tjets[0])
+    kept = held(tight)
+    assert 1 in kept and kept[1] == plain[0] + len(packed)  # the grown event stays, the oldest others go
+    assert tight.cached_bytes == sum(kept.values()) <= tight.cache_bytes
