@@ -243,6 +243,24 @@ def reencoded_variants(data: bytes) -> list[bytes]:
                        {"t": e0["v"]}, {"v": None}, {"k": e0["k"].decode("latin-1")}):
             out.append(cbor.encode(dict(node, e=[*entries[:-1], dict(e0, **change)])))
         out.append(cbor.encode(dict(node, e=[*entries[:-1], {**e0, "x": 1}])))
+    if len(entries) >= 2:  # two keys swapped (prefix compression recomputed): order broken
+        keys, prev = [], b""
+        for e in entries:
+            prev = prev[: e["p"]] + e["k"]
+            keys.append(prev)
+        order = list(range(len(entries)))
+        order[-2], order[-1] = order[-1], order[-2]
+        swapped_entries, prev = [], b""
+        for j in order:
+            p = next((n for n in range(min(len(prev), len(keys[j]))) if prev[n] != keys[j][n]),
+                     min(len(prev), len(keys[j])))
+            swapped_entries.append(dict(entries[j], p=p, k=keys[j][p:]))
+            prev = keys[j]
+        out.append(cbor.encode(dict(node, e=swapped_entries)))
+        last = entries[-1]
+        if last["p"] > 0:  # prefix compression not maximal (same keys)
+            shared = keys[-2][last["p"] - 1 : last["p"]]
+            out.append(cbor.encode(dict(node, e=[*entries[:-1], dict(last, p=last["p"] - 1, k=shared + last["k"])])))
     out.append(cbor.encode(dict(node, x=1)))
     out.append(cbor.encode({"e": node["e"]}))
     return out
@@ -271,7 +289,8 @@ def test_corrupted_slices_nodes_and_ops(accel: ModuleType, seed: int) -> None:
         # a corrupted node (re-hashed, so it is reached): the root, or any node under a fixed parent
         data = blocks.get(after)
         if data is not None:
-            for bad in [mutate(rng, data) for _ in range(8)] + reencoded_variants(data):
+            pointer_root = cbor.encode({"e": [], "l": after})
+            for bad in [mutate(rng, data) for _ in range(8)] + reencoded_variants(data) + [pointer_root]:
                 root = cid_for_cbor(bad)
                 got = check_invert(accel, {**blocks, root: bad}, root, ops)
                 verdicts.add(got[:1] if got[0] == "ok" else got)
