@@ -156,15 +156,25 @@ typedef struct {
 } HSlot;
 static HSlot *hcache = NULL;
 
-/* Height of a key already known to be valid. */
-static int key_height(const uint8_t *k, Py_ssize_t n) {
-    HSlot *slot = NULL;
-    if (hcache != NULL && n > 0 && n <= HCACHE_KEY) {
-        uint32_t h = 2166136261u;
-        for (Py_ssize_t i = 0; i < n; i++) h = (h ^ k[i]) * 16777619u;
-        slot = &hcache[h & (HCACHE_SLOTS - 1)];
-        if (slot->len == n && memcmp(slot->key, k, (size_t)n) == 0) return slot->height;
+/* The cache slot for a key (NULL: not cacheable). */
+static HSlot *hslot(const uint8_t *k, Py_ssize_t n) {
+    if (hcache == NULL || n <= 0 || n > HCACHE_KEY) return NULL;
+    uint64_t h = (uint64_t)n * 0x9e3779b97f4a7c15ull, w;
+    if (n >= 8) { /* the key's last 16 bytes (the record key's varying part) and its length */
+        memcpy(&w, k + n - 8, 8);
+        h ^= w;
+        memcpy(&w, k + (n >= 16 ? n - 16 : 0), 8);
+        h = (h * 0xff51afd7ed558ccdull) ^ w;
+    } else {
+        for (Py_ssize_t i = 0; i < n; i++) h = (h ^ k[i]) * 0x100000001b3ull;
     }
+    h *= 0xc4ceb9fe1a85ec53ull;
+    return &hcache[(h >> 40) & (HCACHE_SLOTS - 1)];
+}
+
+/* Height of a key already known to be valid, whose cache slot is ``slot`` (from hslot). */
+static int slot_height(const uint8_t *k, Py_ssize_t n, HSlot *slot) {
+    if (slot != NULL && slot->len == n && memcmp(slot->key, k, (size_t)n) == 0) return slot->height;
     uint8_t d[32];
     sha256(k, (size_t)n, d);
     int height = digest_height(d);
@@ -174,6 +184,10 @@ static int key_height(const uint8_t *k, Py_ssize_t n) {
         memcpy(slot->key, k, (size_t)n);
     }
     return height;
+}
+
+static int key_height(const uint8_t *k, Py_ssize_t n) {
+    return slot_height(k, n, hslot(k, n));
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -287,8 +301,15 @@ struct Node {
 };
 
 typedef struct {
+    const uint8_t *cid; /* NULL: empty slot */
+    PyObject *block;    /* borrowed from the dict (which the caller's frame keeps alive) */
+} BSlot;
+
+typedef struct {
     Arena arena;
     PyObject *blocks; /* dict CID -> bytes */
+    BSlot *table;     /* the dict's entries by CID bytes (open addressing), or NULL */
+    size_t mask;
     PyObject *keep;   /* list: objects whose buffers nodes point into */
     int bail;         /* 1: not handled here (the reference decides); 2: a Python error is set */
 } Ctx;
@@ -342,6 +363,12 @@ static Node *decode_node(Ctx *ctx, const uint8_t *d, size_t end, const uint8_t *
     if (nd == NULL) return NULL;
     Key prev = {NULL, 0};
     int h0 = -1;
+    HSlot **slots = arena_alloc(&ctx->arena, (size_t)n * sizeof(HSlot *) + 1);
+    if (slots == NULL) {
+        PyErr_NoMemory();
+        ctx->bail = 2;
+        return NULL;
+    }
     for (int i = 0; i < (int)n; i++) {
         uint64_t klen, p;
         const uint8_t *t, *val;
@@ -369,15 +396,20 @@ static Node *decode_node(Ctx *ctx, const uint8_t *d, size_t end, const uint8_t *
         if (p) memcpy(key, prev.p, (size_t)p);
         memcpy(key + p, suffix, (size_t)klen);
         if (!valid_key(key, kn)) return BAIL(ctx);
-        int h = key_height(key, kn);
-        if (h0 >= 0 && h != h0) return BAIL(ctx);
-        h0 = h;
+        slots[i] = hslot(key, kn);
+        if (slots[i] != NULL) __builtin_prefetch(slots[i]);
         nd->keys[i].p = key;
         nd->keys[i].n = kn;
         nd->vals[i] = val;
         nd->subs[i + 1].cid = t;
         nd->subs[i + 1].node = NULL;
         prev = nd->keys[i];
+    }
+    /* every key of a node has the node's height (the cache slots were prefetched above) */
+    for (int i = 0; i < (int)n; i++) {
+        int h = slot_height(nd->keys[i].p, nd->keys[i].n, slots[i]);
+        if (h0 >= 0 && h != h0) return BAIL(ctx);
+        h0 = h;
     }
     const uint8_t *left;
     if (!read_key1(d, end, &pos, 'l') || !read_link(d, end, &pos, 1, 1, &left) || pos != end)
@@ -404,26 +436,50 @@ static Node *decode_node(Ctx *ctx, const uint8_t *d, size_t end, const uint8_t *
     return nd;
 }
 
+/* Indexes the blocks dict by CID bytes; 0, or 1 when a key is not an exact CID (then the
+ * reference decides: only it knows how such keys compare), -1 on error. */
+static int index_blocks(Ctx *ctx) {
+    Py_ssize_t n = PyDict_GET_SIZE(ctx->blocks), pos = 0;
+    size_t size = 16;
+    while (size < (size_t)n * 2) size <<= 1;
+    ctx->table = arena_alloc(&ctx->arena, size * sizeof(BSlot));
+    if (ctx->table == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    memset(ctx->table, 0, size * sizeof(BSlot));
+    ctx->mask = size - 1;
+    PyObject *key, *value;
+    while (PyDict_Next(ctx->blocks, &pos, &key, &value)) {
+        if (Py_TYPE(key) != CID_type) return 1;
+        PyObject *b = *(PyObject **)((char *)key + cid_bytes_offset);
+        if (b == NULL || !PyBytes_CheckExact(b)) return 1;
+        if (PyBytes_GET_SIZE(b) != CID_LEN) continue; /* never equal to a 36-byte link */
+        const uint8_t *cid = (const uint8_t *)PyBytes_AS_STRING(b);
+        uint64_t h;
+        memcpy(&h, cid + 4, 8);
+        size_t i = (size_t)h & ctx->mask;
+        while (ctx->table[i].cid != NULL && memcmp(ctx->table[i].cid, cid, CID_LEN) != 0)
+            i = (i + 1) & ctx->mask;
+        ctx->table[i].cid = cid;
+        ctx->table[i].block = value;
+    }
+    return 0;
+}
+
 static Node *load_node(Ctx *ctx, const uint8_t *cid, int layer) {
-    PyObject *key = make_cid(cid);
-    if (key == NULL) {
-        ctx->bail = 2;
-        return NULL;
-    }
-    PyObject *block = PyDict_GetItemWithError(ctx->blocks, key); /* borrowed */
-    Py_DECREF(key);
-    if (block == NULL) {
-        if (PyErr_Occurred()) {
-            ctx->bail = 2;
-            return NULL;
+    uint64_t h;
+    memcpy(&h, cid + 4, 8);
+    size_t i = (size_t)h & ctx->mask;
+    PyObject *block = NULL;
+    while (ctx->table[i].cid != NULL) {
+        if (memcmp(ctx->table[i].cid, cid, CID_LEN) == 0) {
+            block = ctx->table[i].block;
+            break;
         }
-        return BAIL(ctx); /* missing block */
+        i = (i + 1) & ctx->mask;
     }
-    if (!PyBytes_CheckExact(block)) return BAIL(ctx);
-    if (PyList_Append(ctx->keep, block) < 0) { /* the dict could change under us: keep it alive */
-        ctx->bail = 2;
-        return NULL;
-    }
+    if (block == NULL || !PyBytes_CheckExact(block)) return BAIL(ctx); /* missing, or not bytes */
     return decode_node(ctx, (const uint8_t *)PyBytes_AS_STRING(block), (size_t)PyBytes_GET_SIZE(block),
                        cid, layer);
 }
@@ -820,6 +876,8 @@ static PyObject *accel_invert(PyObject *self, PyObject *args) {
     ctx->arena.head = NULL;
     ctx->arena.first_used = 0;
     ctx->blocks = blocks;
+    ctx->table = NULL;
+    ctx->mask = 0;
     ctx->bail = 0;
     ctx->keep = PyList_New(0);
     PyObject *result = NULL;
@@ -836,6 +894,9 @@ static PyObject *accel_invert(PyObject *self, PyObject *args) {
         if (r < 0) goto out;
         if (r == 0) goto decline;
     }
+    int indexed = index_blocks(ctx);
+    if (indexed < 0) goto out;
+    if (indexed > 0) goto decline;
     Node *nd = load_node(ctx, root_cid, -1);
     if (nd == NULL) goto fail;
     for (Py_ssize_t j = nops - 1; j >= 0; j--) {
