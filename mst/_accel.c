@@ -935,6 +935,102 @@ out:
 }
 
 /* ---------------------------------------------------------------------------------------- */
+/* records(blocks, root, require_records) -> {path: CID} | None: the whole tree, walked        */
+
+typedef struct {
+    Key prev;
+    int require_records;
+    PyObject *out;
+} Walk;
+
+static int block_present(Ctx *ctx, const uint8_t *cid) {
+    uint64_t h;
+    memcpy(&h, cid + 4, 8);
+    size_t i = (size_t)h & ctx->mask;
+    while (ctx->table[i].cid != NULL) {
+        if (memcmp(ctx->table[i].cid, cid, CID_LEN) == 0) return 1;
+        i = (i + 1) & ctx->mask;
+    }
+    return 0;
+}
+
+/* every (key, value) under nd in key order into w->out; 0, or -1 (ctx->bail set) */
+static int walk(Ctx *ctx, Node *nd, Walk *w) {
+    if (nd == NULL) return 0;
+    for (int i = 0; i <= nd->n; i++) {
+        Node *c = child(ctx, nd, i);
+        if (ctx->bail) return -1;
+        if (walk(ctx, c, w) < 0) return -1;
+        if (i == nd->n) break;
+        Key k = nd->keys[i];
+        if (w->prev.p != NULL && key_cmp(k, w->prev) <= 0) {
+            ctx->bail = 1; /* keys out of order across nodes */
+            return -1;
+        }
+        w->prev = k;
+        if (w->require_records && !block_present(ctx, nd->vals[i])) {
+            ctx->bail = 1;
+            return -1;
+        }
+        PyObject *path = PyUnicode_DecodeASCII((const char *)k.p, k.n, NULL);
+        PyObject *val = path != NULL ? make_cid(nd->vals[i]) : NULL;
+        int r = val != NULL ? PyDict_SetItem(w->out, path, val) : -1;
+        Py_XDECREF(path);
+        Py_XDECREF(val);
+        if (r < 0) {
+            ctx->bail = 2;
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static PyObject *accel_records(PyObject *self, PyObject *args) {
+    PyObject *blocks, *root;
+    int require_records;
+    if (!PyArg_ParseTuple(args, "OOp:records", &blocks, &root, &require_records)) return NULL;
+    if (CID_type == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "mst._accel.init(CID) was not called");
+        return NULL;
+    }
+    const uint8_t *root_cid = cid_bytes_of(root);
+    if (!PyDict_CheckExact(blocks) || root_cid == NULL) Py_RETURN_NONE;
+    Ctx *ctx = PyMem_Malloc(sizeof(Ctx));
+    if (ctx == NULL) return PyErr_NoMemory();
+    ctx->arena.head = NULL;
+    ctx->arena.first_used = 0;
+    ctx->blocks = blocks;
+    ctx->table = NULL;
+    ctx->mask = 0;
+    ctx->bail = 0;
+    ctx->keep = NULL;
+    PyObject *result = NULL;
+    Walk w = {{NULL, 0}, require_records, PyDict_New()};
+    if (w.out == NULL) goto out;
+    int indexed = index_blocks(ctx);
+    if (indexed < 0) goto out;
+    if (indexed > 0) goto decline;
+    Node *nd = load_node(ctx, root_cid, -1);
+    if (nd == NULL) goto fail;
+    if (nd->n == 0 && nd->subs[0].cid == NULL) goto done; /* the empty tree */
+    if (walk(ctx, nd, &w) < 0) goto fail;
+done:
+    result = w.out;
+    w.out = NULL;
+    goto out;
+fail:
+    if (ctx->bail == 2) goto out;
+decline:
+    result = Py_None;
+    Py_INCREF(result);
+out:
+    Py_XDECREF(w.out);
+    arena_free(&ctx->arena);
+    PyMem_Free(ctx);
+    return result;
+}
+
+/* ---------------------------------------------------------------------------------------- */
 /* read_car(data, max_blocks, max_block_bytes, max_total_bytes) -> (roots, blocks) | None      */
 
 /* unsigned LEB128, minimal, at most 9 bytes (what the reference accepts, narrowed) */
@@ -1069,6 +1165,8 @@ static PyMethodDef methods[] = {
     {"read_car", accel_read_car, METH_VARARGS,
      "read_car(data, max_blocks, max_block_bytes, max_total_bytes) -> (roots, blocks) or None."},
     {"invert", accel_invert, METH_VARARGS, "invert(blocks, root, ops) -> CID or None."},
+    {"records", accel_records, METH_VARARGS,
+     "records(blocks, root, require_records) -> {path: CID} of the whole tree, or None."},
     {"checked_height", accel_key_height, METH_O, "Height of a valid MST key, -1 if invalid."},
     {NULL, NULL, 0, NULL},
 };

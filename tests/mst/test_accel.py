@@ -28,6 +28,7 @@ from mst.cid import CID, cid_for_cbor, cid_for_raw, parse_cid
 from mst.errors import RepoError
 from mst.mst import MST, build, covering_blocks, key_height
 from mst.ops import RepoOp
+from mst.verify import tree_records
 from tests.mst.conftest import load_json
 
 Outcome = tuple[Any, ...]
@@ -333,3 +334,58 @@ def test_corrupted_slices_nodes_and_ops(accel: ModuleType, seed: int) -> None:
         check_car(accel, car, max_total_bytes=len(car) - 1)
     # the corruptions reached many distinct reasons (so the comparison was not vacuous)
     assert len({v for v in verdicts if v[0] == "error"}) >= 10, verdicts
+
+
+# --- whole-tree walks (full repository verification) -----------------------------------------
+
+
+def check_records(accel: ModuleType, blocks: dict[CID, bytes], root: CID, require: bool,
+                  *, must_handle: bool = False) -> Outcome:
+    """The native walk agrees with the reference ``tree_records``; returns its outcome."""
+    want = outcome(tree_records, blocks, root, require)
+    raw = accel.records(blocks, root, require)
+    if want[0] == "error":
+        assert raw is None, (want, raw)
+    elif raw is not None:
+        assert list(raw.items()) == list(want[1].items())
+        assert all(type(c) is CID for c in raw.values())
+    else:
+        assert not must_handle, "the native path declined a valid tree"
+    return want
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_whole_tree_walks(accel: ModuleType, seed: int) -> None:
+    rng = random.Random(2000 + seed)
+    verdicts: set[Outcome] = set()
+    for size in (0, 1, 2, 17, 300, 3000):
+        records = {random_key(rng, rng.choice([None, None, 0, 1, 2])): random_value(rng) for _ in range(size)}
+        store: dict[CID, bytes] = {}
+        root = build(store, records.items())
+        leaves = {c: b"\xa0" for c in records.values()}
+        full = {**store, **leaves}
+        assert check_records(accel, full, root, True, must_handle=True) == ("ok", dict(sorted(records.items())))
+        check_records(accel, store, root, False, must_handle=True)
+        got = check_records(accel, store, root, True)  # record blocks absent
+        verdicts.add(got[:1] if got[0] == "ok" else got)
+        # a node missing, corrupted, or two subtrees swapped (keys out of order across nodes)
+        nodes = sorted(store, key=lambda c: c.cid_bytes)
+        for _ in range(4 if len(nodes) > 1 else 0):
+            gone = rng.choice(nodes)
+            got = check_records(accel, {c: b for c, b in full.items() if c != gone}, root, True)
+            verdicts.add(got[:1] if got[0] == "ok" else got)
+        links = child_links(store[root])
+        for old in links[:2]:
+            for bad in [mutate(rng, store[old]) for _ in range(4)] + reencoded_variants(store[old]):
+                got = check_records(accel, *with_child(full, root, old, bad), True)
+                verdicts.add(got[:1] if got[0] == "ok" else got)
+        if len(links) >= 2:
+            node = cbor.decode(store[root])
+            swapped = [c if c not in links[:2] else links[1 - links.index(c)] for c in [node["l"], *(e["t"] for e in node["e"])]]
+            node["l"] = swapped[0]
+            node["e"] = [dict(e, t=t) for e, t in zip(node["e"], swapped[1:], strict=True)]
+            data = cbor.encode(node)
+            got = check_records(accel, {**full, cid_for_cbor(data): data}, cid_for_cbor(data), True)
+            verdicts.add(got[:1] if got[0] == "ok" else got)
+    assert ("error", "MSTError", "mst_key_order") in verdicts
+    assert len({v for v in verdicts if v[0] == "error"}) >= 4, verdicts
