@@ -115,7 +115,7 @@ static void arena_free(Arena *a) {
 }
 
 /* ---------------------------------------------------------------------------------------- */
-/* MST keys: validity and height (with a small cache of recent keys)                         */
+/* MST keys: validity and height                                                             */
 
 static int key_char_ok[256];
 
@@ -147,47 +147,12 @@ static int digest_height(const uint8_t d[32]) {
     return zeros >> 1;
 }
 
-#define HCACHE_SLOTS 16384
-#define HCACHE_KEY 62
-typedef struct {
-    uint8_t len; /* 0: empty */
-    uint8_t height;
-    uint8_t key[HCACHE_KEY];
-} HSlot;
-static HSlot *hcache = NULL;
-
-/* The cache slot for a key (NULL: not cacheable). */
-static HSlot *hslot(const uint8_t *k, Py_ssize_t n) {
-    if (hcache == NULL || n <= 0 || n > HCACHE_KEY) return NULL;
-    uint64_t h = (uint64_t)n * 0x9e3779b97f4a7c15ull, w;
-    if (n >= 8) { /* the key's last 16 bytes (the record key's varying part) and its length */
-        memcpy(&w, k + n - 8, 8);
-        h ^= w;
-        memcpy(&w, k + (n >= 16 ? n - 16 : 0), 8);
-        h = (h * 0xff51afd7ed558ccdull) ^ w;
-    } else {
-        for (Py_ssize_t i = 0; i < n; i++) h = (h ^ k[i]) * 0x100000001b3ull;
-    }
-    h *= 0xc4ceb9fe1a85ec53ull;
-    return &hcache[(h >> 40) & (HCACHE_SLOTS - 1)];
-}
-
-/* Height of a key already known to be valid, whose cache slot is ``slot`` (from hslot). */
-static int slot_height(const uint8_t *k, Py_ssize_t n, HSlot *slot) {
-    if (slot != NULL && slot->len == n && memcmp(slot->key, k, (size_t)n) == 0) return slot->height;
+/* Height of a key already known to be valid. (No cache: a table of recent keys measured slower
+ * than hashing once the signature check's tables have evicted it from the CPU caches.) */
+static int key_height(const uint8_t *k, Py_ssize_t n) {
     uint8_t d[32];
     sha256(k, (size_t)n, d);
-    int height = digest_height(d);
-    if (slot != NULL) {
-        slot->len = (uint8_t)n;
-        slot->height = (uint8_t)height;
-        memcpy(slot->key, k, (size_t)n);
-    }
-    return height;
-}
-
-static int key_height(const uint8_t *k, Py_ssize_t n) {
-    return slot_height(k, n, hslot(k, n));
+    return digest_height(d);
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -363,12 +328,6 @@ static Node *decode_node(Ctx *ctx, const uint8_t *d, size_t end, const uint8_t *
     if (nd == NULL) return NULL;
     Key prev = {NULL, 0};
     int h0 = -1;
-    HSlot **slots = arena_alloc(&ctx->arena, (size_t)n * sizeof(HSlot *) + 1);
-    if (slots == NULL) {
-        PyErr_NoMemory();
-        ctx->bail = 2;
-        return NULL;
-    }
     for (int i = 0; i < (int)n; i++) {
         uint64_t klen, p;
         const uint8_t *t, *val;
@@ -396,20 +355,15 @@ static Node *decode_node(Ctx *ctx, const uint8_t *d, size_t end, const uint8_t *
         if (p) memcpy(key, prev.p, (size_t)p);
         memcpy(key + p, suffix, (size_t)klen);
         if (!valid_key(key, kn)) return BAIL(ctx);
-        slots[i] = hslot(key, kn);
-        if (slots[i] != NULL) __builtin_prefetch(slots[i]);
+        int h = key_height(key, kn); /* every key of a node has the node's height */
+        if (h0 >= 0 && h != h0) return BAIL(ctx);
+        h0 = h;
         nd->keys[i].p = key;
         nd->keys[i].n = kn;
         nd->vals[i] = val;
         nd->subs[i + 1].cid = t;
         nd->subs[i + 1].node = NULL;
         prev = nd->keys[i];
-    }
-    /* every key of a node has the node's height (the cache slots were prefetched above) */
-    for (int i = 0; i < (int)n; i++) {
-        int h = slot_height(nd->keys[i].p, nd->keys[i].n, slots[i]);
-        if (h0 >= 0 && h != h0) return BAIL(ctx);
-        h0 = h;
     }
     const uint8_t *left;
     if (!read_key1(d, end, &pos, 'l') || !read_link(d, end, &pos, 1, 1, &left) || pos != end)
@@ -1179,7 +1133,6 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC PyInit__accel(void) {
     const char *ok = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_~:.-";
     for (const char *c = ok; *c; c++) key_char_ok[(uint8_t)*c] = 1;
-    hcache = calloc(HCACHE_SLOTS, sizeof(HSlot));
     s_action = PyUnicode_InternFromString("action");
     s_path = PyUnicode_InternFromString("path");
     s_cid = PyUnicode_InternFromString("cid");
