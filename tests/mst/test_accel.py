@@ -389,3 +389,16 @@ def test_whole_tree_walks(accel: ModuleType, seed: int) -> None:
             verdicts.add(got[:1] if got[0] == "ok" else got)
     assert ("error", "MSTError", "mst_key_order") in verdicts
     assert len({v for v in verdicts if v[0] == "error"}) >= 4, verdicts
+
+
+def test_block_hashes_at_every_padding_boundary(accel: ModuleType) -> None:
+    """Blocks of every length around SHA-256's 64-byte block and padding boundaries, right and
+    wrong, through both CAR readers."""
+    rng = random.Random(5)
+    lengths = [*range(0, 200), 447, 448, 511, 512, 767, 768, 769, 4095, 4096, 65_537]
+    blocks = [(cid_for_raw(data), data) for data in (rng.randbytes(n) for n in lengths)]
+    car = ref_car.write_car([cid_for_cbor(b"\xa0")], blocks)
+    assert check_car(accel, car, must_handle=True)[0] == "ok"
+    for cid, data in blocks[::7]:
+        bad = data[:-1] + bytes([data[-1] ^ 1]) if data else b"\x00"
+        assert check_car(accel, ref_car.write_car([cid], [(cid, bad)]))[2] == "car_hash_mismatch"
