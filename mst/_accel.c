@@ -323,7 +323,8 @@ static Node *decode_node(Ctx *ctx, const uint8_t *d, size_t end, const uint8_t *
     uint64_t n, v;
     if (end < 1 || d[0] != 0xa2) return BAIL(ctx);
     pos = 1;
-    if (!read_key1(d, end, &pos, 'e') || !read_head(d, end, &pos, 4, &n) || n > 100000) return BAIL(ctx);
+    /* an entry takes at least 50 bytes: a count beyond that is declined before allocating */
+    if (!read_key1(d, end, &pos, 'e') || !read_head(d, end, &pos, 4, &n) || n > end / 50) return BAIL(ctx);
     Node *nd = node_new(ctx, 0, (int)n);
     if (nd == NULL) return NULL;
     Key prev = {NULL, 0};
@@ -961,6 +962,10 @@ static PyObject *accel_records(PyObject *self, PyObject *args) {
     PyObject *result = NULL;
     Walk w = {{NULL, 0}, require_records, PyDict_New()};
     if (w.out == NULL) goto out;
+    /* the walk makes Python objects (so a garbage collection, so arbitrary code, may run): index a
+     * private copy of the map, which keeps every block the nodes point into alive */
+    if ((ctx->keep = PyDict_Copy(blocks)) == NULL) goto out;
+    ctx->blocks = ctx->keep;
     int indexed = index_blocks(ctx);
     if (indexed < 0) goto out;
     if (indexed > 0) goto decline;
@@ -979,6 +984,7 @@ decline:
     Py_INCREF(result);
 out:
     Py_XDECREF(w.out);
+    Py_XDECREF(ctx->keep);
     arena_free(&ctx->arena);
     PyMem_Free(ctx);
     return result;
