@@ -1,7 +1,8 @@
 # syntax=docker/dockerfile:1
 # The relay's container image, in three stages:
 #   build   — Debian's Python 3.11 (PGO+LTO) in a venv with the project, whose package build
-#             (setup.py) compiles mst's hot path with mypyc; compilers and mypy stay in this stage
+#             (setup.py) compiles mst's hot path with mypyc and the C mst._accel (libcrypto);
+#             compilers, headers and mypy stay in this stage
 #   runtime — the venv alone on a slim Debian, as an unprivileged user (target `runtime`, the default
 #             image the Helm chart's `image` names)
 #   spark   — runtime plus Java 17 and the PostgreSQL JDBC driver, for `relay spark …` (the chart's
@@ -24,7 +25,7 @@ RUN apt-get update \
 FROM base AS build
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 RUN apt-get update \
- && apt-get install -y --no-install-recommends gcc libc6-dev python3.11-dev \
+ && apt-get install -y --no-install-recommends gcc libc6-dev python3.11-dev libssl-dev \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 # Dependencies first, in a layer that changes only with pyproject.toml or constraints.txt: the

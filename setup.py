@@ -10,6 +10,11 @@ sit beside the sources without shadowing them, and ``mst.native`` chooses betwee
 with a plain import. Each copy records the SHA-256 of its source (``BUILT_FROM_SHA256``), so a
 source edited after the build runs as Python until the next install.
 
+Beside them it builds ``mst._accel`` from the C source ``mst/_accel.c`` (the native verification
+path: CAR parsing with block hashing and MST operation inversion in one pass, linked with OpenSSL's
+libcrypto for SHA-256; see ``mst.accel``). It records the SHA-256 of its source too, so an edited
+source is not used until it is built again.
+
 mypy (mypyc) and setuptools are build requirements only ([build-system] in pyproject.toml); the
 installed relay does not need them. Without a C compiler the build warns and installs the
 pure-Python package (``relay native status`` says so); ``RELAY_REQUIRE_COMPILED=1`` makes that an
@@ -62,7 +67,7 @@ class BuildCompiledMst(build_ext):
                 if _required():
                     raise
                 self.warn(f"compiled mst not built ({exc!r}); the pure-Python modules will be used")
-                dist.ext_modules = []
+                dist.ext_modules = [accel_extension()]
         super().finalize_options()
 
     def build_extension(self, ext: Extension) -> None:
@@ -94,12 +99,27 @@ class BuildCompiledMst(build_ext):
         finally:
             os.chdir(cwd)
             shutil.rmtree(work, ignore_errors=True)
-        return extensions
+        return [*extensions, accel_extension()]
+
+
+def accel_extension() -> Extension:
+    """``mst._accel`` from ``mst/_accel.c``, which records the SHA-256 of its source."""
+    source = ROOT / "mst" / "_accel.c"
+    digest = hashlib.sha256(source.read_bytes()).hexdigest()
+    return Extension(
+        "mst._accel",
+        sources=[str(source.relative_to(ROOT))],
+        define_macros=[("ACCEL_SOURCE_SHA256", f'"{digest}"')],
+        libraries=["crypto"],
+        extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wno-deprecated-declarations"],
+    )
 
 
 # Placeholders naming the extension modules, so the wheel is built per platform and setuptools
 # knows the outputs; BuildCompiledMst replaces them with mypyc's real ones.
-PLACEHOLDERS = [Extension(f"mst._native_{name}", sources=[]) for name in COMPILED]
+PLACEHOLDERS = [Extension(f"mst._native_{name}", sources=[]) for name in COMPILED] + [
+    Extension("mst._accel", sources=[])
+]
 #: commands that only describe the package: no compiling for them
 METADATA_ONLY = {"egg_info", "dist_info", "sdist"}
 

@@ -15,6 +15,12 @@ why. ``RELAY_PURE_PYTHON=1`` forces the pure-Python modules (the test suite runs
 that way too). The public modules ``mst.node``, ``mst.invert`` and ``mst.car`` re-export the
 chosen build, so every caller sees one set of classes.
 
+In front of them, :mod:`mst.accel` puts the native verification path, the C extension
+``mst._accel`` (``mst/_accel.c``, also built by ``setup.py``): ``mst.car.read_car`` and
+``mst.invert.invert_ops`` try it first and fall back to the modules above for anything it does
+not accept. It is used (:data:`ACCEL`) when it imports and was built from the current bytes of its
+source; ``RELAY_PURE_PYTHON=1`` turns it off too.
+
     relay native status
 """
 
@@ -26,17 +32,17 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["COMPILED", "COMPILED_MODULES", "STATUS", "active", "source_digest"]
+__all__ = ["ACCEL", "ACCEL_STATUS", "COMPILED", "COMPILED_MODULES", "STATUS", "active", "source_digest"]
 
 #: The public modules whose implementation is chosen here; everything else in ``mst`` is Python.
 COMPILED_MODULES = ("mst.node", "mst.invert", "mst.car")
 _PACKAGE_DIR = Path(__file__).resolve().parent
 
 
-def source_digest(name: str, package_dir: Path = _PACKAGE_DIR) -> str:
-    """SHA-256 of the source of ``mst.<name>`` (``mst/_<name>.py``): a compiled module is used
-    only if it was built from these bytes."""
-    return hashlib.sha256((package_dir / f"_{name}.py").read_bytes()).hexdigest()
+def source_digest(name: str, package_dir: Path = _PACKAGE_DIR, suffix: str = ".py") -> str:
+    """SHA-256 of the source of ``mst.<name>`` (``mst/_<name>.py``, or ``.c`` for the native
+    path): a compiled module is used only if it was built from these bytes."""
+    return hashlib.sha256((package_dir / f"_{name}{suffix}").read_bytes()).hexdigest()
 
 
 def _choose() -> tuple[bool, str]:
@@ -62,6 +68,26 @@ def _choose() -> tuple[bool, str]:
 COMPILED, STATUS = _choose()
 
 
+def _choose_accel() -> tuple[bool, str]:
+    if os.environ.get("RELAY_PURE_PYTHON", "").lower() in ("1", "true", "yes"):
+        return False, "off: RELAY_PURE_PYTHON is set"
+    try:
+        module = importlib.import_module("mst._accel")
+    except ImportError as exc:
+        return False, f"off: not built ({exc}); reinstall with a C compiler and libssl-dev (pip install .)"
+    try:
+        current = source_digest("accel", suffix=".c")
+    except OSError as exc:
+        return False, f"off: cannot check the source ({exc})"
+    if getattr(module, "BUILT_FROM_SHA256", None) != current:
+        return False, "off: stale build (mst/_accel.c changed since it was compiled; pip install again)"
+    return True, "on: mst._accel (CAR parsing and inversion)"
+
+
+#: True when ``mst.car.read_car`` and ``mst.invert.invert_ops`` try ``mst._accel`` first.
+ACCEL, ACCEL_STATUS = _choose_accel()
+
+
 def active() -> bool:
     """True if the compiled modules are in use (``STATUS`` starts with ``"compiled"``)."""
     return COMPILED
@@ -74,4 +100,5 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: relay native status", file=sys.stderr)
         return 2
     print(f"mst: {STATUS}")
+    print(f"native verification path: {ACCEL_STATUS}")
     return 0

@@ -28,6 +28,7 @@ def test_compiled_modules_are_the_ones_imported() -> None:
         assert native.STATUS == "pure: RELAY_PURE_PYTHON is set" and not native.active()
         assert mst.node.load_node is sys.modules["mst._node"].load_node
         assert not [m for m in sys.modules if m.startswith("mst._native")]
+        assert not native.ACCEL and mst.invert.invert_ops is sys.modules["mst._invert"].invert_ops
         return
     # `./run test` builds them (pip install -e . runs setup.py's mypyc step)
     assert native.active(), native.STATUS
@@ -36,8 +37,12 @@ def test_compiled_modules_are_the_ones_imported() -> None:
         assert str(compiled.__file__).endswith(EXT), compiled.__file__
         assert compiled.BUILT_FROM_SHA256 == native.source_digest(name)
     assert mst.node.load_node is sys.modules["mst._native_node"].load_node
-    assert mst.invert.invert_ops is sys.modules["mst._native_invert"].invert_ops
-    assert mst.car.read_car is sys.modules["mst._native_car"].read_car
+    # the native path (mst._accel, also built by setup.py) in front of the compiled reference
+    assert native.ACCEL, native.ACCEL_STATUS
+    accel = sys.modules["mst._accel"]
+    assert str(accel.__file__).endswith(EXT) and accel.BUILT_FROM_SHA256 == native.source_digest("accel", suffix=".c")
+    assert mst.invert.invert_ops.__qualname__ == "accelerated_invert_ops.<locals>.invert_ops"
+    assert mst.car.read_car.__qualname__ == "accelerated_read_car.<locals>.read_car"
     # one group: the compiled invert calls the compiled node (not the Python source)
     assert sys.modules["mst._native_invert"].load_node is mst.node.load_node
     assert type(mst.node.empty_node()) is mst.node.Node
@@ -50,6 +55,17 @@ def _status_of(package_root: Path) -> str:
     env["PYTHONPATH"] = str(package_root)
     code = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path if '__editable__' not in repr(f)]\n"
             "import mst.native, mst.node; assert mst.node.__file__.startswith(sys.argv[1]); print(mst.native.STATUS)")
+    done = subprocess.run([sys.executable, "-c", code, str(package_root)],
+                          cwd=package_root, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def _accel_status_of(package_root: Path) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "RELAY_PURE_PYTHON"}
+    env["PYTHONPATH"] = str(package_root)
+    code = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path if '__editable__' not in repr(f)]\n"
+            "import mst.native; assert mst.native.__file__.startswith(sys.argv[1]); print(mst.native.ACCEL_STATUS)")
     done = subprocess.run([sys.executable, "-c", code, str(package_root)],
                           cwd=package_root, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
@@ -69,6 +85,12 @@ def test_a_stale_or_missing_build_is_not_used(tmp_path: Path) -> None:
     for so in copy.glob(f"_native_car{EXT}"):
         so.unlink()
     assert _status_of(tmp_path).startswith("pure: no compiled build")
+    source = copy / "_accel.c"
+    source.write_text(source.read_text() + "\n/* edited after the build */\n")
+    assert _accel_status_of(tmp_path) == "off: stale build (mst/_accel.c changed since it was compiled; pip install again)"
+    for so in copy.glob(f"_accel{EXT}"):
+        so.unlink()
+    assert _accel_status_of(tmp_path).startswith("off: not built")
 
 
 def test_pure_python_sources_pass_the_repository_core_suite() -> None:
