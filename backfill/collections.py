@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from firehose.state import PendingEvent
+from firehose.state import PendingEvent, commit_op_changes
 from mst.cbor import decode, decode_prefix
 
 _OPS_KEY = b"\x63ops"  # "ops": the first key of a canonical #commit body (shortest keys first)
@@ -73,22 +73,19 @@ class CollectionChanges:
         if event.collections is not None:
             self.reset(event.did, event.collections)
         elif event.kind == "#commit":
-            self.add_ops(event.did, commit_ops(event))
+            changes = event.op_changes
+            self.add_changes(event.did, commit_op_changes(commit_ops(event)) if changes is None else changes)
 
     def reset(self, did: str, counts: Mapping[str, int]) -> None:
         for key in [k for k in self._deltas if k[1] == did]:
             del self._deltas[key]
         self.resets[did] = {c: n for c, n in counts.items() if n > 0}
 
-    def add_ops(self, did: str, ops: Iterable[Any]) -> None:
-        for op in ops:
-            if not isinstance(op, dict):
-                continue
-            collection = str(op.get("path", "")).partition("/")[0]
-            action = op.get("action")
-            if not collection or action not in ("create", "update", "delete"):
-                continue
-            entry = self._deltas.setdefault((collection, did), [0, 0])
+    def add_changes(self, did: str, changes: Iterable[tuple[str, str]]) -> None:
+        """Account for ``firehose.state.commit_op_changes`` of a ``#commit``."""
+        deltas = self._deltas
+        for collection, action in changes:
+            entry = deltas.setdefault((collection, did), [0, 0])
             if action == "create":
                 entry[0] += 1
             elif action == "delete":

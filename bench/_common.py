@@ -186,12 +186,13 @@ async def relay(plc_url: str, *, database_url: str | None = None, extra: list[st
                 env: dict[str, str] | None = None, profile: str | None = None) -> AsyncIterator[RelayProc]:
     """Start ``relay serve`` on an ephemeral port (SQLite in a temp dir unless ``database_url``).
 
-    With ``profile`` the relay's main process runs under cProfile and writes its stats there.
+    With ``profile`` the relay's main process runs under cProfile (timed by its main thread's CPU
+    clock: ``bench/_cpuprofile.py``) and writes its stats there.
     """
     workdir = tempfile.TemporaryDirectory(prefix="relay-bench-")
     db = database_url or str(Path(workdir.name) / "relay.sqlite")
     log_path = Path(workdir.name) / "relay.log"
-    prof = ["-m", "cProfile", "-o", profile] if profile else []
+    prof = [str(ROOT / "bench" / "_cpuprofile.py"), profile] if profile else []
     args = [sys.executable, *prof, "-m", "relay.cli", "serve", "--bind", "127.0.0.1:0", "--database-url", db,
             "--plc-url", plc_url, "--handle-resolver-url", plc_url, "--allow-insecure-hosts", "true",
             "--default-account-limit", "10000000", "--new-hosts-per-day", "100000", "--crawl-requests-per-minute", "0", "--log-level", "info",

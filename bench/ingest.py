@@ -4,7 +4,9 @@ Simulator (this process, frames pre-generated) → ``relay serve`` (child proces
 default, ``--db postgres`` for PostgreSQL) → one consumer (this process). All pre-generated
 commits are released at once; the relay pulls them as fast as it can verify, sequence, persist
 and broadcast them. The sustained rate is measured between 10 % and 90 % of the delivered
-commits; CPU is read from ``/proc`` for the relay's main process and its validation workers.
+commits; CPU is read from ``/proc`` for the relay's main process and its validation workers;
+``main_ceiling_commits_per_s`` (commits per CPU-second of the main process) is the projected
+one-process ceiling, reached when the validation workers have cores of their own.
 
     .venv/bin/python bench/ingest.py [--quick] [--commits N] [--db sqlite|postgres]
 """
@@ -115,6 +117,8 @@ async def run_ingest(*, hosts: int, accounts: int, commits: int, db: str, prefix
         "relay_cpu_ms_per_commit": 1000 * (cpu_main + cpu_workers) / max(1, delivered),
         "relay_cpu_main_s": cpu_main,
         "relay_cpu_main_ms_per_commit": 1000 * cpu_main / max(1, delivered),
+        # the projected one-process ceiling: commits/s when the workers have cores of their own
+        "main_ceiling_commits_per_s": delivered / max(1e-9, cpu_main),
         "relay_cpu_workers_s": cpu_workers,
         "sim_and_consumer_cpu_s": sim_cpu,
         "seconds": wall,

@@ -20,7 +20,7 @@ from typing import Any
 
 from firehose.framing import FramingError, encode_unsequenced
 from firehose.reasons import Reason
-from firehose.state import AccountState, account_row
+from firehose.state import AccountState, account_row, commit_op_changes
 from firehose.validate import OUTGOING_FIELDS, Verdict, judge_frame, outgoing_body
 from firehose.workers import WorkerDied, WorkerPool
 
@@ -35,8 +35,10 @@ def validate_and_encode(
     """``validate_frame``, plus, for an accepted ``#commit``/``#sync``, the outgoing body
     (``firehose.validate.outgoing_body``: lexicon fields only, no upstream ``seq``, ``blocks``
     verbatim unless unreferenced blocks were dropped: ``Verdict.blocks``) encoded as canonical DAG-CBOR with the offset where ``seq`` belongs
-    (``Verdict.body_cbor``/``seq_offset``, for ``PendingEvent``). Runs in a worker process, so
-    the parent neither encodes the body nor receives it as a (large, slow to unpickle) dict.
+    (``Verdict.body_cbor``/``seq_offset``, for ``PendingEvent``), and for a ``#commit`` the
+    collections its ops touch (``Verdict.op_changes``). Runs in a worker process, so the parent
+    neither encodes the body, nor receives it as a (large, slow to unpickle) dict, nor decodes its
+    ops again for the collection counts.
     ``lenient``: sync 1.0 commits (``firehose.validate.validate_commit``)."""
     verdict, decoded = judge_frame(frame, state, signing_key, now, lenient=lenient)
     if verdict.kind != "accept" or decoded is None or decoded.t not in OUTGOING_FIELDS:
@@ -46,13 +48,16 @@ def validate_and_encode(
         body_cbor, offset = encode_unsequenced(outgoing_body(decoded.t, body))
     except (FramingError, TypeError, ValueError):  # not expected after strict decoding
         return verdict  # the caller falls back to building the body itself
-    return Verdict(verdict.kind, verdict.reason, verdict.new_state, verdict.detail, body_cbor, offset, verdict.blocks)
+    changes = commit_op_changes(decoded.body.get("ops")) if decoded.t == "#commit" else None
+    return Verdict(verdict.kind, verdict.reason, verdict.new_state, verdict.detail, body_cbor, offset, verdict.blocks,
+                   changes)
 
 
 # ``AccountState`` travels to the workers and back as ``account_row`` tuples: pickling slotted
 # dataclasses runs Python-level ``__getstate__``/``__setstate__`` per object, a tuple is pickled in C.
 WireJob = tuple[bytes, tuple[Any, ...] | None, str | None, float, bool]
-WireVerdict = tuple[str, str, tuple[Any, ...] | None, str, bytes | None, int | None, bytes | None]
+WireVerdict = tuple[str, str, tuple[Any, ...] | None, str, bytes | None, int | None, bytes | None,
+                    tuple[tuple[str, str], ...] | None]
 
 
 def _to_wire(job: Job) -> WireJob:
@@ -61,9 +66,9 @@ def _to_wire(job: Job) -> WireJob:
 
 
 def _verdict_from_wire(w: WireVerdict) -> Verdict:
-    kind, reason, state, detail, body_cbor, offset, blocks = w
+    kind, reason, state, detail, body_cbor, offset, blocks, changes = w
     return Verdict(kind, reason, None if state is None else AccountState(*state), detail,  # type: ignore[arg-type]
-                   body_cbor, offset, blocks)
+                   body_cbor, offset, blocks, changes)
 
 
 def validate_batch(jobs: list[WireJob]) -> tuple[list[WireVerdict], float]:
@@ -75,7 +80,7 @@ def validate_batch(jobs: list[WireJob]) -> tuple[list[WireVerdict], float]:
         v = validate_and_encode(frame, None if state is None else AccountState(*state), key, now, lenient)
         new_state = v.new_state
         out.append((v.kind, v.reason, None if new_state is None else account_row(new_state), v.detail,
-                    v.body_cbor, v.seq_offset, v.blocks))
+                    v.body_cbor, v.seq_offset, v.blocks, v.op_changes))
     return out, time.process_time() - t0
 
 

@@ -82,6 +82,26 @@ class Fence:
         return f"Fence(valid={self.valid}, reason={self.reason!r})"
 
 
+OP_ACTIONS = ("create", "update", "delete")
+
+
+def commit_op_changes(ops: object) -> tuple[tuple[str, str], ...]:
+    """``(collection, action)`` of each well-formed op of a ``#commit``'s ``ops`` (a dict whose
+    ``path`` names a collection and whose ``action`` is create/update/delete), in order; anything
+    else is skipped. What ``backfill.collections`` counts."""
+    if not isinstance(ops, list):
+        return ()
+    out: list[tuple[str, str]] = []
+    for op in ops:
+        if not isinstance(op, dict):
+            continue
+        collection = str(op.get("path", "")).partition("/")[0]
+        action = op.get("action")
+        if collection and action in OP_ACTIONS:
+            out.append((collection, str(action)))
+    return tuple(out)
+
+
 @dataclass(slots=True)
 class PendingEvent:
     """A verified event waiting for a ``seq``.
@@ -102,6 +122,9 @@ class PendingEvent:
     ``frame_seq`` (optional, with ``host``): the upstream seq of the frame this event came from;
     an ``#identity``/``#account`` stored above the cursor it carries (``upstream_seq``) is recorded
     as done there (``backfill.store.BatchWrite.upstream_done``), so a re-read skips it.
+    ``op_changes`` (optional, ``#commit``): ``commit_op_changes`` of the body's ``ops``, computed
+    where the body was decoded anyway (the validation worker), so the sequencer's collection
+    bookkeeping need not decode ``body_cbor`` again; None: it reads the ops from the body.
     """
 
     kind: str
@@ -116,6 +139,7 @@ class PendingEvent:
     fence: Fence | None = None
     collections: dict[str, int] | None = None
     frame_seq: int | None = None
+    op_changes: tuple[tuple[str, str], ...] | None = None
 
 
 @dataclass(slots=True)

@@ -106,6 +106,9 @@ class Verdict:
     #: reference: the slice without them (``firehose.prune``), to redistribute instead of ``blocks``
     #: (counted ``strip``/``unreferenced_blocks``). None when the slice goes out as received.
     blocks: bytes | None = None
+    #: For an accepted ``#commit`` judged by ``firehose.pipeline``: ``firehose.state.commit_op_changes``
+    #: of its ops (for ``PendingEvent.op_changes``). None otherwise.
+    op_changes: tuple[tuple[str, str], ...] | None = None
 
     @property
     def accepted(self) -> bool:

@@ -574,7 +574,8 @@ class AccountLanes:
                 self.count("strip", Reason.UNREFERENCED_BLOCKS)
             if verdict.body_cbor is not None:  # encoded by the validation worker: seq is spliced in
                 event = PendingEvent(work.kind, work.did, _NO_BODY, new_state.rev, new_state,
-                                     body_cbor=verdict.body_cbor, seq_offset=verdict.seq_offset)
+                                     body_cbor=verdict.body_cbor, seq_offset=verdict.seq_offset,
+                                     op_changes=verdict.op_changes)
             else:
                 body = work.uf.frame.body
                 if verdict.blocks is not None:

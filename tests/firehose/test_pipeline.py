@@ -56,6 +56,8 @@ async def test_concurrent_judgements_each_against_the_state_given(workers: int) 
     assert [(v.kind, v.reason) for v in verdicts] == [("accept", "ok")] * len(items)
     for (_, res, _), v in zip(items, verdicts, strict=True):
         assert v.new_state.rev == res.rev and v.new_state.data_cid == res.data.encode()
+        # the collections its ops touch come back with it (the parent does not decode them again)
+        assert v.op_changes == (("app.bsky.feed.post", "create"),) * 2
     assert (stale.kind, stale.reason) == ("desync", Reason.SINCE_MISMATCH)
 
 
