@@ -10,7 +10,8 @@ of a second of GIL per scrape, stalling delivery. Here:
 * counting is a dict update on the event loop (no lock, no label lookup);
 * each host's ``relay_events_in_total`` lines are rendered once per change and kept: a scrape
   re-renders only the hosts that received frames since the last one, and joins the rest;
-* the account gauges are rendered once per snapshot (the housekeeping tick replaces it);
+* the account gauges are rendered once per snapshot (each scrape's refresh replaces it), each
+  host's two lines again only when its values changed;
 * :meth:`HostSeries.forget` drops every series of a host at once.
 
 Thread safety: the loop mutates, a scrape renders in a worker thread. Rendering copies each dict
@@ -66,6 +67,8 @@ class HostSeries:
         self._accounts: dict[str, tuple[int, int | None]] = {}
         self._accounts_text: tuple[dict[str, tuple[int, int | None]], str] | None = None
         self._types: dict[str, str] = {}
+        #: per host: the account gauges' values and their two lines, as last rendered
+        self._account_lines: dict[str, tuple[tuple[int, int | None], str, str]] = {}
 
     def count_in(self, host: str, kind: str, n: int = 1) -> None:
         """``n`` frames of type ``kind`` received from ``host``. Event-loop code."""
@@ -122,7 +125,7 @@ class HostSeries:
 
     def _type(self, kind: str) -> str:
         found = self._types.get(kind)
-        if found is None:
+        if found is None or found[0] != value:
             found = self._types[kind] = escape(kind)
         return found
 
@@ -131,12 +134,20 @@ class HostSeries:
         cached = self._accounts_text
         if cached is not None and cached[0] is snapshot:
             return cached[1]
+        lines = self._account_lines
         count, limit = [_ACCOUNTS_HEAD], [_LIMIT_HEAD]
-        for host, (n, most) in sorted(snapshot.items()):
-            label = escape(host)
-            count.append(f'relay_host_accounts{{host="{label}"}} {number(n)}\n')
-            if most is not None:
-                limit.append(f'relay_host_account_limit{{host="{label}"}} {number(most)}\n')
+        for host, value in sorted(snapshot.items()):
+            found = lines.get(host)
+            if found is None or found[0] != value:
+                label = escape(host)
+                n, most = value
+                found = lines[host] = (value, f'relay_host_accounts{{host="{label}"}} {number(n)}\n',
+                                       "" if most is None else
+                                       f'relay_host_account_limit{{host="{label}"}} {number(most)}\n')
+            count.append(found[1])
+            limit.append(found[2])
+        for host in [h for h in lines if h not in snapshot]:
+            del lines[host]
         text = "".join(count) + "".join(limit)
         self._accounts_text = (snapshot, text)
         return text
