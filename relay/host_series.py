@@ -125,7 +125,7 @@ class HostSeries:
 
     def _type(self, kind: str) -> str:
         found = self._types.get(kind)
-        if found is None or found[0] != value:
+        if found is None:
             found = self._types[kind] = escape(kind)
         return found
 
