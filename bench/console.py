@@ -48,7 +48,7 @@ async def run(hosts: int) -> None:
                 name = f"pds{i:06d}.bench.example"
                 await service.store.upsert_host(HostState(hostname=name, status="active", account_count=i % 50,
                                                           created_at=1.0))
-                service.metrics.events_in.labels(host=name, type="#commit").inc(i % 997)
+                service.metrics.host_series.count_in(name, "#commit", i % 997)
                 service.host_ledger.count(name, "reject", "bad_signature")
             assert service.app is not None
             transport = httpx.ASGITransport(app=service.app)

@@ -43,6 +43,9 @@ Contract:
   ``max_message_bytes`` are delivered so validation rejects them (``frame_too_large``).
 * Rate limits are token buckets awaited before ``on_frame``: backpressure, never drops
   (``SubscriberConfig.for_host(per_second, per_hour, per_day)`` maps a host's stored limits).
+* Read-ahead is bounded: while ``on_frame`` is awaited (the owner's backpressure), the
+  connection keeps at most ``read_ahead_frames`` + 1 whole messages and one partly received,
+  then stops reading the socket (the upstream host's sends then wait in TCP).
 * Reconnects use capped exponential backoff with jitter; WebSocket pings keep the link alive.
 * Unknown ``op``/``t`` are skipped and counted; ``#info`` is counted.
 * Every count goes to ``counters`` (by :class:`Reason` value) and, when the owner passes
@@ -90,6 +93,13 @@ class SubscriberConfig:
     #: moves past them; a message above it fails the connection (close 1009) and the next
     #: connection skips just that message (see the module docstring).
     max_message_bytes: int = 16_000_000
+    #: Whole messages the connection may hold read ahead of the subscriber (``websockets``'
+    #: ``max_queue`` high-water mark; reading resumes once the subscriber has taken them all).
+    #: The ingest budget counts a frame only once it is dispatched, so this read-ahead is outside
+    #: it: with 1, a host whose frames wait for the budget holds at most the frame in hand, two
+    #: queued messages and one being received (4 x ``max_message_bytes`` in the worst case,
+    #: giant frames), not the 17 and more of ``websockets``' default.
+    read_ahead_frames: int = 1
     #: Decode with the full DRISL rules here too. Off by default: the subscriber only routes
     #: frames, and validation decodes every frame strictly (a non-strict frame becomes a typed
     #: per-frame rejection instead of a dropped connection), at a third of the parent's cost.
@@ -319,6 +329,7 @@ class HostSubscriber:
             open_timeout=self.config.open_timeout,
             close_timeout=self.config.close_timeout,
             max_size=self.config.max_message_bytes,
+            max_queue=(self.config.read_ahead_frames, 0),
             compression=None,
         ) as ws:
             self._ws = ws

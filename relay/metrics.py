@@ -4,18 +4,18 @@ Each ``RelayMetrics`` owns a private ``CollectorRegistry`` so that several relay
 process (tests). ``/metrics`` renders this registry followed by the process-wide default one
 (where other packages may register their own collectors).
 
-Cost per host stays small and goes away with the host: the per-host series (``PER_HOST``) are
-removed by :meth:`RelayMetrics.forget_host` when a host is banned, and no ``*_created`` copies
-are exported (``prometheus_client.disable_created_metrics``, process-wide). :meth:`render` is
-safe to call from another thread while the event loop updates the metrics (prometheus_client
-locks every value and label map); ``/metrics`` renders in a worker thread so a scrape of many
-series never stalls ingest or delivery.
+Cost per host stays small and goes away with the host: the per-host series live outside
+``prometheus_client`` in :class:`relay.host_series.HostSeries` (plain counters, each host's text
+rendered once per change), are removed by :meth:`RelayMetrics.forget_host` when a host is banned,
+and no ``*_created`` copies are exported (``prometheus_client.disable_created_metrics``,
+process-wide). :meth:`render` is safe to call from another thread while the event loop updates
+the metrics; ``/metrics`` renders in a worker thread, and what it renders per host is cached, so a
+scrape of thousands of hosts holds the GIL for milliseconds, not a second.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
@@ -30,6 +30,8 @@ from prometheus_client import (
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily
+
+from relay.host_series import HostSeries
 
 #: Fields of ``firehose.broadcast.BroadcastStats`` exported as ``relay_broadcast_events_total{event}``.
 BROADCAST_EVENTS = ("too_slow", "lagged", "future_cursor", "outdated_cursor", "replay_overflows", "bus_gaps_filled",
@@ -50,11 +52,9 @@ class RelayMetrics:
         r = self.registry = CollectorRegistry(auto_describe=True)
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self._render_lock: asyncio.Lock | None = None
-        #: metrics whose first label is a host (by ``id``), and the ``child`` keys of each host
-        self._per_host: dict[int, Any] = {}
-        self._by_host: dict[str, set[tuple[int, tuple[str, ...]]]] = {}
-        self.events_in = Counter("relay_events_in_total", "Frames received from upstream hosts",
-                                 ["host", "type"], registry=r)
+        #: ``relay_events_in_total{host,type}``, ``relay_host_cursor_resets_total{host,reason}``,
+        #: ``relay_host_accounts{host}``, ``relay_host_account_limit{host}``
+        self.host_series = HostSeries()
         self.verdicts = Counter("relay_verdicts_total", "Judgements on upstream events",
                                 ["kind", "reason"], registry=r)
         self.events_out = Counter("relay_events_sequenced_total", "Events sequenced and published",
@@ -98,10 +98,6 @@ class RelayMetrics:
         self.hosts = Gauge("relay_hosts", "Upstream hosts by status", ["status"], registry=r)
         self.host_connects = Counter("relay_host_connects_total", "Upstream connection attempts",
                                      ["result"], registry=r)
-        self.host_resets = Counter("relay_host_cursor_resets_total",
-                                   "Upstream cursors reset: the host's stream went backwards or it answered "
-                                   "FutureCursor (wiped or restored)",
-                                   ["host", "reason"], registry=r)
         self.getrepo = Counter("relay_getrepo_total", "getRepo requests by how they were answered",
                                ["result"], registry=r)
         self.getrepo_fetches = Counter("relay_getrepo_fetches_total",
@@ -137,25 +133,12 @@ class RelayMetrics:
         self.sibling_received = Counter("relay_sibling_received_total",
                                         "Changes received from a sibling relay (carrying our Via): applied, not "
                                         "passed on again", registry=r)
-        self._per_host = {id(m): m for m in (self.events_in, self.host_resets)}
 
     def forget_host(self, hostname: str) -> None:
         """Remove every series labelled with ``hostname`` (the host was banned or removed): a
-        relay that has seen thousands of hosts exports only those it still follows. Cheap: the
-        series made through :meth:`child` are indexed by host; ``relay_host_cursor_resets_total``
-        (rare, made with ``labels()``) is searched among its own few samples. Call it after the
-        host's run has stopped (a later increment would bring the series back from zero)."""
-        for key in self._by_host.pop(hostname, ()):
-            metric = self._children.pop(key, None)
-            if metric is not None:
-                with contextlib.suppress(KeyError):
-                    self._per_host[key[0]].remove(*key[1])
-        resets = {(s.labels["host"], s.labels["reason"])
-                  for family in self.host_resets.collect() for s in family.samples
-                  if s.labels.get("host") == hostname}
-        for labels in resets:
-            with contextlib.suppress(KeyError):
-                self.host_resets.remove(*labels)
+        relay that has seen thousands of hosts exports only those it still follows. Call it
+        after the host's run has stopped (a later count would bring the series back from zero)."""
+        self.host_series.forget(hostname)
 
     def child(self, metric: Any, *values: str) -> Any:
         """``metric.labels(*values)``, kept once per label tuple: ``labels()`` costs a lock and a
@@ -164,8 +147,6 @@ class RelayMetrics:
         found = self._children.get(key)
         if found is None:
             found = self._children[key] = metric.labels(*values)
-            if key[0] in self._per_host:  # its first label is a host: indexed for forget_host
-                self._by_host.setdefault(values[0], set()).add(key)
         return found
 
     def watch_broadcast(self, stats: Callable[[], Any]) -> None:
@@ -198,11 +179,7 @@ class RelayMetrics:
         """Replace the per-host account gauges: ``{hostname: (accounts, limit or None)}``. Only
         the hosts of the last call are exported (a removed host's series go with it);
         ``relay_host_account_limit`` only for hosts that have a limit."""
-        collector = getattr(self, "_host_accounts", None)
-        if collector is None:
-            collector = self._host_accounts = _HostAccountsCollector()
-            self.registry.register(collector)
-        collector.accounts = dict(accounts)
+        self.host_series.set_accounts(accounts)
 
     def watch_resyncs(self, source: ResyncSource) -> None:
         """Export the resync queue's state, read at scrape time from ``source``:
@@ -219,7 +196,7 @@ class RelayMetrics:
     def render(self) -> bytes:
         """Text exposition of this relay's registry plus the process default registry. Safe in a
         worker thread (see the module docstring)."""
-        return generate_latest(self.registry) + generate_latest(REGISTRY)
+        return generate_latest(self.registry) + self.host_series.render().encode() + generate_latest(REGISTRY)
 
 
 class _BroadcastCollector:
@@ -263,25 +240,6 @@ class _PublisherCollector:
                                   value=getattr(stats, "errors", 0) if stats is not None else 0)
         yield GaugeMetricFamily("relay_bus_publish_queue_bytes", "Committed events waiting for the bus, in bytes",
                                 value=getattr(stats, "queued_bytes", 0) if stats is not None else 0)
-
-class _HostAccountsCollector:
-    """``relay_host_accounts{host}`` and ``relay_host_account_limit{host}`` from the last
-    snapshot given to ``RelayMetrics.set_host_accounts`` (the alert on hosts near their limit)."""
-
-    def __init__(self) -> None:
-        self.accounts: dict[str, tuple[int, int | None]] = {}
-
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        count = GaugeMetricFamily("relay_host_accounts", "Accounts the relay holds for each upstream host",
-                                  labels=["host"])
-        limit = GaugeMetricFamily("relay_host_account_limit", "Account limit of each upstream host that has one",
-                                  labels=["host"])
-        for host, (n, most) in sorted(self.accounts.items()):
-            count.add_metric([host], n)
-            if most is not None:
-                limit.add_metric([host], most)
-        yield count
-        yield limit
 
 class ResyncSource(Protocol):
     """What ``RelayMetrics.watch_resyncs`` reads (``relay.ingest.resync_queue.ResyncQueue``)."""

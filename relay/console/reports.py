@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry
 
 if TYPE_CHECKING:
+    from relay.metrics import RelayMetrics
     from relay.service import RelayService
 
 log = logging.getLogger("relay.console")
@@ -68,12 +69,13 @@ def by_label(found: Samples, name: str, label: str) -> dict[str, float]:
     return out
 
 
-def _read_registry(registry: CollectorRegistry, prev_hosts: dict[str, float] | None,
+def _read_registry(metrics: RelayMetrics, prev_hosts: dict[str, float] | None,
                    dt: float) -> tuple[Samples, dict[str, float], dict[str, dict[str, Any]]]:
-    """Every sample of ``registry``, ``relay_events_in_total`` per host, and per host its frames in
-    and rate since ``prev_hosts`` (``dt`` seconds ago; None: no rate yet). Run in a worker thread."""
-    found = samples(registry)
-    events_in = by_label(found, "relay_events_in_total", "host")
+    """Every sample of ``metrics.registry``, ``relay_events_in_total`` per host (from
+    ``metrics.host_series``), and per host its frames in and rate since ``prev_hosts`` (``dt``
+    seconds ago; None: no rate yet). Run in a worker thread."""
+    found = samples(metrics.registry)
+    events_in = metrics.host_series.events_in()
     before = prev_hosts or {}
     hosts = {host: {"eventsIn": n, "rate": None if prev_hosts is None else _rate(n, before.get(host), dt)}
              for host, n in events_in.items()}
@@ -219,7 +221,7 @@ class ReplicaReporter:
         # off the event loop, as a scrape renders them (RelayMetrics.render_off_loop)
         prev = self._prev
         dt = now - prev["time"] if prev is not None else 0.0
-        found, events_in, hosts = await asyncio.to_thread(_read_registry, service.metrics.registry,
+        found, events_in, hosts = await asyncio.to_thread(_read_registry, service.metrics,
                                                           prev["eventsIn"] if prev is not None else None, dt)
         total_in = sum(events_in.values())
         sequenced = by_label(found, "relay_events_sequenced_total", "type")

@@ -418,7 +418,7 @@ class Upstreams:
             Its accounts keep their stored state: a restored repository's next commit does not
             chain to it and is resynchronised."""
             await self.settle_read(hostname)  # (the subscriber counted it: on_count)
-            self.metrics.host_resets.labels(host=hostname, reason=reason).inc()
+            self.metrics.host_series.count_reset(hostname, reason)
             await self.store.set_host_cursor(hostname, 0)
             run = self._runs.get(hostname)
             if run is not None:
@@ -467,7 +467,7 @@ class Upstreams:
         """Start judging one upstream frame in its account's lane; never raises for bad input
         (a frame with no valid DID or of an unknown type is counted and produces no event)."""
         kind = uf.frame.t or ""
-        self.metrics.child(self.metrics.events_in, hostname, kind).inc()
+        self.metrics.host_series.count_in(hostname, kind)
         did = did_of(kind, uf.frame.body)
         judged: asyncio.Future[PendingEvent | None] = asyncio.get_running_loop().create_future()
         run = self._runs.get(hostname)

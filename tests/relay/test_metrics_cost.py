@@ -13,8 +13,11 @@ from typing import Any
 
 import httpx
 from prometheus_client.metrics_core import GaugeMetricFamily
+from prometheus_client.parser import text_string_to_metric_families
 
+from relay import host_series
 from relay.fdlimit import raise_open_file_limit
+from relay.host_series import HostSeries
 from sim import SimConfig, SimFleet
 from tests.relay.e2e import ADMIN_TOKEN, Consumer, crawl
 from tests.waiting import until
@@ -94,3 +97,65 @@ def test_the_open_file_limit_is_raised_to_the_hard_limit() -> None:
             assert now == hard
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def _families(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """``{(sample name, sorted labels): value}`` as Prometheus' own parser reads ``text``."""
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def test_per_host_series_follow_every_count_and_go_with_the_host() -> None:
+    """Rendered text is cached per host; a count after a render shows in the next one, a host's
+    label is escaped, and ``forget`` leaves nothing of the host behind."""
+    series = HostSeries()
+    odd = 'a"b\\c.example'
+    series.count_in("one.example", "#commit")
+    series.count_in(odd, "#identity", 2)
+    series.count_reset(odd, "future_cursor")
+    series.set_accounts({"one.example": (3, None), odd: (4, 10)})
+    first = _families(series.render())
+    assert first[("relay_events_in_total", (("host", "one.example"), ("type", "#commit")))] == 1
+    assert first[("relay_events_in_total", (("host", odd), ("type", "#identity")))] == 2
+    assert first[("relay_host_cursor_resets_total", (("host", odd), ("reason", "future_cursor")))] == 1
+    assert first[("relay_host_accounts", (("host", odd),))] == 4
+    assert first[("relay_host_account_limit", (("host", odd),))] == 10
+    assert ("relay_host_account_limit", (("host", "one.example"),)) not in first
+    series.count_in("one.example", "#commit", 5)  # after the render that cached one.example's lines
+    series.set_accounts({"one.example": (6, None), odd: (4, 10)})
+    second = _families(series.render())
+    assert second[("relay_events_in_total", (("host", "one.example"), ("type", "#commit")))] == 6
+    assert second[("relay_host_accounts", (("host", "one.example"),))] == 6
+    assert series.events_in() == {"one.example": 6.0, odd: 2.0}
+    series.forget(odd)
+    third = series.render()
+    assert all(dict(labels).get("host") != odd for _, labels in _families(third))
+    assert "a\\\"b" not in third and odd not in series.hosts()
+    assert _families(third)[("relay_events_in_total", (("host", "one.example"), ("type", "#commit")))] == 6
+
+
+def test_a_scrape_of_thousands_of_hosts_renders_only_what_changed() -> None:
+    """The second scrape of 2,000 hosts, two of which received a frame, formats only those two
+    hosts' lines again (the others are joined from the cache)."""
+    series = HostSeries()
+    for i in range(2000):
+        series.count_in(f"pds{i}.example", "#commit", i)
+    series.render()
+    series.count_in("pds7.example", "#commit")
+    series.count_in("pds9.example", "#account")
+    formatted: list[str] = []
+    real = host_series.number
+
+    def counted(n: int) -> str:
+        formatted.append(str(n))
+        return real(n)
+
+    host_series.number = counted  # type: ignore[assignment]
+    try:
+        text = series.render()
+    finally:
+        host_series.number = real  # type: ignore[assignment]
+    assert sorted(formatted) == ["1", "8", "9"]  # pds7 #commit, pds9 #commit and #account
+    parsed = _families(text)
+    assert parsed[("relay_events_in_total", (("host", "pds7.example"), ("type", "#commit")))] == 8
+    assert parsed[("relay_events_in_total", (("host", "pds1999.example"), ("type", "#commit")))] == 1999
