@@ -64,6 +64,7 @@ class Admission:
         self.host_ttl = host_ttl
         self.clock = clock
         self._host_counts: dict[str, int] = {}
+        self._count_reads: dict[str, asyncio.Future[None]] = {}
         #: hostname → first-seen accounts admitted whose first event is not stored yet
         self._reserved: dict[str, set[str]] = {}
         self._hosts: BoundedLRU[str, tuple[float, HostState | None]] = BoundedLRU(50_000)
@@ -158,8 +159,7 @@ class Admission:
         host = await self._host(hostname)
         limit = self.policy.account_limit(host) if host is not None else self.default_account_limit
         if hostname not in self._host_counts:
-            loaded = await self.store.count_accounts(hostname)
-            self._host_counts.setdefault(hostname, loaded)
+            await self._load_count(hostname)
         # check and reserve with no await in between: accounts are admitted concurrently
         reserved = self._reserved.setdefault(hostname, set())
         if did not in reserved:
@@ -172,6 +172,33 @@ class Admission:
                 return AccountState(did=did, host=hostname, sync_state="throttled", updated_at=time.time())
             reserved.add(did)
         return AccountState(did=did, host=hostname)
+
+    async def _load_count(self, hostname: str) -> None:
+        """Read the host's stored account count into ``_host_counts``; concurrent first
+        admissions on a host share one read (a burst of first-seen accounts made one count
+        query each, queued behind the writes)."""
+        while hostname not in self._host_counts:
+            pending = self._count_reads.get(hostname)
+            if pending is not None:
+                await asyncio.wait([pending])
+                if not pending.cancelled():
+                    pending.result()  # the reader's failure is every waiter's
+                continue  # loaded, or the reader was cancelled: read again
+            future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._count_reads[hostname] = future
+            try:
+                loaded = await self.store.count_accounts(hostname)
+            except BaseException as exc:
+                if isinstance(exc, Exception):
+                    future.set_exception(exc)
+                    future.exception()  # retrieved: the waiters (if any) get it too
+                else:
+                    future.cancel()
+                raise
+            finally:
+                self._count_reads.pop(hostname, None)
+            self._host_counts.setdefault(hostname, loaded)
+            future.set_result(None)
 
     def stored(self, hostname: str, did: str) -> None:
         """A first-seen account admitted on ``hostname`` is stored now (its first event)."""
