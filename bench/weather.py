@@ -11,7 +11,8 @@ hosts each have one kind of weather, in turn: unreadable frames (one in the midd
 backlog, then 2 % of the frames), handle domains that never
 answer, a getRepo failing (500) while accounts lose commits (broken chains), bad signatures, key
 rotations, dropped connections. The hosts are crawled (``--crawl-concurrency`` requests in
-flight); commits flow from then on. Two phases: the start-up (commits at ``--startup-rate``),
+flight); commits flow from then on. Two phases: the start-up (commits at ``--startup-rate``,
+100/s: lower than the weather run's, as a relay taking in every account at once has less to spare),
 until full speed: every first-seen account's first commit of a well-behaved host delivered and,
 from then, every healthy commit arriving within 2 s of being sent for ``--full-speed-window`` s
 on end (at most ``--startup-limit`` s); then the weather run proper for ``--minutes`` (commits at
@@ -43,7 +44,7 @@ Measured, each printed as a ``RESULT`` line:
   the start-up; -1 if not reached within ``--startup-limit``); ``weather_startup_rate`` and
   ``weather_rate``: the offered commits per second in each phase.
 
-    .venv/bin/python bench/weather.py                                    # 1,000 hosts, 100,000 accounts
+    .venv/bin/python bench/weather.py --minutes 2 --settle 180 --relay-args '--identity-rate 1000'  # network shape
     .venv/bin/python bench/weather.py --hosts 20 --accounts 400 --minutes 0.3   # a smoke run
 """
 
@@ -387,8 +388,9 @@ def main() -> int:
     p.add_argument("--accounts", type=int, default=100_000, help="accounts in all (spread over the hosts)")
     p.add_argument("--minutes", type=float, default=5.0, help="length of the run with the weather")
     p.add_argument("--rate", type=float, default=500.0, help="commits per second over the fleet in the weather run")
-    p.add_argument("--startup-rate", type=float, default=None,
-                   help="commits per second while the first-seen backlog is taken in (default: --rate)")
+    p.add_argument("--startup-rate", type=float, default=100.0,
+                   help="commits per second while the first-seen backlog is taken in (lower than --rate: "
+                        "on 2 shared cores a relay taking in 100,000 new accounts has little to spare)")
     p.add_argument("--full-speed-window", type=float, default=30.0,
                    help="seconds of prompt healthy commits (each within 2 s) that end the start-up")
     p.add_argument("--misbehaving", type=float, default=0.05, help="share of misbehaving hosts")
@@ -402,8 +404,6 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--relay-args", default="", help="extra `relay serve` options, e.g. '--identity-rate 1000'")
     a = p.parse_args()
-    if a.startup_rate is None:
-        a.startup_rate = a.rate
     try:
         import uvloop
 
