@@ -35,7 +35,8 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from backfill.store import Store
 from backfill.types import HostState
@@ -49,6 +50,34 @@ log = logging.getLogger("relay.ingest.admission")
 
 #: seconds a host row read for admission is reused
 HOST_TTL = 1.0
+
+T = TypeVar("T")
+
+
+async def shared_read(reads: dict[str, asyncio.Future[T]], key: str, read: Callable[[], Awaitable[T]]) -> T:
+    """``read()``, or the answer of the read of ``key`` already under way (``reads`` holds them):
+    concurrent callers share one read and its failure; when the reader is cancelled, a waiter
+    reads itself."""
+    pending = reads.get(key)
+    if pending is not None:
+        await asyncio.wait([pending])
+        if not pending.cancelled():
+            return pending.result()
+    future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+    reads[key] = future
+    try:
+        value = await read()
+    except BaseException as exc:
+        if isinstance(exc, Exception):
+            future.set_exception(exc)
+            future.exception()  # retrieved: the waiters (if any) get it too
+        else:  # cancelled: the waiters read again themselves
+            future.cancel()
+        raise
+    finally:
+        reads.pop(key, None)
+    future.set_result(value)
+    return value
 
 
 class Admission:
@@ -64,7 +93,7 @@ class Admission:
         self.host_ttl = host_ttl
         self.clock = clock
         self._host_counts: dict[str, int] = {}
-        self._count_reads: dict[str, asyncio.Future[None]] = {}
+        self._count_reads: dict[str, asyncio.Future[int]] = {}
         #: hostname → first-seen accounts admitted whose first event is not stored yet
         self._reserved: dict[str, set[str]] = {}
         self._hosts: BoundedLRU[str, tuple[float, HostState | None]] = BoundedLRU(50_000)
@@ -83,26 +112,8 @@ class Admission:
         cached = self._hosts.get(hostname)
         if cached is not None and now - cached[0] < self.host_ttl:
             return cached[1]
-        pending = self._host_reads.get(hostname)
-        if pending is not None:
-            await asyncio.wait([pending])
-            if not pending.cancelled():
-                return pending.result()
-        future: asyncio.Future[HostState | None] = asyncio.get_running_loop().create_future()
-        self._host_reads[hostname] = future
-        try:
-            host = await self.store.get_host(hostname)
-        except BaseException as exc:
-            if isinstance(exc, Exception):
-                future.set_exception(exc)
-                future.exception()  # retrieved: the waiters (if any) get it too
-            else:  # cancelled: the waiters read again themselves
-                future.cancel()
-            raise
-        finally:
-            self._host_reads.pop(hostname, None)
+        host = await shared_read(self._host_reads, hostname, lambda: self.store.get_host(hostname))
         self._hosts.put(hostname, (now, host))
-        future.set_result(host)
         return host
 
     async def relay_may_speak(self, pds_hostname: str | None) -> bool:
@@ -158,8 +169,9 @@ class Admission:
             return dataclasses.replace(state, host=hostname)
         host = await self._host(hostname)
         limit = self.policy.account_limit(host) if host is not None else self.default_account_limit
-        if hostname not in self._host_counts:
-            await self._load_count(hostname)
+        if hostname not in self._host_counts:  # one read shared by a burst of first-seen accounts
+            loaded = await shared_read(self._count_reads, hostname, lambda: self.store.count_accounts(hostname))
+            self._host_counts.setdefault(hostname, loaded)
         # check and reserve with no await in between: accounts are admitted concurrently
         reserved = self._reserved.setdefault(hostname, set())
         if did not in reserved:
@@ -172,33 +184,6 @@ class Admission:
                 return AccountState(did=did, host=hostname, sync_state="throttled", updated_at=time.time())
             reserved.add(did)
         return AccountState(did=did, host=hostname)
-
-    async def _load_count(self, hostname: str) -> None:
-        """Read the host's stored account count into ``_host_counts``; concurrent first
-        admissions on a host share one read (a burst of first-seen accounts made one count
-        query each, queued behind the writes)."""
-        while hostname not in self._host_counts:
-            pending = self._count_reads.get(hostname)
-            if pending is not None:
-                await asyncio.wait([pending])
-                if not pending.cancelled():
-                    pending.result()  # the reader's failure is every waiter's
-                continue  # loaded, or the reader was cancelled: read again
-            future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self._count_reads[hostname] = future
-            try:
-                loaded = await self.store.count_accounts(hostname)
-            except BaseException as exc:
-                if isinstance(exc, Exception):
-                    future.set_exception(exc)
-                    future.exception()  # retrieved: the waiters (if any) get it too
-                else:
-                    future.cancel()
-                raise
-            finally:
-                self._count_reads.pop(hostname, None)
-            self._host_counts.setdefault(hostname, loaded)
-            future.set_result(None)
 
     def stored(self, hostname: str, did: str) -> None:
         """A first-seen account admitted on ``hostname`` is stored now (its first event)."""
