@@ -11,9 +11,12 @@ hosts each have one kind of weather, in turn: unreadable frames (one in the midd
 backlog, then 2 % of the frames), handle domains that never
 answer, a getRepo failing (500) while accounts lose commits (broken chains), bad signatures, key
 rotations, dropped connections. The hosts are crawled (``--crawl-concurrency`` requests in
-flight); commits flow at ``--rate`` per second from then on. Two phases: the start-up, until
-every first-seen account's first commit of a well-behaved host was delivered (at most
-``--startup-limit`` s), then the weather run proper for ``--minutes``, every account known. Then
+flight); commits flow from then on. Two phases: the start-up (commits at ``--startup-rate``,
+100/s: lower than the weather run's, as a relay taking in every account at once has less to spare),
+until full speed: every first-seen account's first commit of a well-behaved host delivered and,
+from then, every healthy commit arriving within 2 s of being sent for ``--full-speed-window`` s
+on end (at most ``--startup-limit`` s); then the weather run proper for ``--minutes`` (commits at
+``--rate``), every account known and the relay at full speed. Then
 the weather clears (faults off, getRepo healed) and every account of a misbehaving host, plus one
 of every host, posts a last commit (the markers).
 
@@ -37,9 +40,11 @@ Measured, each printed as a ``RESULT`` line:
 * ``weather_relay_rss_mb``: the relay's peak RSS (main process and workers);
 * ``weather_caught_up_s``: from the crawl until every first commit of the backlog (one per
   first-seen account, well-behaved hosts) was delivered; ``weather_full_speed_s``: from the crawl
-  until every later healthy commit arrived within 2 s of being sent (-1 if never).
+  until full speed (the start of the ``--full-speed-window`` of prompt healthy commits that ended
+  the start-up; -1 if not reached within ``--startup-limit``); ``weather_startup_rate`` and
+  ``weather_rate``: the offered commits per second in each phase.
 
-    .venv/bin/python bench/weather.py                                    # 1,000 hosts, 100,000 accounts
+    .venv/bin/python bench/weather.py --minutes 2 --settle 180 --relay-args '--identity-rate 1000'  # network shape
     .venv/bin/python bench/weather.py --hosts 20 --accounts 400 --minutes 0.3   # a smoke run
 """
 
@@ -60,7 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx  # noqa: E402
 
-from bench._common import PG_DSN, load_average, metric_sum, note, relay, result  # noqa: E402
+from bench._common import PG_DSN, load_average, metric_sum, note, relay, result, self_cpu  # noqa: E402
 from sim import Delay, HandleWeather, SimConfig, SimFleet, TruthEvent  # noqa: E402
 from sim.fleet import SimAccount  # noqa: E402
 
@@ -159,16 +164,33 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def full_speed_at(pairs: list[tuple[float, float]]) -> float | None:
-    """The earliest send time after which every commit arrived within the bound (None: never)."""
-    last_late = None
-    for sent, delay in pairs:
-        if delay > HEALTHY_BOUND:
-            last_late = sent
-    if last_late is None:
-        return pairs[0][0] if pairs else None
-    later = [s for s, _ in pairs if s > last_late]
-    return later[0] if later else None
+class FullSpeed:
+    """Watches the healthy commits sent since ``ground_truth[start]`` for the last one that was
+    late: not arrived within ``HEALTHY_BOUND`` s of being sent (judged once that long has passed)."""
+
+    def __init__(self, truth: list[TruthEvent], start: int, bad_hosts: set[str], arrivals: Arrivals,
+                 t0: float) -> None:
+        self.truth, self.next, self.bad_hosts, self.arrivals = truth, start, bad_hosts, arrivals
+        self.last_late = t0  # send time of the last late healthy commit (the crawl, before any)
+
+    def advance(self, now: float) -> None:
+        """Judge every commit sent more than ``HEALTHY_BOUND`` s before ``now``."""
+        truth, commits = self.truth, self.arrivals.commits
+        while self.next < len(truth) and truth[self.next].sent_at <= now - HEALTHY_BOUND:
+            tr = truth[self.next]
+            self.next += 1
+            if tr.kind == "#commit" and tr.verdict == "accept" and tr.rev and tr.host not in self.bad_hosts:
+                got = commits.get((tr.did, tr.rev))
+                if got is None or got - tr.sent_at > HEALTHY_BOUND:
+                    self.last_late = max(self.last_late, tr.sent_at)
+
+    def since(self, floor: float) -> float:
+        """When the current run of prompt commits began (not before ``floor``)."""
+        return max(self.last_late, floor)
+
+    def sustained(self, now: float, floor: float) -> float:
+        """Seconds of sending, judged so far, with every healthy commit prompt (from ``floor``)."""
+        return now - HEALTHY_BOUND - self.since(floor)
 
 
 async def frozen_accounts(url: str, accounts: list[SimAccount]) -> list[str]:
@@ -227,22 +249,39 @@ async def run(a: argparse.Namespace) -> None:
 
             sampler = asyncio.create_task(sample_rss())
             t_crawl = time.time()
+            caught_up_at: float | None = None
+            full_speed_at: float | None = None
             await r.crawl([h.hostname for h in fleet.hosts], concurrency=a.crawl_concurrency)
             note(f"weather: crawled {a.hosts} hosts in {time.time() - t_crawl:.1f}s")
-            # Start-up: the first-seen backlog, with commits flowing at the same rate meanwhile.
+            # Start-up: the first-seen backlog, with commits flowing meanwhile (at --startup-rate),
+            # until full speed: the backlog delivered and every healthy commit sent in the last
+            # --full-speed-window s arrived within HEALTHY_BOUND.
             start_truth = len(fleet.ground_truth)
-            startup_task = asyncio.create_task(fleet.run(a.rate, None))
+            cpu0, own0 = r.cpu(), self_cpu()
+            startup_task = asyncio.create_task(fleet.run(a.startup_rate, None))
+            watch = FullSpeed(fleet.ground_truth, start_truth, bad_hosts, arrivals, t_crawl)
             deadline = time.monotonic() + a.startup_limit
-            while time.monotonic() < deadline and any(k not in arrivals.commits for k in backlog_firsts):
+            while time.monotonic() < deadline:
                 await asyncio.sleep(0.5)
+                if caught_up_at is None and all(k in arrivals.commits for k in backlog_firsts):
+                    caught_up_at = time.time()
+                    note(f"weather: backlog delivered {caught_up_at - t_crawl:.1f}s after the crawl")
+                watch.advance(time.time())
+                if caught_up_at is not None and watch.sustained(time.time(), caught_up_at) >= a.full_speed_window:
+                    full_speed_at = watch.since(caught_up_at)
+                    break
             startup_task.cancel()
             await asyncio.gather(startup_task, return_exceptions=True)
             startup = fleet.ground_truth[start_truth:]
+            startup_cpu, startup_own = r.cpu() - cpu0, self_cpu() - own0
             note(f"weather: start-up over after {time.time() - t_crawl:.1f}s; backlog delivered "
-                 f"{sum(1 for k in backlog_firsts if k in arrivals.commits)}/{len(backlog_firsts)}")
+                 f"{sum(1 for k in backlog_firsts if k in arrivals.commits)}/{len(backlog_firsts)}; "
+                 f"full speed {'not reached' if full_speed_at is None else f'from {full_speed_at - t_crawl:.1f}s'}")
             # The weather run proper: every account known, the misbehaving hosts misbehaving.
             start_truth = len(fleet.ground_truth)
+            cpu0, own0 = r.cpu(), self_cpu()
             produced = await fleet.run(a.rate, a.minutes * 60)
+            weather_cpu, weather_own = r.cpu() - cpu0, self_cpu() - own0
             live = fleet.ground_truth[start_truth:]
             note(f"weather: {produced} commits produced at ~{a.rate}/s in the weather run")
             clear_weather(fleet, kinds, tail)
@@ -269,7 +308,6 @@ async def run(a: argparse.Namespace) -> None:
         await fleet.stop()
     healthy_live = healthy(live, bad_hosts)
     delays = [d for _, d in delay_pairs(healthy_live, arrivals)]
-    pairs = delay_pairs(healthy(startup + live, bad_hosts), arrivals)
     startup_delays = [d for _, d in delay_pairs(healthy(startup, bad_hosts), arrivals)]
     lost_all = lost_commits(fleet.ground_truth, arrivals)
     # A commit signed with a key its account rotated away from before the relay judged it cannot be
@@ -280,8 +318,6 @@ async def run(a: argparse.Namespace) -> None:
             rotated_at[tr.did] = max(rotated_at.get(tr.did, 0.0), tr.sent_at)
     superseded = [tr for tr in lost_all if rotated_at.get(tr.did, 0.0) > tr.sent_at]
     lost = [tr for tr in lost_all if rotated_at.get(tr.did, 0.0) <= tr.sent_at]
-    caught = [arrivals.commits[k] for k in backlog_firsts if k in arrivals.commits]
-    full = full_speed_at(pairs)
     result("weather_hosts", a.hosts)
     result("weather_accounts", len(fleet.accounts))
     result("weather_misbehaving_hosts", len(kinds))
@@ -301,8 +337,14 @@ async def run(a: argparse.Namespace) -> None:
     result("weather_consumer_reconnects", arrivals.reconnects)
     result("weather_accounts_frozen", len(frozen))
     result("weather_relay_rss_mb", round(peak_rss / 1e6, 1))
-    result("weather_caught_up_s", round(max(caught) - t_crawl, 1) if len(caught) == len(backlog_firsts) else -1)
-    result("weather_full_speed_s", round(full - t_crawl, 1) if full is not None else -1)
+    result("weather_startup_rate", a.startup_rate)
+    result("weather_rate", a.rate)
+    result("weather_caught_up_s", round(caught_up_at - t_crawl, 1) if caught_up_at is not None else -1)
+    result("weather_full_speed_s", round(full_speed_at - t_crawl, 1) if full_speed_at is not None else -1)
+    result("weather_startup_relay_cpu_s", round(startup_cpu, 1))
+    result("weather_startup_sim_cpu_s", round(startup_own, 1))
+    result("weather_run_relay_cpu_s", round(weather_cpu, 1))
+    result("weather_run_sim_cpu_s", round(weather_own, 1))
     result("weather_rejects", metric_sum(metrics, "relay_verdicts_total", kind="reject"))
     result("weather_load_average", load_average())
     if lost:
@@ -345,7 +387,12 @@ def main() -> int:
     p.add_argument("--hosts", type=int, default=1000)
     p.add_argument("--accounts", type=int, default=100_000, help="accounts in all (spread over the hosts)")
     p.add_argument("--minutes", type=float, default=5.0, help="length of the run with the weather")
-    p.add_argument("--rate", type=float, default=500.0, help="commits per second over the fleet")
+    p.add_argument("--rate", type=float, default=500.0, help="commits per second over the fleet in the weather run")
+    p.add_argument("--startup-rate", type=float, default=100.0,
+                   help="commits per second while the first-seen backlog is taken in (lower than --rate: "
+                        "on 2 shared cores a relay taking in 100,000 new accounts has little to spare)")
+    p.add_argument("--full-speed-window", type=float, default=30.0,
+                   help="seconds of prompt healthy commits (each within 2 s) that end the start-up")
     p.add_argument("--misbehaving", type=float, default=0.05, help="share of misbehaving hosts")
     p.add_argument("--identity-p50", type=float, default=0.05, help="DID and handle lookups: median, s")
     p.add_argument("--identity-p99", type=float, default=3.0, help="DID and handle lookups: 99th percentile, s")

@@ -126,8 +126,9 @@ SETTINGS: tuple[Setting, ...] = (
             "a failed resync is retried after this delay, doubled after each further failure (each delay "
             "jittered within its upper half); retries never stop, and start at once when the account's host "
             "sends something new for it", "duration"),
-    Setting("resync_retry_max", "RELAY_RESYNC_RETRY_MAX", "--resync-retry-max", "5m",
-            "the longest delay between two resync attempts of one account", "duration"),
+    Setting("resync_retry_max", "RELAY_RESYNC_RETRY_MAX", "--resync-retry-max", "30s",
+            "the longest delay between two resync attempts of one account: a repository the host serves "
+            "again is fetched within this, even when the account sends nothing", "duration"),
     Setting("resync_held_bytes_per_account", "RELAY_RESYNC_HELD_BYTES_PER_ACCOUNT",
             "--resync-held-bytes-per-account", "4194304",
             "frames of an account being resynchronised are held (then judged after its #sync) up to this "
@@ -304,7 +305,7 @@ class RelayConfig:
     validation_workers: int = 2
     resync_workers: int = 4
     resync_retry_base: float = 2.0
-    resync_retry_max: float = 300.0
+    resync_retry_max: float = 30.0
     resync_held_bytes_per_account: int = 4 * 1024 * 1024
     resync_held_bytes_total: int = 256 * 1024 * 1024
     repair_interval: float = 5.0

@@ -23,7 +23,6 @@ Failures raise ``IdentityError`` with a ``reason`` from ``REASONS``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -525,29 +524,13 @@ class IdentityResolver:
         return task
 
     async def resolve_handle(self, handle: str) -> str | None:
-        """The DID ``handle`` names (resolver service, else DNS TXT ``_atproto.<handle>``, else
-        ``https://<handle>/.well-known/atproto-did``), only when that DID's document claims the
+        """The DID ``handle`` names (``_handle_did``), only when that DID's document claims the
         handle back (bidirectional); None otherwise. For operator look-ups (not cached)."""
         handle = handle.strip().lower().lstrip("@")
-        did: str | None = None
         try:
             async with asyncio.timeout(self.handle_timeout):
-                if self._resolver is not None:
-                    status, body = await self._resolver.get(
-                        "/xrpc/com.atproto.identity.resolveHandle?" + urlencode({"handle": handle}),
-                        max_bytes=MAX_DOC_BYTES)
-                    found = json.loads(body).get("did") if status == 200 else None
-                    did = found if isinstance(found, str) else None
-                else:
-                    if self.txt_lookup is not None and len(handle) <= 244:
-                        with contextlib.suppress(dns.exception.DNSException, OSError, ValueError):
-                            did = did_from_txt(await self.txt_lookup(f"_atproto.{handle}"))
-                    if did is None:
-                        status, raw, _ = await self.safe.get(f"https://{handle}/.well-known/atproto-did",
-                                                             max_bytes=2048)
-                        text = raw.decode("utf-8", "replace").strip()
-                        did = text if status == 200 and text.startswith("did:") else None
-        except (TimeoutError, HttpError, httpx.HTTPError, SSRFError, ValueError, AttributeError):
+                did, _ = await self._handle_did(handle)
+        except TimeoutError:
             return None
         if did is None:
             return None
@@ -606,30 +589,39 @@ class IdentityResolver:
     async def _check_handle_now(self, handle: str, did: str) -> bool:
         """Counted in ``relay_handle_checks_total{result}``: ``resolver_ok``, ``dns_ok``,
         ``dns_other_did`` (DNS names another DID: final, DNS is preferred), ``https_ok``, ``failed``."""
-        try:
-            if self._resolver is not None:
+        found, method = await self._handle_did(handle)
+        ok = found == did
+        if method == "dns":
+            self._count("handle_checks", "dns_ok" if ok else "dns_other_did")
+        else:
+            self._count("handle_checks", f"{method}_ok" if ok else "failed")
+        return ok
+
+    async def _handle_did(self, handle: str) -> tuple[str | None, str]:
+        """The DID ``handle`` names, and the method that gave the answer: ``resolver`` (the
+        resolver service; final when configured), else ``dns`` (TXT ``_atproto.<handle>``; final
+        when it names a DID), else ``https`` (``https://<handle>/.well-known/atproto-did``). The DID
+        is None when that method found none; a failed lookup is not raised."""
+        found: object = None
+        if self._resolver is not None:
+            try:
                 status, body = await self._resolver.get(
                     "/xrpc/com.atproto.identity.resolveHandle?" + urlencode({"handle": handle}), max_bytes=MAX_DOC_BYTES)
-                ok = status == 200 and json.loads(body).get("did") == did
-                self._count("handle_checks", "resolver_ok" if ok else "failed")
-                return ok
-        except (HttpError, ValueError, AttributeError):
-            self._count("handle_checks", "failed")
-            return False
+                found = json.loads(body).get("did") if status == 200 else None
+            except (HttpError, ValueError, AttributeError):
+                found = None
+            return (found if isinstance(found, str) else None), "resolver"
         if self.txt_lookup is not None and len(handle) <= 244:
             try:
-                found = did_from_txt(await self.txt_lookup(f"_atproto.{handle}"))
+                txt = did_from_txt(await self.txt_lookup(f"_atproto.{handle}"))
             except (dns.exception.DNSException, OSError, ValueError) as exc:
                 log.debug("handle TXT lookup failed", extra={"handle": handle, "error": type(exc).__name__})
-                found = None
-            if found is not None:
-                self._count("handle_checks", "dns_ok" if found == did else "dns_other_did")
-                return found == did
+                txt = None
+            if txt is not None:
+                return txt, "dns"
         try:
-            status, body, _ = await self.safe.get(f"https://{handle}/.well-known/atproto-did",
-                                                  max_bytes=2048)
-            ok = status == 200 and body.decode("utf-8", "replace").strip() == did
+            status, raw, _ = await self.safe.get(f"https://{handle}/.well-known/atproto-did", max_bytes=2048)
+            text = raw.decode("utf-8", "replace").strip()
+            return (text if status == 200 and text.startswith("did:") else None), "https"
         except (httpx.HTTPError, SSRFError, ValueError, AttributeError):
-            ok = False
-        self._count("handle_checks", "https_ok" if ok else "failed")
-        return ok
+            return None, "https"

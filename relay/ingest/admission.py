@@ -35,7 +35,8 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from backfill.store import Store
 from backfill.types import HostState
@@ -49,6 +50,34 @@ log = logging.getLogger("relay.ingest.admission")
 
 #: seconds a host row read for admission is reused
 HOST_TTL = 1.0
+
+T = TypeVar("T")
+
+
+async def shared_read(reads: dict[str, asyncio.Future[T]], key: str, read: Callable[[], Awaitable[T]]) -> T:
+    """``read()``, or the answer of the read of ``key`` already under way (``reads`` holds them):
+    concurrent callers share one read and its failure; when the reader is cancelled, a waiter
+    reads itself."""
+    pending = reads.get(key)
+    if pending is not None:
+        await asyncio.wait([pending])
+        if not pending.cancelled():
+            return pending.result()
+    future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+    reads[key] = future
+    try:
+        value = await read()
+    except BaseException as exc:
+        if isinstance(exc, Exception):
+            future.set_exception(exc)
+            future.exception()  # retrieved: the waiters (if any) get it too
+        else:  # cancelled: the waiters read again themselves
+            future.cancel()
+        raise
+    finally:
+        reads.pop(key, None)
+    future.set_result(value)
+    return value
 
 
 class Admission:
@@ -64,6 +93,7 @@ class Admission:
         self.host_ttl = host_ttl
         self.clock = clock
         self._host_counts: dict[str, int] = {}
+        self._count_reads: dict[str, asyncio.Future[int]] = {}
         #: hostname → first-seen accounts admitted whose first event is not stored yet
         self._reserved: dict[str, set[str]] = {}
         self._hosts: BoundedLRU[str, tuple[float, HostState | None]] = BoundedLRU(50_000)
@@ -82,26 +112,8 @@ class Admission:
         cached = self._hosts.get(hostname)
         if cached is not None and now - cached[0] < self.host_ttl:
             return cached[1]
-        pending = self._host_reads.get(hostname)
-        if pending is not None:
-            await asyncio.wait([pending])
-            if not pending.cancelled():
-                return pending.result()
-        future: asyncio.Future[HostState | None] = asyncio.get_running_loop().create_future()
-        self._host_reads[hostname] = future
-        try:
-            host = await self.store.get_host(hostname)
-        except BaseException as exc:
-            if isinstance(exc, Exception):
-                future.set_exception(exc)
-                future.exception()  # retrieved: the waiters (if any) get it too
-            else:  # cancelled: the waiters read again themselves
-                future.cancel()
-            raise
-        finally:
-            self._host_reads.pop(hostname, None)
+        host = await shared_read(self._host_reads, hostname, lambda: self.store.get_host(hostname))
         self._hosts.put(hostname, (now, host))
-        future.set_result(host)
         return host
 
     async def relay_may_speak(self, pds_hostname: str | None) -> bool:
@@ -157,8 +169,8 @@ class Admission:
             return dataclasses.replace(state, host=hostname)
         host = await self._host(hostname)
         limit = self.policy.account_limit(host) if host is not None else self.default_account_limit
-        if hostname not in self._host_counts:
-            loaded = await self.store.count_accounts(hostname)
+        if hostname not in self._host_counts:  # one read shared by a burst of first-seen accounts
+            loaded = await shared_read(self._count_reads, hostname, lambda: self.store.count_accounts(hostname))
             self._host_counts.setdefault(hostname, loaded)
         # check and reserve with no await in between: accounts are admitted concurrently
         reserved = self._reserved.setdefault(hostname, set())

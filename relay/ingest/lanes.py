@@ -51,6 +51,7 @@ from typing import Any, TypeVar
 from backfill.outbox import Repair, RepairOutcome, decide_repair, repaired_state
 from backfill.sequencer import Sequencer
 from backfill.store import Store
+from firehose.backoff import backoff_delay
 from firehose.lru import BoundedLRU
 from firehose.messages import AccountMessage, IdentityMessage, MessageError, parse_message
 from firehose.pipeline import ValidationPool
@@ -75,12 +76,10 @@ UNSEEN_HISTORY_MARGIN = 300.0
 
 
 def retry_pauses(total: float, first: float = 1.0, cap: float = 30.0) -> tuple[float, ...]:
-    """Pauses doubling from ``first`` (each at most ``cap``) whose sum stays within ``total`` s."""
+    """The pauses of ``backoff_delay(attempt, first, cap)`` whose sum stays within ``total`` s."""
     pauses: list[float] = []
-    pause = first
-    while sum(pauses) + pause <= total:
+    while sum(pauses) + (pause := backoff_delay(len(pauses), first, cap)) <= total:
         pauses.append(pause)
-        pause = min(cap, pause * 2)
     return tuple(pauses)
 
 

@@ -57,7 +57,7 @@ class ResyncManager:
 
     def __init__(self, *, store: Store, identity: IdentityResolver, safe: SafeClient, metrics: RelayMetrics,
                  queue: ResyncQueue, lanes: AccountLanes, workers: int = 4,
-                 retry_base: float = 2.0, retry_max: float = 300.0, max_repo_bytes: int = MAX_REPO_BYTES,
+                 retry_base: float = 2.0, retry_max: float = 30.0, max_repo_bytes: int = MAX_REPO_BYTES,
                  rng: random.Random | None = None) -> None:
         """``retry_base``/``retry_max``: the first retry's delay and the cap of the doubling delays."""
         self.store = store

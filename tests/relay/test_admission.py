@@ -5,6 +5,7 @@ request count is the measure of "resolved again")."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 from backfill.store import open_store
@@ -42,6 +43,35 @@ async def test_host_rows_reused_within_ttl_and_forgotten_on_demand(database_url:
         await store.upsert_host(HostState(hostname=HOST, status="active", account_limit=10))
         admission.forget_host(HOST)  # what the host manager's limit_raised does
         assert (await admission.admit(HOST, "did:plc:d", None)).sync_state == "synced"  # type: ignore[union-attr]
+    finally:
+        await resolver.aclose()
+        await safe.aclose()
+        await store.close()
+
+
+async def test_a_burst_of_first_seen_accounts_reads_the_host_count_once(database_url: str) -> None:
+    """Concurrent first admissions on a host share one count of its stored accounts, and the
+    limit still holds exactly across them."""
+    store = await open_store(database_url)
+    safe = SafeClient(AddressGuard())
+    resolver = IdentityResolver(plc_url="http://127.0.0.1:9", safe_client=safe)
+    counted: list[str | None] = []
+    count_accounts = store.count_accounts
+
+    async def counting(host: str | None = None) -> int:
+        counted.append(host)
+        return await count_accounts(host)
+
+    store.count_accounts = counting  # type: ignore[method-assign]
+    try:
+        await store.migrate()
+        await store.upsert_host(HostState(hostname=HOST, status="active", account_limit=30))
+        admission = Admission(store=store, identity=resolver, policy=HostPolicy(RelayConfig()),
+                              default_account_limit=100)
+        states = await asyncio.gather(*(admission.admit(HOST, f"did:plc:{i}", None) for i in range(50)))
+        assert counted == [HOST]
+        assert sum(1 for st in states if st is not None and st.sync_state == "synced") == 30
+        assert sum(1 for st in states if st is not None and st.sync_state == "throttled") == 20
     finally:
         await resolver.aclose()
         await safe.aclose()
