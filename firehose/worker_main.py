@@ -1,6 +1,7 @@
 """Entry point of one validation worker process (see ``firehose.workers``): reads batches of
 wire jobs from stdin, answers each with ``firehose.pipeline.validate_batch`` on stdout, and exits
-when stdin closes."""
+when stdin closes. Between batches it gives freed heap memory back to the operating system
+(``firehose.memtrim``: checked at most every 5 s, a trim once 8 MiB more lie free)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ import os
 import pickle
 import signal
 import sys
+
+#: free heap bytes (grown since the last trim) worth a trim in a worker: its heap is small and
+#: steady, so a lower mark than the main process's keeps what a large batch freed from staying resident
+WORKER_TRIM_MIN_FREE = 8 * 1024 * 1024
 
 
 def main() -> int:
@@ -19,7 +24,10 @@ def main() -> int:
     # stopped at once by SIGKILL, and by its parent's death (stdin closes).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    from firehose.memtrim import glibc_trimmer
     from firehose.pipeline import validate_batch  # imports (and warms) everything validation needs
+
+    trimmer = glibc_trimmer(min_free=WORKER_TRIM_MIN_FREE)
 
     inp = sys.stdin.buffer
     out = sys.stdout.buffer
@@ -39,6 +47,9 @@ def main() -> int:
             out.write(len(result).to_bytes(4, "big"))
             out.write(result)
             out.flush()
+            del data, result
+            if trimmer is not None:
+                trimmer.tick()
     except BrokenPipeError:  # the parent is gone: nobody to answer, nothing to report
         return 0
     finally:
