@@ -218,6 +218,11 @@ def diagnose_diff(directory: Path) -> None:
                  f"{doc.get('heap_in_use', 0) / 1e6:.1f} free {doc.get('heap_free', 0) / 1e6:.1f}, sqlite "
                  f"{doc.get('sqlite_memory', 0) / 1e6:.1f}, python blocks {doc['py_blocks']}, {extra}")
         types = {t: b["types"].get(t, 0) - a["types"].get(t, 0) for t in set(a["types"]) | set(b["types"])}
+        grew = {k: b.get("containers", {}).get(k, 0) - a.get("containers", {}).get(k, 0)
+                for k in set(a.get("containers", {})) | set(b.get("containers", {}))}
+        note("soak:   containers " + ", ".join(f"{k} {d:+d} (now {b.get('containers', {}).get(k, 0)})"
+                                              for k, d in sorted(grew.items(), key=lambda kv: -abs(kv[1]))[:12])
+             + f"; asyncio tasks {a.get('asyncio_tasks')} -> {b.get('asyncio_tasks')}")
         note("soak:   objects " + ", ".join(f"{t} {d:+d}" for t, d in sorted(types.items(), key=lambda kv: -abs(kv[1]))[:12]))
         if "sites" in b and "sites" in a:
             before = {site: size for site, size, _ in a["sites"]}
