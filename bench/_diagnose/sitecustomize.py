@@ -84,14 +84,23 @@ def _containers() -> dict[str, int]:
 
 
 def _dump(*_: Any) -> None:
+    """The signal handler: never raises (an exception here would surface inside whatever the
+    process was doing — a worker's read, a timer callback of the event loop — and break it)."""
+    try:
+        _write_dump()
+    except Exception as exc:  # noqa: BLE001 - a diagnostic must not disturb the process it looks at
+        print(f"soak diagnose: dump failed in {os.getpid()}: {exc!r}", file=sys.stderr)
+
+
+def _write_dump() -> None:
     global _n
     _n += 1
     doc: dict[str, Any] = {"pid": os.getpid(), "argv": sys.argv[:3], **_rss(), **_mallinfo(), **_sqlite_memory(),
                            "py_blocks": sys.getallocatedblocks()}
     counts = Counter(type(o).__name__ for o in gc.get_objects())
     doc["types"] = dict(counts.most_common(40))
-    node = sys.modules.get("mst.node")
-    if node is not None:
+    node = sys.modules.get("mst._node")
+    if node is not None and hasattr(node, "_HEIGHTS"):
         doc["mst_key_heights_cached"] = len(node._HEIGHTS)
     crypto = sys.modules.get("mst.crypto")
     if crypto is not None:
