@@ -222,7 +222,10 @@ class Sampler:
             await asyncio.sleep(0.05)
 
     def steady_rate(self) -> float:
+        """Commits/s between 10 % and 90 % of the delivered ones (0.0 when none arrived)."""
         delivered = self.samples[-1][1]
+        if delivered == 0:
+            return 0.0
         lo = next(s for s in self.samples if s[1] >= 0.1 * delivered)
         hi = next(s for s in self.samples if s[1] >= 0.9 * delivered)
         if hi[0] - lo[0] < 0.2:
@@ -241,6 +244,8 @@ async def phase(fleet: SimFleet, r: RelayProc, consumer: CountingConsumer, among
     sampler = Sampler(r, consumer)
     await fleet.release(None)
     delivered = await sampler.until(commits)
+    if consumer.closed_reason:
+        raise RuntimeError(f"the relay closed the counting consumer: {consumer.closed_reason}")
     main, workers = sampler.cpu()
     return sampler.steady_rate(), main, workers, delivered
 
