@@ -2,7 +2,7 @@
 
 Set-up (not measured): a simulated fleet whose ``--working-set`` accounts are the only ones that
 post; a store bulk-loaded (the store's own batched SQL writers, rows made batch by batch as they are
-written: ten million accounts fit in memory and in about half an hour) with ``--accounts`` account rows
+written, so the loader's memory does not grow with ``--accounts``) with ``--accounts`` account rows
 (the working set at its real heads, the rest synthetic: real-looking DIDs, TIDs, CIDs, spread over
 the fleet's hosts), a persisted identity for every one of them (fetched within the last 12 h, so
 all fresh), and ``--events`` events (real ``#commit`` frames of a scratch fleet, re-sequenced,
