@@ -99,9 +99,11 @@ def _write_dump() -> None:
                            "py_blocks": sys.getallocatedblocks()}
     counts = Counter(type(o).__name__ for o in gc.get_objects())
     doc["types"] = dict(counts.most_common(40))
-    node = sys.modules.get("mst._node")
-    if node is not None and hasattr(node, "_HEIGHTS"):
-        doc["mst_key_heights_cached"] = len(node._HEIGHTS)
+    for name in ("mst._native_node", "mst._node"):  # the compiled build, else the Python one
+        node = sys.modules.get(name)
+        if node is not None and hasattr(node, "_HEIGHTS"):
+            doc["mst_key_heights_cached"] = len(node._HEIGHTS)
+            break
     crypto = sys.modules.get("mst.crypto")
     if crypto is not None:
         doc["did_keys_cached"] = crypto.parse_did_key.cache_info().currsize
