@@ -97,6 +97,7 @@ def _write_dump() -> None:
     _n += 1
     doc: dict[str, Any] = {"pid": os.getpid(), "argv": sys.argv[:3], **_rss(), **_mallinfo(), **_sqlite_memory(),
                            "py_blocks": sys.getallocatedblocks()}
+    doc["gc_collected"] = gc.collect()  # count what is alive, not cyclic garbage awaiting a full collection
     counts = Counter(type(o).__name__ for o in gc.get_objects())
     doc["types"] = dict(counts.most_common(40))
     for name in ("mst._native_node", "mst._node"):  # the compiled build, else the Python one
