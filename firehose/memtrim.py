@@ -31,8 +31,10 @@ from dataclasses import dataclass
 
 log = logging.getLogger("firehose.memtrim")
 
-#: Free bytes inside malloc's heaps worth a trim.
-DEFAULT_MIN_FREE = 32 * 1024 * 1024
+#: Free bytes inside malloc's heaps (grown since the last trim) worth a trim: low enough that the free
+#: heap creeping up under steady load (fragmentation, ~1.7 MB/min in ``bench/soak.py``) goes back
+#: too, not only what a burst freed.
+DEFAULT_MIN_FREE = 8 * 1024 * 1024
 DEFAULT_INTERVAL = 5.0
 
 

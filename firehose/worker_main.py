@@ -1,7 +1,7 @@
 """Entry point of one validation worker process (see ``firehose.workers``): reads batches of
 wire jobs from stdin, answers each with ``firehose.pipeline.validate_batch`` on stdout, and exits
 when stdin closes. Between batches it gives freed heap memory back to the operating system
-(``firehose.memtrim``: checked at most every 5 s, a trim once 8 MiB more lie free)."""
+(``firehose.memtrim``: checked at most every 5 s, a trim once 8 MiB more lie free, as in the main process)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,6 @@ import os
 import pickle
 import signal
 import sys
-
-#: free heap bytes (grown since the last trim) worth a trim in a worker: its heap is small and
-#: steady, so a lower mark than the main process's keeps what a large batch freed from staying resident
-WORKER_TRIM_MIN_FREE = 8 * 1024 * 1024
 
 
 def main() -> int:
@@ -27,7 +23,7 @@ def main() -> int:
     from firehose.memtrim import glibc_trimmer
     from firehose.pipeline import validate_batch  # imports (and warms) everything validation needs
 
-    trimmer = glibc_trimmer(min_free=WORKER_TRIM_MIN_FREE)
+    trimmer = glibc_trimmer()
 
     inp = sys.stdin.buffer
     out = sys.stdout.buffer
