@@ -1,7 +1,8 @@
-"""Scale: the relay on a store that already knows many accounts (issue 18, item 3).
+"""Scale: the relay on a store that already knows many accounts.
 
 Set-up (not measured): a simulated fleet whose ``--working-set`` accounts are the only ones that
-post; a store bulk-loaded through the sequencer's own batch writer with ``--accounts`` account rows
+post; a store bulk-loaded (the store's own batched SQL writers, rows made batch by batch as they are
+written, so the loader's memory does not grow with ``--accounts``) with ``--accounts`` account rows
 (the working set at its real heads, the rest synthetic: real-looking DIDs, TIDs, CIDs, spread over
 the fleet's hosts), a persisted identity for every one of them (fetched within the last 12 h, so
 all fresh), and ``--events`` events (real ``#commit`` frames of a scratch fleet, re-sequenced,
@@ -33,11 +34,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import heapq
 import random
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -64,7 +67,7 @@ from firehose.state import AccountState  # noqa: E402
 from firehose.validate import cid_text, outgoing_body  # noqa: E402
 from sim import SimConfig, SimFleet  # noqa: E402
 from sim.fleet import SimAccount  # noqa: E402
-from sim.ident import SigningKey, plc_did, tid_from_micros  # noqa: E402
+from sim.ident import SigningKey, tid_from_micros  # noqa: E402
 
 HOUR = 3600.0
 BATCH = 10_000
@@ -92,27 +95,52 @@ def _cid(i: int, salt: bytes) -> str:
     return str(cbrrr.CID.cidv1_dag_cbor_sha256_32_from(salt + i.to_bytes(8, "big")).encode())
 
 
-def account_rows(fleet: SimFleet, total: int, now: float, rng: random.Random) -> list[AccountState]:
-    """The working set at its real heads, then synthetic accounts up to ``total``, by DID."""
-    rows = [AccountState(a.did, a.host.hostname, rev=a.repo.rev, commit_cid=cid_text(a.repo.head),
-                         data_cid=cid_text(a.repo.data_root), updated_at=now) for a in fleet.accounts]
+#: the base32 alphabet in ASCII order, so that synthetic DIDs made from increasing numbers sort as strings
+_SORTED_B32 = "234567abcdefghijklmnopqrstuvwxyz"
+
+
+def _synthetic_did(value: int) -> str:
+    """A syntactically valid ``did:plc:`` from a 120-bit number (24 base32 characters); larger
+    numbers give larger strings."""
+    return "did:plc:" + "".join(_SORTED_B32[(value >> (115 - 5 * i)) & 31] for i in range(24))
+
+
+def account_batches(fleet: SimFleet, total: int, now: float, rng: random.Random) -> Iterator[list[AccountState]]:
+    """``total`` account rows in DID order, ``BATCH`` at a time, made as they are written (nothing
+    held for the whole network): the working set at its real heads, merged with synthetic accounts
+    (real-looking DIDs spread evenly over the DID space at random offsets, TIDs, CIDs, spread over
+    the fleet's hosts)."""
+    real = sorted((AccountState(a.did, a.host.hostname, rev=a.repo.rev, commit_cid=cid_text(a.repo.head),
+                                data_cid=cid_text(a.repo.data_root), updated_at=now) for a in fleet.accounts),
+                  key=lambda r: r.did)
     hosts = [h.hostname for h in fleet.hosts]
     base = int((now - 400 * 86400) * 1e6)
-    for i in range(total - len(rows)):
-        micros = base + rng.randrange(390 * 86400 * 10**6)
-        rows.append(AccountState(plc_did(rng), hosts[i % len(hosts)], rev=tid_from_micros(micros),
-                                 commit_cid=_cid(i, b"c"), data_cid=_cid(i, b"d"),
-                                 updated_at=now - rng.random() * 30 * 86400))
-    rows.sort(key=lambda a: a.did)
-    return rows
+    n = max(0, total - len(real))
+    stride = (1 << 120) // max(1, n)
+
+    def synthetic() -> Iterator[AccountState]:
+        for i in range(n):
+            micros = base + rng.randrange(390 * 86400 * 10**6)
+            yield AccountState(_synthetic_did(i * stride + rng.randrange(stride)), hosts[i % len(hosts)],
+                               rev=tid_from_micros(micros), commit_cid=_cid(i, b"c"), data_cid=_cid(i, b"d"),
+                               updated_at=now - rng.random() * 30 * 86400)
+
+    batch: list[AccountState] = []
+    for row in heapq.merge(real, synthetic(), key=lambda r: r.did):
+        batch.append(row)
+        if len(batch) == BATCH:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
 
 
 def identity_rows(sim: dict[str, SimAccount], accounts: list[AccountState], keys: list[str], now: float,
-                  rng: random.Random) -> list[Identity]:
+                  rng: random.Random, first: int) -> list[Identity]:
     """A persisted identity per account, fetched within the last 12 h (fresh); synthetic accounts
-    take their keys from ``keys`` in turn."""
+    take their keys from ``keys`` in turn (``first``: the number of the batch's first account)."""
     out = []
-    for i, row in enumerate(accounts):
+    for i, row in enumerate(accounts, first):
         fetched = now - rng.random() * 12 * HOUR
         acct = sim.get(row.did)
         if acct is not None:
@@ -124,26 +152,28 @@ def identity_rows(sim: dict[str, SimAccount], accounts: list[AccountState], keys
 
 
 async def load_store(store: Store, fleet: SimFleet, n_accounts: int, n_events: int) -> None:
-    """Bulk-load accounts, identities and events (the sequencer's batch writer: one transaction a
-    batch, host account counts kept)."""
+    """Bulk-load accounts, identities and events, a batch of each at a time (the store's own bulk
+    writers: one transaction a batch, host account counts kept); rows are made as they are
+    written, so ten million accounts need no more memory than ten thousand."""
     rng = random.Random(7)
     now = time.time()
-    t = time.perf_counter()
-    accounts = account_rows(fleet, n_accounts, now, rng)
     sim = {a.did: a for a in fleet.accounts}
     keys = [SigningKey.generate(rng.choice(["k256", "p256"]), rng).did_key() for _ in range(500)]
-    for i in range(0, len(accounts), BATCH):
-        await store.write_identities(identity_rows(sim, accounts[i:i + BATCH], keys, now, rng))
-    note(f"scale: {len(accounts)} accounts and identities made in {time.perf_counter() - t:.0f}s")
     frames = await sample_frames()
     t = time.perf_counter()
+    batches = account_batches(fleet, n_accounts, now, rng)
     lease = await store.acquire_writer()
     try:
         high = await lease.high_water()
         span = 70 * HOUR
         start = now - span - 60
         e = a = 0
-        while e < n_events or a < len(accounts):
+        while True:
+            chunk = next(batches, [])
+            if e >= n_events and not chunk:
+                break
+            if chunk:
+                await store.write_identities(identity_rows(sim, chunk, keys, now, rng, a))
             batch = BatchWrite(expected_high_water=high, new_high_water=high)
             for _ in range(min(BATCH, n_events - e)):
                 did, body, offset = frames[e % len(frames)]
@@ -153,7 +183,6 @@ async def load_store(store: Store, fleet: SimFleet, n_accounts: int, n_events: i
                                      splice_seq(body, seq, frame_header("#commit"), offset)))
                 e += 1
             batch.new_high_water = high
-            chunk = accounts[a:a + BATCH]
             a += len(chunk)
             batch.accounts = chunk
             counts: dict[str, int] = {}
@@ -161,9 +190,11 @@ async def load_store(store: Store, fleet: SimFleet, n_accounts: int, n_events: i
                 counts[acct.host or ""] = counts.get(acct.host or "", 0) + 1
             batch.host_updates = {h: (None, None, c) for h, c in counts.items()}
             await lease.commit_batch(batch)
+            if a and a % 1_000_000 == 0:
+                note(f"scale: {a} accounts loaded, {time.perf_counter() - t:.0f}s")
     finally:
         await lease.release()
-    note(f"scale: {n_events} events and {len(accounts)} account rows written in {time.perf_counter() - t:.0f}s")
+    note(f"scale: {e} events, {a} accounts and identities written in {time.perf_counter() - t:.0f}s")
 
 
 # -- measurement -------------------------------------------------------------------------------
@@ -191,7 +222,10 @@ class Sampler:
             await asyncio.sleep(0.05)
 
     def steady_rate(self) -> float:
+        """Commits/s between 10 % and 90 % of the delivered ones (0.0 when none arrived)."""
         delivered = self.samples[-1][1]
+        if delivered == 0:
+            return 0.0
         lo = next(s for s in self.samples if s[1] >= 0.1 * delivered)
         hi = next(s for s in self.samples if s[1] >= 0.9 * delivered)
         if hi[0] - lo[0] < 0.2:
@@ -210,6 +244,8 @@ async def phase(fleet: SimFleet, r: RelayProc, consumer: CountingConsumer, among
     sampler = Sampler(r, consumer)
     await fleet.release(None)
     delivered = await sampler.until(commits)
+    if consumer.closed_reason:
+        raise RuntimeError(f"the relay closed the counting consumer: {consumer.closed_reason}")
     main, workers = sampler.cpu()
     return sampler.steady_rate(), main, workers, delivered
 

@@ -19,8 +19,9 @@ Printed as ``RESULT soak_<name>=<value>``:
 
 * ``rss_slope_mb_per_min``: least-squares slope of the relay's RSS (main process and workers,
   sampled every 5 s) after the warm-up (``--warmup`` minutes, default a quarter of the run, at
-  most 10) until the commits stop (goal ≤ 0.1); ``rss_peak_mb``, ``rss_after_warmup_mb``,
-  ``rss_end_mb`` beside it;
+  most 10) until the commits stop (goal ≤ 0.1); ``rss_slope_main_mb_per_min`` and
+  ``rss_slope_workers_mb_per_min`` split it between the main process and the validation workers;
+  ``rss_peak_mb``, ``rss_after_warmup_mb``, ``rss_end_mb`` beside it;
 * ``lost``: valid commits (ground truth ``accept``) the follower never received, not counting
   those covered by a later ``#sync`` of their account (a repair of a broken chain) (goal: 0);
   ``replaced_by_sync`` beside it;
@@ -217,6 +218,11 @@ def diagnose_diff(directory: Path) -> None:
                  f"{doc.get('heap_in_use', 0) / 1e6:.1f} free {doc.get('heap_free', 0) / 1e6:.1f}, sqlite "
                  f"{doc.get('sqlite_memory', 0) / 1e6:.1f}, python blocks {doc['py_blocks']}, {extra}")
         types = {t: b["types"].get(t, 0) - a["types"].get(t, 0) for t in set(a["types"]) | set(b["types"])}
+        grew = {k: b.get("containers", {}).get(k, 0) - a.get("containers", {}).get(k, 0)
+                for k in set(a.get("containers", {})) | set(b.get("containers", {}))}
+        note("soak:   containers " + ", ".join(f"{k} {d:+d} (now {b.get('containers', {}).get(k, 0)})"
+                                              for k, d in sorted(grew.items(), key=lambda kv: -abs(kv[1]))[:12])
+             + f"; asyncio tasks {a.get('asyncio_tasks')} -> {b.get('asyncio_tasks')}")
         note("soak:   objects " + ", ".join(f"{t} {d:+d}" for t, d in sorted(types.items(), key=lambda kv: -abs(kv[1]))[:12]))
         if "sites" in b and "sites" in a:
             before = {site: size for site, size, _ in a["sites"]}
@@ -246,6 +252,7 @@ async def run(a: argparse.Namespace) -> None:
     warmup = 60 * (a.warmup if a.warmup is not None else min(10.0, a.minutes / 4))
     database_url = f"{PG_DSN}?schema=bench_soak_{int(time.time())}" if a.db == "postgres" else None
     samples: list[tuple[float, float]] = []
+    main_samples: list[tuple[float, float]] = []  # the main process alone (the rest: validation workers)
     env: dict[str, str] = {}
     if a.diagnose:
         Path(a.diagnose).mkdir(parents=True, exist_ok=True)
@@ -271,6 +278,7 @@ async def run(a: argparse.Namespace) -> None:
             while not producer.done():
                 t = time.monotonic() - t0
                 samples.append((t, r.rss() / 1e6))
+                main_samples.append((t, rss_bytes([r.proc.pid]) / 1e6))
                 if a.diagnose and t >= next_dump:
                     diagnose(r.refresh_pids(), Path(a.diagnose), f"at {t / 60:.1f} min")
                     next_dump += 60 * a.dump_every
@@ -304,10 +312,14 @@ async def run(a: argparse.Namespace) -> None:
               if tr.kind == "#commit" and tr.verdict == "accept" and tr.rev and (tr.did, tr.rev) in arrivals.commits]
     lost = lost_commits(fleet.ground_truth, arrivals)
     after = [(t, v) for t, v in samples if t >= warmup]
+    main_after = [(t, v) for t, v in main_samples if t >= warmup]
+    workers_after = [(t, v - m) for (t, v), (_, m) in zip(samples, main_samples, strict=True) if t >= warmup]
     result("soak_minutes", a.minutes)
     result("soak_commit_rate", made / seconds)
     result("soak_fault_modes", len(faults))
     result("soak_rss_slope_mb_per_min", round(slope_per_minute(after), 3))
+    result("soak_rss_slope_main_mb_per_min", round(slope_per_minute(main_after), 3))
+    result("soak_rss_slope_workers_mb_per_min", round(slope_per_minute(workers_after), 3))
     result("soak_rss_start_mb", round(samples[0][1], 1) if samples else float("nan"))
     result("soak_rss_after_warmup_mb", round(after[0][1], 1) if after else float("nan"))
     result("soak_rss_end_mb", round(rss_end, 1))

@@ -35,6 +35,7 @@ from backfill.sequencer import Publish, Sequencer
 from backfill.store import Store, open_store
 from firehose.broadcast import Broadcaster
 from firehose.bus import EventBus, InProcessBus, RedisStreamBus, RedisTimeouts, redis_client
+from firehose.memtrim import glibc_trimmer
 from firehose.pipeline import ValidationPool
 from firehose.publisher import BusPublisher, classify_bus_error
 from firehose.state import AccountState, SequencedEvent
@@ -61,7 +62,6 @@ from relay.ingest.resync import ResyncManager
 from relay.ingest.resync_queue import ResyncQueue
 from relay.jetstream_server import JetstreamServer, jetstream_server
 from relay.jsonlog import fields
-from relay.memtrim import glibc_trimmer
 from relay.metrics import RelayMetrics
 from relay.redis_guard import FailFastRedis
 from relay.repo_proxy import RepoProxy

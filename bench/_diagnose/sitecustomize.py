@@ -1,7 +1,9 @@
 """Loaded by ``bench/soak.py --diagnose DIR`` into the relay's processes (``PYTHONPATH``): on SIGUSR2
 each process writes what its memory is made of to ``DIR/<pid>-<n>.json`` — RSS split into
 anonymous and file-backed, the C heap in use (glibc ``mallinfo2``), what SQLite has allocated
-(``sqlite3_status64``: its page caches), Python's allocated blocks, the 40 most numerous object types, and with
+(``sqlite3_status64``: its page caches), Python's allocated blocks, the 40 most numerous object types,
+the entries of the project's containers (``Class.attribute``: caches, tables, queues), the asyncio
+tasks, and with
 ``PYTHONTRACEMALLOC`` set the 40 biggest allocation sites; once ``DIR/trim`` exists it then calls
 ``malloc_trim(0)`` and records its RSS again (what giving free heap memory back returns). Not part
 of the relay."""
@@ -58,19 +60,58 @@ def _rss() -> dict[str, int]:
     return out
 
 
+_OURS = ("relay.", "firehose.", "backfill.", "mst.", "prometheus_client.")
+
+
+def _containers() -> dict[str, int]:
+    """Entries held by each container attribute (dict, set, list, deque, …) of the project's own
+    objects (and the metrics library's), summed per ``Class.attribute``: the caches, tables and
+    queues, whichever of them grows."""
+    out: Counter[str] = Counter()
+    for obj in gc.get_objects():
+        cls = type(obj)
+        if not (cls.__module__ or "").startswith(_OURS):
+            continue
+        try:
+            attrs = vars(obj).items() if hasattr(obj, "__dict__") else (
+                (n, getattr(obj, n, None)) for c in cls.__mro__ for n in getattr(c, "__slots__", ()))
+            for name, value in attrs:
+                if isinstance(value, (dict, set, list, frozenset)) or type(value).__name__ in ("deque", "OrderedDict"):
+                    out[f"{cls.__name__}.{name}"] += len(value)
+        except Exception:  # noqa: BLE001 - a diagnostic: skip what cannot be looked at
+            continue
+    return {k: v for k, v in out.most_common(60) if v >= 100}
+
+
 def _dump(*_: Any) -> None:
+    """The signal handler: never raises (an exception here would surface inside whatever the
+    process was doing — a worker's read, a timer callback of the event loop — and break it)."""
+    try:
+        _write_dump()
+    except Exception as exc:  # noqa: BLE001 - a diagnostic must not disturb the process it looks at
+        print(f"soak diagnose: dump failed in {os.getpid()}: {exc!r}", file=sys.stderr)
+
+
+def _write_dump() -> None:
     global _n
     _n += 1
     doc: dict[str, Any] = {"pid": os.getpid(), "argv": sys.argv[:3], **_rss(), **_mallinfo(), **_sqlite_memory(),
                            "py_blocks": sys.getallocatedblocks()}
+    doc["gc_collected"] = gc.collect()  # count what is alive, not cyclic garbage awaiting a full collection
     counts = Counter(type(o).__name__ for o in gc.get_objects())
     doc["types"] = dict(counts.most_common(40))
-    node = sys.modules.get("mst.node")
-    if node is not None:
-        doc["mst_key_heights_cached"] = len(node._HEIGHTS)
+    for name in ("mst._native_node", "mst._node"):  # the compiled build, else the Python one
+        node = sys.modules.get(name)
+        if node is not None and hasattr(node, "_HEIGHTS"):
+            doc["mst_key_heights_cached"] = len(node._HEIGHTS)
+            break
     crypto = sys.modules.get("mst.crypto")
     if crypto is not None:
         doc["did_keys_cached"] = crypto.parse_did_key.cache_info().currsize
+    doc["containers"] = _containers()
+    tasks = getattr(sys.modules.get("asyncio.tasks"), "_all_tasks", None)
+    if tasks is not None:
+        doc["asyncio_tasks"] = len(tasks)
     import tracemalloc
 
     if tracemalloc.is_tracing():
