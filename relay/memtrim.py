@@ -7,21 +7,22 @@ in the process's RSS although nothing uses them (measured with ``bench/replay_cr
 consumers over a 10,000-event window left ~140 MB behind). ``malloc_trim(0)`` returns every whole
 free page of every heap (``madvise(MADV_DONTNEED)``), wherever it lies.
 
-When to trim is read from the process's RSS (``/proc/self/statm``, a few microseconds), not
-from malloc's own counters: ``mallinfo2`` walks every free chunk of every heap under the heap's
-lock, which on a heap fragmented by a crowd took from 0.4 ms (10,000 free chunks) to 56 ms
-(100,000) of the event loop per look; and its free-byte count also counts pages already given
-back, so memory freed after a trim, once re-used and freed again, did not look new: up to the
-threshold stayed resident after every burst.
+When to trim is decided from the process's RSS (``/proc/self/statm``, a few microseconds) first:
+``mallinfo2`` walks every free chunk of every heap under the heap's lock, which on a heap
+fragmented by a crowd took from 0.4 ms (10,000 free chunks) to 56 ms (100,000), so it is never
+called on the event loop. Its free-byte count alone is no trigger either: it also counts pages
+already given back, so memory freed after a trim, once re-used and freed again, did not look new
+(up to the threshold stayed resident after every burst).
 
 :class:`MemoryTrimmer` checks, every ``interval`` seconds, how far the RSS stands above the lowest
-it has been (``rest``). While it stands ``min_free`` or more above, it trims (in a worker thread:
-the trim releases the GIL, the event loop goes on), at once after a trim that gave back at least
-``min_free / 4``, otherwise at doubling spacing up to ``max_interval`` (memory held by live data
-is not asked for every few seconds). So memory a burst freed is given back within ``interval`` of
-the burst ending, however the burst's frees were spread; an idle relay at rest never pays for a
-trim, and one whose RSS grew for good (caches) pays one trim per ``max_interval``. Where the C
-library is not glibc (``malloc_trim`` missing), :func:`glibc_trimmer` returns None and nothing runs.
+it has been (``rest``). Only while it stands ``min_free`` or more above, a worker thread estimates
+the resident free memory — RSS less malloc's live blocks (``mallinfo2``: ``uordblks + hblkhd``)
+less the resident overhead no trim returns, measured after the last trim — and, when that is
+``min_free`` or more, trims (``malloc_trim`` releases the GIL: the event loop goes on). So memory a
+burst freed is given back within ``interval`` of the burst ending, however its frees were spread;
+memory in use above rest is not asked for; a relay at rest pays one read of ``/proc``. Where the C
+library is not glibc (``malloc_trim`` or ``mallinfo2`` missing), :func:`glibc_trimmer` returns
+None and nothing runs.
 """
 
 from __future__ import annotations
@@ -31,8 +32,6 @@ import ctypes
 import ctypes.util
 import logging
 import os
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 log = logging.getLogger("relay.memtrim")
@@ -40,8 +39,6 @@ log = logging.getLogger("relay.memtrim")
 #: RSS above its lowest worth a trim.
 DEFAULT_MIN_FREE = 32 * 1024 * 1024
 DEFAULT_INTERVAL = 5.0
-#: Longest spacing of trims that give back little while the RSS stays up.
-DEFAULT_MAX_INTERVAL = 300.0
 
 
 class _MallInfo2(ctypes.Structure):
@@ -63,12 +60,10 @@ def _rss() -> int:
 
 
 class MemoryTrimmer:
-    """See the module docstring. ``libc``: a loaded glibc (``ctypes.CDLL``); ``rss``: reads this
-    process's resident bytes; ``clock``: monotonic seconds (both replaceable for tests)."""
+    """See the module docstring. ``libc``: a loaded glibc (``ctypes.CDLL``)."""
 
     def __init__(self, libc: ctypes.CDLL, *, min_free: int = DEFAULT_MIN_FREE,
-                 interval: float = DEFAULT_INTERVAL, max_interval: float = DEFAULT_MAX_INTERVAL,
-                 rss: Callable[[], int] = _rss, clock: Callable[[], float] = time.monotonic) -> None:
+                 interval: float = DEFAULT_INTERVAL) -> None:
         self._trim = libc.malloc_trim
         self._trim.argtypes = [ctypes.c_size_t]
         self._trim.restype = ctypes.c_int
@@ -77,51 +72,55 @@ class MemoryTrimmer:
         self._info.restype = _MallInfo2
         self.min_free = min_free
         self.interval = interval
-        self.max_interval = max_interval
         self.stats = TrimStats()
-        self._rss = rss
-        self._clock = clock
         #: the lowest RSS seen: what the process needs at rest
-        self.rest = rss()
-        #: spacing to the next trim while the RSS stays up; no trim before ``_next_at``
-        self._spacing = interval
-        self._next_at = clock()
+        self.rest = _rss()
+        #: resident bytes that are not malloc's live blocks and no trim returns (code, CPython's
+        #: small-object arenas, stacks, part-used pages): measured now and after every trim
+        self.overhead = max(0, self.rest - self._in_use())
+
+    def _in_use(self) -> int:
+        info = self._info()
+        return int(info.uordblks + info.hblkhd)
 
     def free_bytes(self) -> int:
-        """Bytes malloc holds free in its heaps, pages already given back included (walks every
-        free chunk under the heaps' locks: a diagnostic, not for the event loop)."""
+        """Bytes malloc holds free in its heaps, pages already given back included. Walks every
+        free chunk under the heaps' locks: a worker thread's job."""
         return int(self._info().fordblks)
 
+    def resident_free(self) -> int:
+        """Resident bytes a trim could give back: RSS less malloc's live blocks less
+        :attr:`overhead`. Walks every free chunk under the heaps' locks: a worker thread's job."""
+        return _rss() - self._in_use() - self.overhead
+
     def trim_now(self) -> int:
-        """Give back every free page; returns the RSS bytes given back. Blocking (a thread's job)."""
-        before = self._rss()
+        """Give back every free page; returns the RSS bytes given back, and measures
+        :attr:`overhead` anew (what stays resident beyond live blocks). Blocking (a thread's job)."""
+        before = _rss()
         self._trim(0)
-        freed = max(0, before - self._rss())
+        after = _rss()
+        self.overhead = max(0, after - self._in_use())
+        freed = max(0, before - after)
         self.stats.trims += 1
         self.stats.returned += freed
         return freed
 
+    def _check(self) -> int:
+        return self.trim_now() if self.resident_free() >= self.min_free else 0
+
     async def maybe_trim(self) -> int:
-        """Trim (in a worker thread) when the RSS stands ``min_free`` above :attr:`rest` and the
-        spacing allows; returns the bytes given back (0 when no trim ran)."""
-        rss = self._rss()
-        if rss < self.rest:
-            self.rest = rss
+        """Trim (in a worker thread) when the RSS stands ``min_free`` above :attr:`rest` and at
+        least ``min_free`` of it is resident free memory; returns the bytes given back."""
+        rss = _rss()
+        self.rest = min(self.rest, rss)
         if rss - self.rest < self.min_free:
-            self._spacing = self.interval  # at rest: the next burst is trimmed promptly
-            return 0
-        now = self._clock()
-        if now < self._next_at:
-            return 0
-        freed = await asyncio.to_thread(self.trim_now)
-        if freed >= self.min_free // 4:
-            self._spacing = self.interval
-        else:  # what stands above rest is in use: ask less often
-            self._spacing = min(self.max_interval, self._spacing * 2)
-        self._next_at = self._clock() + self._spacing
-        log.info("memory given back", extra={"fields": {"rss_mb": round(rss / 2**20, 1),
-                                                          "rest_mb": round(self.rest / 2**20, 1),
-                                                          "returned_mb": round(freed / 2**20, 1)}})
+            return 0  # at rest: one read of /proc, nothing else
+        trims = self.stats.trims
+        freed = await asyncio.to_thread(self._check)
+        if self.stats.trims > trims:
+            log.info("memory given back", extra={"fields": {"rss_mb": round(rss / 2**20, 1),
+                                                              "rest_mb": round(self.rest / 2**20, 1),
+                                                              "returned_mb": round(freed / 2**20, 1)}})
         return freed
 
     async def run(self) -> None:
