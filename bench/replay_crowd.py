@@ -32,6 +32,26 @@ from bench.replay import load  # noqa: E402
 MB = 1024 * 1024
 
 
+def smaps_mb(pid: int) -> dict[str, float]:
+    """Resident MB of ``pid`` by kind of mapping: ``heap`` (the brk heap), ``anon-1MiB`` (CPython's
+    small-object arenas), ``anon-big`` (malloc's thread arenas, large blocks), ``anon-other``, ``file``."""
+    out: dict[str, float] = {}
+    kind = "file"
+    with open(f"/proc/{pid}/smaps") as fh:
+        for line in fh:
+            parts = line.split()
+            if parts and "-" in parts[0] and not parts[0].endswith(":"):
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                name = parts[5] if len(parts) > 5 else ""
+                size = hi - lo
+                kind = ("heap" if name == "[heap]" else "file" if name.startswith("/") else name if name
+                        else "anon-1MiB" if size == MB else "anon-big" if size > MB and size % MB == 0
+                        else "anon-other")
+            elif parts and parts[0] == "Rss:":
+                out[kind] = out.get(kind, 0.0) + int(parts[1]) / 1024
+    return {k: round(v, 1) for k, v in sorted(out.items())}
+
+
 async def _client(url: str, events: int, done: list[int]) -> None:
     from bench._rawws import subscribe
 
@@ -52,13 +72,15 @@ async def _client(url: str, events: int, done: list[int]) -> None:
 
 
 async def run(clients: int, rounds: int, events: int, schema: str, settle: float, listener: str,
-              env: dict[str, str]) -> None:
+              env: dict[str, str], smaps: bool = False) -> None:
     url = f"{PG_DSN}?schema={schema}"
     have = await load(url, events)
     note(f"replay_crowd: {have} events stored, {clients} clients x {rounds} rounds")
     async with relay("http://127.0.0.1:9", database_url=url, extra=listener_extra(listener), env=env) as r:
         await asyncio.sleep(2.0)
         before = r.rss()
+        if smaps:
+            note(f"replay_crowd: before: {smaps_mb(r.proc.pid)}")
         peak = [before]
         sampling = True
 
@@ -84,6 +106,8 @@ async def run(clients: int, rounds: int, events: int, schema: str, settle: float
             text = await r.metrics()
             budget_peak = max(budget_peak, metric_sum(text, "relay_replay_budget_bytes", state="peak") / MB)
             round_after = r.rss()
+            if smaps:
+                note(f"replay_crowd: after round {i + 1}: {smaps_mb(r.proc.pid)}")
             note(f"replay_crowd: round {i + 1}: {len(done)}/{clients} complete in {seconds[-1]:.1f} s, "
                  f"peak {round_peak / MB:.0f} MB, after {round_after / MB:.0f} MB")
             result(f"replay_crowd_round{i + 1}_peak_mb", round(round_peak / MB, 1))
@@ -113,13 +137,14 @@ def main() -> int:
     p.add_argument("--schema", default="bench_replay_crowd")
     p.add_argument("--settle", type=float, default=5.0, help="seconds idle before reading RSS after a round")
     p.add_argument("--listener", choices=["asgi", "websockets"], default="asgi")
+    p.add_argument("--smaps", action="store_true", help="note the relay's resident MB by kind of mapping")
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                    help="extra environment for the relay (e.g. RELAY_REPLAY_BUFFER_MB=64)")
     a = p.parse_args()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, a.clients * 2 + 256)), hard))
     env = dict(kv.split("=", 1) for kv in a.env)
-    asyncio.run(run(a.clients, a.rounds, a.events, a.schema, a.settle, a.listener, env))
+    asyncio.run(run(a.clients, a.rounds, a.events, a.schema, a.settle, a.listener, env, a.smaps))
     return 0
 
 

@@ -8,15 +8,25 @@ in the process's RSS although nothing uses them (measured with ``bench/replay_cr
 consumers over a 10,000-event window left ~140 MB behind). ``malloc_trim(0)`` returns every whole
 free page of every heap (``madvise(MADV_DONTNEED)``), wherever it lies.
 
-:class:`MemoryTrimmer` checks, every ``interval`` seconds, how many bytes malloc holds free
-(``mallinfo2``: ``fordblks``, which still counts pages already given back) and trims when that
-has grown by at least ``min_free`` since the last trim (or since it fell lowest) — so an idle or
-steady relay never pays for it, and memory freed by a burst is given back within one interval. In
-the main process (:meth:`MemoryTrimmer.run`) the trim runs in a worker thread (it releases the GIL;
-the event loop goes on); a validation worker, which has no event loop, calls
-:meth:`MemoryTrimmer.tick` between batches (a clock read, and a check at most once an interval).
-Where the C library is not glibc (``malloc_trim`` or ``mallinfo2`` missing), :func:`glibc_trimmer`
-returns None and nothing runs.
+When to trim is decided from the process's RSS (``/proc/self/statm``, a few microseconds) first:
+``mallinfo2`` walks every free chunk of every heap under the heap's lock, which on a heap
+fragmented by a crowd took from 0.4 ms (10,000 free chunks) to 56 ms (100,000), so it is never
+called on the event loop. Its free-byte count alone is no trigger either: it also counts pages
+already given back, so memory freed after a trim, once re-used and freed again, did not look new
+(up to the threshold stayed resident after every burst).
+
+:class:`MemoryTrimmer` checks, every ``interval`` seconds, how far the RSS stands above the lowest
+it has been (``rest``). Only while it stands ``min_free`` or more above, a worker thread estimates
+the resident free memory — RSS less malloc's live blocks (``mallinfo2``: ``uordblks + hblkhd``)
+less the resident overhead no trim returns, measured after the last trim — and, when that is
+``min_free`` or more, trims (``malloc_trim`` releases the GIL: the event loop goes on). So memory a
+burst freed is given back within ``interval`` of the burst ending, however its frees were spread;
+memory in use above rest is not asked for; a relay at rest pays one read of ``/proc``. In the
+main process (:meth:`MemoryTrimmer.run`) the check and the trim run in a worker thread; a
+validation worker, which has no event loop, calls :meth:`MemoryTrimmer.tick` between batches (a
+clock read, and a check at most once an interval). Where the C
+library is not glibc (``malloc_trim`` or ``mallinfo2`` missing), :func:`glibc_trimmer` returns
+None and nothing runs.
 """
 
 from __future__ import annotations
@@ -31,10 +41,8 @@ from dataclasses import dataclass
 
 log = logging.getLogger("firehose.memtrim")
 
-#: Free bytes inside malloc's heaps (grown since the last trim) worth a trim: low enough that the free
-#: heap creeping up under steady load (fragmentation, ~1.7 MB/min in ``bench/soak.py``) goes back
-#: too, not only what a burst freed.
-DEFAULT_MIN_FREE = 8 * 1024 * 1024
+#: RSS above its lowest worth a trim.
+DEFAULT_MIN_FREE = 32 * 1024 * 1024
 DEFAULT_INTERVAL = 5.0
 
 
@@ -70,52 +78,78 @@ class MemoryTrimmer:
         self.min_free = min_free
         self.interval = interval
         self.stats = TrimStats()
-        self._baseline = self.free_bytes()
+        #: the lowest RSS seen: what the process needs at rest
+        self.rest = _rss()
+        #: resident bytes that are not malloc's live blocks and no trim returns (code, CPython's
+        #: small-object arenas, stacks, part-used pages): measured now and after every trim
+        self.overhead = max(0, self.rest - self._in_use())
         self._next_check = time.monotonic() + interval
 
+    def _in_use(self) -> int:
+        info = self._info()
+        return int(info.uordblks + info.hblkhd)
+
     def free_bytes(self) -> int:
-        """Bytes malloc holds free in its heaps (not given back yet)."""
+        """Bytes malloc holds free in its heaps, pages already given back included. Walks every
+        free chunk under the heaps' locks: a worker thread's job."""
         return int(self._info().fordblks)
 
+    def resident_free(self) -> int:
+        """Resident bytes a trim could give back: RSS less malloc's live blocks less
+        :attr:`overhead`. Walks every free chunk under the heaps' locks: a worker thread's job."""
+        return _rss() - self._in_use() - self.overhead
+
     def trim_now(self) -> int:
-        """Give back every free page; returns the RSS bytes given back. Blocking (a thread's job)."""
+        """Give back every free page; returns the RSS bytes given back, and measures
+        :attr:`overhead` anew (what stays resident beyond live blocks). Blocking (a thread's job)."""
         before = _rss()
         self._trim(0)
-        freed = max(0, before - _rss())
+        after = _rss()
+        self.overhead = max(0, after - self._in_use())
+        freed = max(0, before - after)
         self.stats.trims += 1
         self.stats.returned += freed
         return freed
 
-    def _due(self) -> int:
-        """The free bytes if they grew by ``min_free`` since the baseline, else 0."""
-        free = self.free_bytes()
-        self._baseline = min(self._baseline, free)  # reused since: a later burst is measured from here
-        return free if free - self._baseline >= self.min_free else 0
-
-    def _done(self, free: int, freed: int) -> int:
-        self._baseline = self.free_bytes()
-        log.info("memory given back", extra={"fields": {"free_mb": round(free / 2**20, 1),
-                                                          "returned_mb": round(freed / 2**20, 1)}})
-        return freed
+    def _check(self) -> int:
+        return self.trim_now() if self.resident_free() >= self.min_free else 0
 
     async def maybe_trim(self) -> int:
-        """Trim (in a worker thread) if the free bytes grew by ``min_free``; returns what was given back."""
-        free = self._due()
-        return self._done(free, await asyncio.to_thread(self.trim_now)) if free else 0
+        """Trim (in a worker thread) when the RSS stands ``min_free`` above :attr:`rest` and at
+        least ``min_free`` of it is resident free memory; returns the bytes given back."""
+        rss = _rss()
+        self.rest = min(self.rest, rss)
+        if rss - self.rest < self.min_free:
+            return 0  # at rest: one read of /proc, nothing else
+        trims = self.stats.trims
+        freed = await asyncio.to_thread(self._check)
+        if self.stats.trims > trims:
+            log.info("memory given back", extra={"fields": {"rss_mb": round(rss / 2**20, 1),
+                                                              "rest_mb": round(self.rest / 2**20, 1),
+                                                              "returned_mb": round(freed / 2**20, 1)}})
+        return freed
 
     def tick(self) -> int:
         """For a process without an event loop, called often (after each unit of work): at most
-        once every ``interval`` seconds, trim here and now if the free bytes grew by ``min_free``.
-        Returns what was given back."""
+        once every ``interval`` seconds, the same check as :meth:`maybe_trim`, trimming here and now.
+        Returns the bytes given back."""
         now = time.monotonic()
         if now < self._next_check:
             return 0
         self._next_check = now + self.interval
         try:
-            free = self._due()
-            return self._done(free, self.trim_now()) if free else 0
+            rss = _rss()
+            self.rest = min(self.rest, rss)
+            if rss - self.rest < self.min_free:
+                return 0
+            trims = self.stats.trims
+            freed = self._check()
         except OSError:  # /proc unreadable: nothing to measure, try again later
             return 0
+        if self.stats.trims > trims:
+            log.info("memory given back", extra={"fields": {"rss_mb": round(rss / 2**20, 1),
+                                                              "returned_mb": round(freed / 2**20, 1)}})
+        return freed
 
     async def run(self) -> None:
         """Check every ``interval`` seconds until cancelled."""
