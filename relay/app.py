@@ -218,7 +218,7 @@ async def health(request: Request) -> Response:
 def _known_seq(service: RelayService) -> int:
     if service.sequencer is not None and service.sequencer.state not in ("waiting", "stopped"):
         return service.sequencer.high_water
-    return service.broadcaster.latest_seq if service.broadcaster is not None else 0
+    return service.core.broadcaster.latest_seq if service.core is not None else 0
 
 
 async def ready(request: Request) -> Response:

@@ -1,4 +1,5 @@
-"""The relay as one object: wiring of store, sequencer, bus, broadcaster, ingest and HTTP.
+"""The relay as one object: its lifecycle (start, phase, stop), readiness and what the handlers
+reach; the parts themselves are built, in order, by ``relay.wiring``.
 
 Roles:
 
@@ -32,43 +33,34 @@ from starlette.applications import Starlette
 from backfill.failure import describe_store_error
 from backfill.outbox import DrainResult, drain_repair_outbox
 from backfill.sequencer import Publish, Sequencer
-from backfill.store import Store, open_store
+from backfill.store import Store
 from firehose.broadcast import Broadcaster
-from firehose.bus import EventBus, InProcessBus, RedisStreamBus, RedisTimeouts, redis_client
+from firehose.bus import EventBus
 from firehose.memtrim import glibc_trimmer
 from firehose.pipeline import ValidationPool
 from firehose.publisher import BusPublisher, classify_bus_error
 from firehose.state import AccountState, SequencedEvent
-from relay.config import RelayConfig, parse_nameservers
+from relay.config import RelayConfig
 from relay.console.api import HostIndex
 from relay.console.ledger import HostLedger
 from relay.console.reports import ReplicaReporter
 from relay.consumers import ConsumerRegistry
 from relay.fdlimit import hosts_allowed, raise_open_file_limit
-from relay.hosts import HostManager, HostPolicy
-from relay.identity import (
-    IdentityCache,
-    IdentityResolver,
-    MemoryIdentityCache,
-    RedisIdentityCache,
-    dns_txt_lookup,
-    identity_concurrency,
-)
+from relay.hosts import HostManager
+from relay.identity import IdentityResolver
 from relay.identity_store import PersistedIdentities
 from relay.ingest.admission import Admission
 from relay.ingest.hostruns import Upstreams
-from relay.ingest.lanes import FRAME_HOST, AccountLanes, retry_pauses
+from relay.ingest.lanes import FRAME_HOST, AccountLanes
 from relay.ingest.resync import ResyncManager
-from relay.ingest.resync_queue import ResyncQueue
-from relay.jetstream_server import JetstreamServer, jetstream_server
+from relay.jetstream_server import JetstreamServer
 from relay.jsonlog import fields
 from relay.metrics import RelayMetrics
-from relay.redis_guard import FailFastRedis
 from relay.repo_proxy import RepoProxy
 from relay.siblings import SERVER_NAME, SiblingForwarder
 from relay.ssrf import AddressGuard, Resolver, SafeClient
-from relay.status_heal import HealPace, StatusHealer
-from relay.status_suspects import SuspectQueue, WatchedLanes
+from relay.status_heal import StatusHealer
+from relay.wiring import Core, Ingest, Writer, open_core, open_ingest, open_writer
 
 log = logging.getLogger("relay.service")
 
@@ -100,41 +92,103 @@ class RelayService:
         #: the full app, built once ``start()`` has finished (``relay.gate`` serves it then)
         self.app: Starlette | None = None
         self._given_store = store
-        self.store: Store = None  # type: ignore[assignment]
-        self.bus: EventBus = None  # type: ignore[assignment]
-        self.sequencer: Sequencer | None = None
-        #: hands committed batches to the bus off the durable path (not in a fan-out process)
-        self.publisher: BusPublisher | None = None
+        #: what start() opened, closed in reverse order by stop() (``relay.wiring``)
+        self._stack = contextlib.AsyncExitStack()
+        #: the parts, each set once complete (``relay.wiring``): None until start() got that far
+        self.core: Core | None = None
+        self.writer: Writer | None = None
+        self.ingest: Ingest | None = None
         #: set once a write to the store has succeeded since start (readiness waits for it)
         self.store_written = asyncio.Event()
         self._write_error: BaseException | None = None
-        self.broadcaster: Broadcaster = None  # type: ignore[assignment]
-        self.jetstream: JetstreamServer | None = None
-        self.identity: IdentityResolver = None  # type: ignore[assignment]
-        self.identities: PersistedIdentities | None = None
-        self.hosts: HostManager | None = None
-        self.lanes: AccountLanes | None = None
-        self.admission: Admission | None = None
-        self.upstreams: Upstreams | None = None
-        self.resync: ResyncManager | None = None
-        self.pool: ValidationPool | None = None
-        #: getRepo served by the relay (RELAY_GETREPO_PROXY); None: getRepo redirects to the PDS
-        self.repo_proxy: RepoProxy | None = None
-        self._redis: Any = None
         self._tasks: list[asyncio.Task[None]] = []
         #: The ``RELAY_FIREHOSE_BIND`` listener (a ``websockets`` server) and its ws:// base URL.
         self.firehose_server: Any = None
         self.firehose_url: str | None = None
         self._outbox_error = ""
-        #: account-status self-healing (``relay.status_heal``; None when off or not ingesting)
-        self.healer: StatusHealer | None = None
-        #: passes admin changes and requestCrawls on to RELAY_SIBLING_RELAYS (``relay.siblings``; not in a fan-out)
-        self.siblings: SiblingForwarder | None = None
         #: the operator console: verdicts per host, this process's report (shared through Redis in
         #: scale-out) and the host table's index (``relay.console``)
         self.host_ledger = HostLedger()
-        self.reporter = ReplicaReporter(self, redis=lambda: self._redis, key=f"{self.bus_stream}:console")
+        self.reporter = ReplicaReporter(self, redis=lambda: self.core.redis if self.core is not None else None, key=f"{self.bus_stream}:console")
         self.console_hosts = HostIndex(self)
+
+    # -- the parts (``relay.wiring``), for the handlers --------------------------------------
+    def _core(self) -> Core:
+        if self.core is None:
+            raise RuntimeError("the relay has not started")
+        return self.core
+
+    @property
+    def store(self) -> Store:
+        return self._core().store
+
+    @property
+    def bus(self) -> EventBus:
+        return self._core().bus
+
+    @property
+    def broadcaster(self) -> Broadcaster:
+        return self._core().broadcaster
+
+    @property
+    def identity(self) -> IdentityResolver:
+        return self._core().identity
+
+    @property
+    def identities(self) -> PersistedIdentities | None:
+        return self.core.identities if self.core is not None else None
+
+    @property
+    def jetstream(self) -> JetstreamServer | None:
+        return self.core.jetstream if self.core is not None else None
+
+    @property
+    def repo_proxy(self) -> RepoProxy | None:
+        """getRepo served by the relay (RELAY_GETREPO_PROXY); None: getRepo redirects to the PDS."""
+        return self.core.repo_proxy if self.core is not None else None
+
+    @property
+    def sequencer(self) -> Sequencer | None:
+        return self.writer.sequencer if self.writer is not None else None
+
+    @property
+    def publisher(self) -> BusPublisher | None:
+        """Hands committed batches to the bus off the durable path (not in a fan-out process)."""
+        return self.writer.publisher if self.writer is not None else None
+
+    @property
+    def pool(self) -> ValidationPool | None:
+        return self.ingest.pool if self.ingest is not None else None
+
+    @property
+    def admission(self) -> Admission | None:
+        return self.ingest.admission if self.ingest is not None else None
+
+    @property
+    def lanes(self) -> AccountLanes | None:
+        return self.ingest.lanes if self.ingest is not None else None
+
+    @property
+    def upstreams(self) -> Upstreams | None:
+        return self.ingest.upstreams if self.ingest is not None else None
+
+    @property
+    def resync(self) -> ResyncManager | None:
+        return self.ingest.resync if self.ingest is not None else None
+
+    @property
+    def hosts(self) -> HostManager | None:
+        return self.ingest.hosts if self.ingest is not None else None
+
+    @property
+    def siblings(self) -> SiblingForwarder | None:
+        """Passes admin changes and requestCrawls on to RELAY_SIBLING_RELAYS (not in a fan-out)."""
+        return self.ingest.siblings if self.ingest is not None else None
+
+    @property
+    def healer(self) -> StatusHealer | None:
+        """Account-status self-healing (``relay.status_heal``; None when off or not ingesting)."""
+        return self.ingest.healer if self.ingest is not None else None
 
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
@@ -151,99 +205,35 @@ class RelayService:
         log.info("open-file limit" + (" raised" if files.raised else ""),
                  extra=fields(before=files.before, limit=files.soft, hard=files.hard,
                               hosts_allowed=hosts_allowed(files.soft)))
-        self.store = self._given_store or await open_store(config.database_url, schema=self.store_schema)
-        applied = await self.store.migrate()
-        if applied:
-            log.info("migrations applied", extra=fields(versions=applied))
-        cache: IdentityCache
-        if config.redis_url:
-            # bounded waits: a Redis that hangs must not hang ingest, readiness or identity lookups
-            timeouts = RedisTimeouts(connect=config.redis_connect_timeout, socket=config.redis_timeout,
-                                     health_check=config.redis_health_check)
-            self._redis = redis_client(config.redis_url, timeouts)
-            self.bus = RedisStreamBus(config.redis_url, stream=self.bus_stream, maxlen=max(1, config.bus_max_entries),
-                                      timeouts=timeouts)
-            cache = RedisIdentityCache(FailFastRedis(self._redis))  # a hung Redis: one timeout per cool-off
-        else:
-            self.bus = InProcessBus()
-            cache = MemoryIdentityCache()
+        stack = self._stack
+        stack.push_async_callback(self.safe.aclose)
+        self.core = core = await open_core(stack, config, metrics=self.metrics, safe=self.safe,
+                                           consumers=self.consumers, store_schema=self.store_schema,
+                                           bus_stream=self.bus_stream, given_store=self._given_store)
         self.reporter.start()
-        self.identities = PersistedIdentities(self.store)
-        self.identities.start()
-        self.identity = IdentityResolver(plc_url=config.plc_url, safe_client=self.safe, cache=cache,
-                                         metrics=self.metrics, handle_resolver_url=config.handle_resolver_url,
-                                         rate=max(1.0, float(config.identity_rate)),
-                                         burst=max(1, int(config.identity_rate * 2.5)),
-                                         concurrency=identity_concurrency(config.identity_rate),
-                                         txt_lookup=dns_txt_lookup(parse_nameservers(config.dns_servers) or None),
-                                         persisted=self.identities, stale_after=config.identity_max_age,
-                                         handle_timeout=config.handle_timeout)
-        if config.getrepo_proxy:
-            self.repo_proxy = RepoProxy(identity=self.identity, safe=self.safe, metrics=self.metrics,
-                                        cache_bytes=max(1, config.getrepo_cache_mb) * 1024 * 1024)
-        self.broadcaster = Broadcaster(self.store, self.bus, max_lag=config.consumer_max_lag,
-                                       live_queue_bytes=config.consumer_max_queue_bytes,
-                                       replay_budget_bytes=config.replay_buffer_mb * 1024 * 1024)
         trimmer = glibc_trimmer()  # what a burst (a replay crowd, giant frames) freed goes back to the OS
         if trimmer is not None:
             self._tasks.append(asyncio.create_task(trimmer.run(), name="memory-trim"))
-        self.jetstream = jetstream_server(self.broadcaster, self.metrics, self.consumers)
-        self.metrics.watch_broadcast(lambda: self.broadcaster.stats if self.broadcaster is not None else None)
+        self.metrics.watch_broadcast(lambda: core.broadcaster.stats)
         if self.role != "fanout":
-            self.publisher = BusPublisher(self.bus, max_bytes=config.bus_publish_max_bytes,
-                                          timeout=config.bus_publish_timeout)
-            self.publisher.start()
-            self.metrics.watch_publisher(lambda: self.publisher.stats if self.publisher is not None else None)
-            self.sequencer = Sequencer(self.store, self.sequencer_publish(), wait_for_lock=self.role == "ingest")
-            await self.sequencer.start()
+            self.writer = writer = await open_writer(stack, config, core, publish=self.sequencer_publish,
+                                                     wait_for_lock=self.role == "ingest")
+            self.metrics.watch_publisher(lambda: writer.publisher.stats)
             if not await self._write_check():  # first try inline: a healthy start is ready at once
                 self._tasks.append(asyncio.create_task(self._prove_writable(), name="store-write-check"))
-        await self.broadcaster.start()
+        await core.broadcaster.start()
         if config.firehose_bind:
             await self._start_firehose_listener(config.firehose_bind)
-        if self.role == "fanout":
+        if self.writer is None:
             self._running()
             return
-        assert self.sequencer is not None
-        policy = HostPolicy(config)
-        self.pool = ValidationPool(config.validation_workers)
-        await self.pool.start()
-        resync_queue = ResyncQueue(on_change=self.metrics.resync_queue.set,
-                                   held_per_account=config.resync_held_bytes_per_account,
-                                   held_total=config.resync_held_bytes_total)
-        self.admission = admission = Admission(store=self.store, identity=self.identity, policy=policy,
-                                               default_account_limit=config.default_account_limit)
-        suspects = SuspectQueue(config.status_heal_suspect_delay, limit=100_000 if config.status_heal_interval else 0)
-        self.lanes = WatchedLanes(suspects=suspects, store=self.store, sequencer=self.sequencer, pool=self.pool, admission=admission,
-                                  identity=self.identity, resync=resync_queue, count=self._count,
-                                  handle_wait=config.handle_wait, history_margin=config.host_clock_skew,
-                                  identity_retry=retry_pauses(config.identity_retry))
-        buffer = max(1, config.ingest_buffer_mb) * 1024 * 1024
-        self.upstreams = Upstreams(store=self.store, sequencer=self.sequencer, lanes=self.lanes,
-                                   admission=admission, policy=policy,
-                                   guard=self.guard, metrics=self.metrics, config=config, count=self._count,
-                                   max_in_flight_bytes=buffer, max_in_flight_bytes_per_host=max(1, buffer // 8))
-        self.resync = ResyncManager(store=self.store, identity=self.identity, safe=self.safe,
-                                    metrics=self.metrics, queue=resync_queue, lanes=self.lanes,
-                                    workers=config.resync_workers, retry_base=config.resync_retry_base,
-                                    retry_max=config.resync_retry_max)
-        self.hosts = HostManager(store=self.store, config=config, metrics=self.metrics, guard=self.guard,
-                                 safe=self.safe, policy=policy, start_host=self.upstreams.start_host,
-                                 stop_host=self.upstreams.stop_host, limit_raised=self._limit_raised)
-        await self.hosts.load_settings()
-        self.siblings = SiblingForwarder(config.sibling_relays, metrics=self.metrics)
-        self.siblings.start()
-        await self.resync.start()
-        await self.upstreams.start_all()
+        self.ingest = ingest = await open_ingest(stack, config, core, self.writer, metrics=self.metrics,
+                                                 guard=self.guard, safe=self.safe, count=self._count,
+                                                 limit_raised=self._limit_raised)
         self._tasks.append(asyncio.create_task(self._housekeeping(), name="housekeeping"))
         self._tasks.append(asyncio.create_task(self._repairs(), name="repairs"))
-        if config.status_heal_interval > 0:
-            self.healer = StatusHealer(
-                store=self.store, lanes=self.lanes, upstreams=self.upstreams, safe=self.safe, identity=self.identity,
-                metrics=self.metrics, insecure=config.allow_insecure_hosts,
-                pace=HealPace(interval=config.status_heal_interval, suspect_delay=config.status_heal_suspect_delay,
-                              timeout=config.status_heal_timeout, settle=config.repair_settle), suspects=suspects)
-            self._tasks.append(asyncio.create_task(self.healer.run(), name="status-heal"))
+        if ingest.healer is not None:
+            self._tasks.append(asyncio.create_task(ingest.healer.run(), name="status-heal"))
         self._running()
         log.info("relay started", extra=fields(role=self.role, mst=native.STATUS, **config.describe()))
 
@@ -281,20 +271,20 @@ class RelayService:
         self.admission.forget_host(hostname)
         await self.resync.release_throttled(hostname)
 
-    def sequencer_publish(self) -> Publish:
-        """The publish step the sequencer calls after each committed batch (``_publish``). The
-        fault suite's subclass (``tests/faults/faulty_relay.py``) wraps it to crash between commit
-        and publish."""
-        return self._publish
+    def sequencer_publish(self, publisher: BusPublisher) -> Publish:
+        """The publish step the sequencer calls after each committed batch: count every committed
+        event by type — upstream ones, the lanes' operations (takedowns, resync ``#sync``) and Spark
+        repairs alike — then queue the batch for the bus (``publisher.offer``: returns at once,
+        whatever the bus does). The fault suite's subclass (``tests/faults/faulty_relay.py``) wraps
+        it to crash between commit and publish."""
+        metrics = self.metrics
 
-    async def _publish(self, events: list[SequencedEvent]) -> None:
-        """The sequencer's publish: count every committed event by type — upstream ones, the
-        lanes' operations (takedowns, resync ``#sync``) and Spark repairs alike — then queue the
-        batch for the bus (``BusPublisher``: returns at once, whatever the bus does)."""
-        for event in events:
-            self.metrics.child(self.metrics.events_out, event.kind).inc()
-        assert self.publisher is not None
-        self.publisher.offer(events)
+        async def publish(events: list[SequencedEvent]) -> None:
+            for event in events:
+                metrics.child(metrics.events_out, event.kind).inc()
+            publisher.offer(events)
+
+        return publish
 
     async def _write_check(self, timeout: float = 5.0) -> bool:
         """Write to the store once (a setting: when this process last proved it can write).
@@ -376,7 +366,9 @@ class RelayService:
         return result
 
     async def stop(self) -> None:
-        """Stop whatever ``start()`` got to (also after a failed or cancelled start)."""
+        """Stop whatever ``start()`` got to (also after a failed or cancelled start): the
+        background tasks, the ``RELAY_FIREHOSE_BIND`` listener, then every part in the reverse of
+        the order it was opened in (``relay.wiring``)."""
         self._phase = "stopping"
         await self.reporter.close()
         for task in self._tasks:
@@ -385,41 +377,12 @@ class RelayService:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks = []
-        if self.siblings is not None:
-            await self.siblings.close()
-        if self.upstreams is not None:
-            await self.upstreams.close()
-        if self.lanes is not None:
-            await self.lanes.close()
-        if self.resync is not None:
-            await self.resync.close()
-        if self.pool is not None:
-            await self.pool.close()
-        if self.sequencer is not None:
-            with contextlib.suppress(Exception):
-                await self.sequencer.close()
-        if self.publisher is not None:
-            await self.publisher.close()
         if self.firehose_server is not None:
             self.firehose_server.close()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.firehose_server.wait_closed(), 5)
             self.firehose_server = None
-        if self.broadcaster is not None:
-            await self.broadcaster.close()
-        if self.bus is not None:
-            with contextlib.suppress(Exception):
-                await self.bus.close()
-        if self.identity is not None:
-            await self.identity.aclose()
-        if self.identities is not None:
-            await self.identities.close()
-        await self.safe.aclose()
-        if self._redis is not None:
-            with contextlib.suppress(Exception):
-                await self._redis.aclose()
-        if self.store is not None:
-            await self.store.close()
+        await self._stack.aclose()
 
     # -- used by the app ------------------------------------------------------------------
     async def readiness(self) -> list[str]:
@@ -439,7 +402,7 @@ class RelayService:
                                                                      if self.lease_holder else ""))
         elif phase != "running":
             reasons.append(phase)
-        if self.store is None:
+        if self.core is None:
             return reasons
         try:
             self.metrics.current_seq.set(await asyncio.wait_for(self.store.latest_seq(), 2.0))
@@ -461,16 +424,17 @@ class RelayService:
                                                          else "no write has succeeded yet"))
         publisher = self.publisher
         failing = publisher.failing if publisher is not None else None
-        if failing is not None and self._redis is None:
+        redis = self.core.redis
+        if failing is not None and redis is None:
             self.metrics.bus_up.set(0)
             reasons.append(f"bus_unavailable: {classify_bus_error(failing)} ({type(failing).__name__}: "
                            f"{str(failing)[:160]}; publishing held, ingest goes on)")
-        elif self._redis is not None:
+        elif redis is not None:
             # A publisher still failing while Redis answers again is catching up (its next retry is
             # at most RELAY_BUS_PUBLISH_TIMEOUT away, and fan-outs follow the store meanwhile): the
             # bus is up. Unready only while Redis itself does not answer.
             try:
-                await asyncio.wait_for(self._redis.ping(), 2.0)
+                await asyncio.wait_for(redis.ping(), 2.0)
                 self.metrics.bus_up.set(1)
             except Exception as exc:
                 self.metrics.bus_up.set(0)

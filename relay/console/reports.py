@@ -243,7 +243,8 @@ class ReplicaReporter:
             sent_before = prev_enc.get(enc, {}).get("bytesSent", 0)
             consumers[enc] = {**row, "bytesPerSecond": _rate(row["bytesSent"], sent_before, dt)
                               if prev is not None else None}
-        broadcaster = service.broadcaster
+        core = service.core  # None while the relay starts
+        broadcaster = core.broadcaster if core is not None else None
         head = broadcaster.latest_seq if broadcaster is not None else 0
         sessions: list[dict[str, Any]] = sorted(
             ({"lag": max(0, head - (s.last_seq if s.last_seq is not None else head)), "lastSeq": s.last_seq,
@@ -259,7 +260,7 @@ class ReplicaReporter:
             "broadcastSeq": head,
             "sequencer": None if sequencer is None else {
                 "state": sequencer.state, "secondsSinceLastCommit": value(found, "relay_last_sequenced_age_seconds")},
-            "store": {"up": value(found, "relay_store_up") == 1, "backend": getattr(service.store, "backend", None)},
+            "store": {"up": value(found, "relay_store_up") == 1, "backend": getattr(core.store, "backend", None) if core is not None else None},
             "bus": {"kind": "redis" if service.config.redis_url else "in-process",
                     "up": value(found, "relay_bus_up") == 1,
                     "events": by_label(found, "relay_broadcast_events_total", "event")},

@@ -534,7 +534,7 @@ class Upstreams:
         result = future.result()
         if result is None:
             return
-        self.metrics.current_seq.set(result.seq)  # (relay_events_sequenced_total: RelayService._publish)
+        self.metrics.current_seq.set(result.seq)  # (relay_events_sequenced_total: RelayService.sequencer_publish)
         self.metrics.lag.observe(time.monotonic() - work.received)
 
     def _finished(self, run: _HostRun, work: Work, slot: _Slot, *, ok: bool) -> None:

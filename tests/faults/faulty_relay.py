@@ -14,6 +14,7 @@ import os
 import sys
 
 from backfill.sequencer import Publish
+from firehose.publisher import BusPublisher
 from firehose.state import SequencedEvent
 from relay.config import RelayConfig
 from relay.service import RelayService
@@ -47,8 +48,8 @@ def service_class(nth: int) -> type[RelayService]:
         def __init__(self, config: RelayConfig, *, role: str = "serve") -> None:
             super().__init__(config, role=role)
 
-        def sequencer_publish(self) -> Publish:
-            return exit_before_publish(super().sequencer_publish(), nth)
+        def sequencer_publish(self, publisher: BusPublisher) -> Publish:
+            return exit_before_publish(super().sequencer_publish(publisher), nth)
 
     return ExitBeforePublish
 
