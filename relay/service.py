@@ -216,9 +216,10 @@ class RelayService:
             self._tasks.append(asyncio.create_task(trimmer.run(), name="memory-trim"))
         self.metrics.watch_broadcast(lambda: core.broadcaster.stats)
         if self.role != "fanout":
-            self.writer = writer = await open_writer(stack, config, core, publish=self.sequencer_publish,
-                                                     wait_for_lock=self.role == "ingest")
+            self.writer = writer = open_writer(stack, config, core, publish=self.sequencer_publish,
+                                               wait_for_lock=self.role == "ingest")
             self.metrics.watch_publisher(lambda: writer.publisher.stats)
+            await writer.sequencer.start()  # in standby until the writer lease is ours (ingest)
             if not await self._write_check():  # first try inline: a healthy start is ready at once
                 self._tasks.append(asyncio.create_task(self._prove_writable(), name="store-write-check"))
         await core.broadcaster.start()

@@ -6,8 +6,8 @@ Three layers, each a frozen dataclass whose fields are all set when it exists (n
 * :class:`Core` (every role): the store (migrated), the Redis client (scale-out only), the bus, the
   identity resolver over its persisted and cached layers, the optional getRepo proxy, the
   broadcaster and the Jetstream server.
-* :class:`Writer` (``serve`` and ``ingest``): the bus publisher and the sequencer (started: it holds
-  the writer lease, or waits for it in standby).
+* :class:`Writer` (``serve`` and ``ingest``): the bus publisher and the sequencer (the service
+  starts it: it takes the writer lease, or waits for it in standby).
 * :class:`Ingest` (``serve`` and ``ingest``): validation pool, admission, account lanes, host runs,
   resync, host manager, sibling forwarding and the optional status healer.
 
@@ -157,18 +157,19 @@ async def open_core(stack: contextlib.AsyncExitStack, config: RelayConfig, *, me
                 repo_proxy=repo_proxy, broadcaster=broadcaster, jetstream=jetstream)
 
 
-async def open_writer(stack: contextlib.AsyncExitStack, config: RelayConfig, core: Core, *,
-                      publish: Callable[[BusPublisher], Publish], wait_for_lock: bool) -> Writer:
-    """Start the bus publisher, then the sequencer (which takes the writer lease, or waits for it
-    when ``wait_for_lock``). ``publish(publisher)``: the step the sequencer calls after each
-    committed batch (the service's, which the fault suite wraps)."""
+def open_writer(stack: contextlib.AsyncExitStack, config: RelayConfig, core: Core, *,
+                publish: Callable[[BusPublisher], Publish], wait_for_lock: bool) -> Writer:
+    """Start the bus publisher and build the sequencer, not started: the caller awaits
+    ``writer.sequencer.start()``, which takes the writer lease or, when ``wait_for_lock``, waits
+    for it — the service is in standby meanwhile and must already hold the writer to say so.
+    ``publish(publisher)``: the step the sequencer calls after each committed batch (the
+    service's, which the fault suite wraps)."""
     publisher = BusPublisher(core.bus, max_bytes=config.bus_publish_max_bytes,
                              timeout=config.bus_publish_timeout)
     publisher.start()
     stack.push_async_callback(publisher.close)
     sequencer = Sequencer(core.store, publish(publisher), wait_for_lock=wait_for_lock)
     stack.push_async_callback(_close_quietly, sequencer.close)
-    await sequencer.start()
     return Writer(publisher=publisher, sequencer=sequencer)
 
 
