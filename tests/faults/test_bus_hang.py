@@ -61,7 +61,8 @@ async def test_a_hung_redis_does_not_slow_durable_ingest(redis_server: RedisServ
             service = relay.service
             sequencer, publisher = service.sequencer, service.publisher
             assert sequencer is not None and publisher is not None
-            for client in (service._redis, service.bus.redis):  # noqa: SLF001 - every Redis client is bounded
+            assert service.core is not None
+            for client in (service.core.redis, service.bus.redis):  # every Redis client is bounded
                 kwargs = client.connection_pool.connection_kwargs
                 assert (kwargs["socket_timeout"], kwargs["socket_connect_timeout"]) == (0.5, 0.5)
                 assert kwargs["health_check_interval"] == 30.0
