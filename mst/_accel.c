@@ -279,6 +279,23 @@ typedef struct {
     int bail;         /* 1: not handled here (the reference decides); 2: a Python error is set */
 } Ctx;
 
+/* A context over ``blocks`` with an empty arena and table; ``keep`` as given (may be NULL). */
+static Ctx *ctx_new(PyObject *blocks, PyObject *keep) {
+    Ctx *ctx = PyMem_Malloc(sizeof(Ctx));
+    if (ctx == NULL) {
+        Py_XDECREF(keep);
+        return NULL;
+    }
+    ctx->arena.head = NULL;
+    ctx->arena.first_used = 0;
+    ctx->blocks = blocks;
+    ctx->table = NULL;
+    ctx->mask = 0;
+    ctx->bail = 0;
+    ctx->keep = keep;
+    return ctx;
+}
+
 #define BAIL(ctx) ((ctx)->bail = 1, NULL)
 
 static Node *node_new(Ctx *ctx, int layer, int n) {
@@ -826,15 +843,8 @@ static PyObject *accel_invert(PyObject *self, PyObject *args) {
     }
     const uint8_t *root_cid = cid_bytes_of(root);
     if (root_cid == NULL) Py_RETURN_NONE;
-    Ctx *ctx = PyMem_Malloc(sizeof(Ctx));
+    Ctx *ctx = ctx_new(blocks, PyList_New(0));
     if (ctx == NULL) return PyErr_NoMemory();
-    ctx->arena.head = NULL;
-    ctx->arena.first_used = 0;
-    ctx->blocks = blocks;
-    ctx->table = NULL;
-    ctx->mask = 0;
-    ctx->bail = 0;
-    ctx->keep = PyList_New(0);
     PyObject *result = NULL;
     Op *opv = NULL;
     if (ctx->keep == NULL) goto out;
@@ -950,15 +960,8 @@ static PyObject *accel_records(PyObject *self, PyObject *args) {
     }
     const uint8_t *root_cid = cid_bytes_of(root);
     if (!PyDict_CheckExact(blocks) || root_cid == NULL) Py_RETURN_NONE;
-    Ctx *ctx = PyMem_Malloc(sizeof(Ctx));
+    Ctx *ctx = ctx_new(blocks, NULL);
     if (ctx == NULL) return PyErr_NoMemory();
-    ctx->arena.head = NULL;
-    ctx->arena.first_used = 0;
-    ctx->blocks = blocks;
-    ctx->table = NULL;
-    ctx->mask = 0;
-    ctx->bail = 0;
-    ctx->keep = NULL;
     PyObject *result = NULL;
     Walk w = {{NULL, 0}, require_records, PyDict_New()};
     if (w.out == NULL) goto out;

@@ -48,13 +48,15 @@ def test_compiled_modules_are_the_ones_imported() -> None:
     assert type(mst.node.empty_node()) is mst.node.Node
 
 
-def _status_of(package_root: Path) -> str:
-    """``mst.native.STATUS`` in a fresh interpreter that imports ``mst`` from ``package_root`` only
-    (an editable install's finder, which would serve the checkout's modules, is dropped)."""
+def _status_of(package_root: Path, status: str = "STATUS", module: str = "mst.node") -> str:
+    """``mst.native.<status>`` in a fresh interpreter that imports ``mst`` from ``package_root``
+    only (checked on ``module``; an editable install's finder, which would serve the checkout's
+    modules, is dropped)."""
     env = {k: v for k, v in os.environ.items() if k != "RELAY_PURE_PYTHON"}
     env["PYTHONPATH"] = str(package_root)
     code = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path if '__editable__' not in repr(f)]\n"
-            "import mst.native, mst.node; assert mst.node.__file__.startswith(sys.argv[1]); print(mst.native.STATUS)")
+            f"import mst.native, {module}; assert {module}.__file__.startswith(sys.argv[1]); "
+            f"print(mst.native.{status})")
     done = subprocess.run([sys.executable, "-c", code, str(package_root)],
                           cwd=package_root, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
@@ -62,14 +64,7 @@ def _status_of(package_root: Path) -> str:
 
 
 def _accel_status_of(package_root: Path) -> str:
-    env = {k: v for k, v in os.environ.items() if k != "RELAY_PURE_PYTHON"}
-    env["PYTHONPATH"] = str(package_root)
-    code = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path if '__editable__' not in repr(f)]\n"
-            "import mst.native; assert mst.native.__file__.startswith(sys.argv[1]); print(mst.native.ACCEL_STATUS)")
-    done = subprocess.run([sys.executable, "-c", code, str(package_root)],
-                          cwd=package_root, env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    return done.stdout.strip()
+    return _status_of(package_root, "ACCEL_STATUS", "mst.native")
 
 
 def test_a_stale_or_missing_build_is_not_used(tmp_path: Path) -> None:
