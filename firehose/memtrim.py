@@ -111,23 +111,29 @@ class MemoryTrimmer:
         self.stats.returned += freed
         return freed
 
-    def _check(self) -> int:
-        return self.trim_now() if self.resident_free() >= self.min_free else 0
+    def _above_rest(self) -> int:
+        """The RSS if it stands ``min_free`` or more above :attr:`rest` (updated), else 0: one read
+        of ``/proc``, the whole cost of a check at rest."""
+        rss = _rss()
+        self.rest = min(self.rest, rss)
+        return rss if rss - self.rest >= self.min_free else 0
+
+    def _check(self, rss: int) -> int:
+        """Trim if at least ``min_free`` of the RSS is resident free memory (blocking: walks the
+        heaps); logs what was given back and returns it."""
+        if self.resident_free() < self.min_free:
+            return 0
+        freed = self.trim_now()
+        log.info("memory given back", extra={"fields": {"rss_mb": round(rss / 2**20, 1),
+                                                          "rest_mb": round(self.rest / 2**20, 1),
+                                                          "returned_mb": round(freed / 2**20, 1)}})
+        return freed
 
     async def maybe_trim(self) -> int:
         """Trim (in a worker thread) when the RSS stands ``min_free`` above :attr:`rest` and at
         least ``min_free`` of it is resident free memory; returns the bytes given back."""
-        rss = _rss()
-        self.rest = min(self.rest, rss)
-        if rss - self.rest < self.min_free:
-            return 0  # at rest: one read of /proc, nothing else
-        trims = self.stats.trims
-        freed = await asyncio.to_thread(self._check)
-        if self.stats.trims > trims:
-            log.info("memory given back", extra={"fields": {"rss_mb": round(rss / 2**20, 1),
-                                                              "rest_mb": round(self.rest / 2**20, 1),
-                                                              "returned_mb": round(freed / 2**20, 1)}})
-        return freed
+        rss = self._above_rest()
+        return await asyncio.to_thread(self._check, rss) if rss else 0
 
     def tick(self) -> int:
         """For a process without an event loop, called often (after each unit of work): at most
@@ -138,18 +144,10 @@ class MemoryTrimmer:
             return 0
         self._next_check = now + self.interval
         try:
-            rss = _rss()
-            self.rest = min(self.rest, rss)
-            if rss - self.rest < self.min_free:
-                return 0
-            trims = self.stats.trims
-            freed = self._check()
+            rss = self._above_rest()
+            return self._check(rss) if rss else 0
         except OSError:  # /proc unreadable: nothing to measure, try again later
             return 0
-        if self.stats.trims > trims:
-            log.info("memory given back", extra={"fields": {"rss_mb": round(rss / 2**20, 1),
-                                                              "returned_mb": round(freed / 2**20, 1)}})
-        return freed
 
     async def run(self) -> None:
         """Check every ``interval`` seconds until cancelled."""
