@@ -465,7 +465,9 @@ class AccountLanes:
 
     async def _repo_event(self, lane: _Lane, work: Work) -> PendingEvent | None:
         did = work.did
-        ident = await self.admission.identity_for_host(did, work.hostname, relay=work.relay)
+        ident = None if work.relay else self.admission.identity_cached(did, work.hostname)
+        if ident is None:
+            ident = await self.admission.identity_for_host(did, work.hostname, relay=work.relay)
         if ident is None:
             self.count("reject", _not_speaker(work))
             return None
