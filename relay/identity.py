@@ -382,6 +382,7 @@ class IdentityResolver:
         self.handle_timeout = handle_timeout
         self._handle_slots = asyncio.Semaphore(handle_concurrency)
         self._handle_checks: dict[tuple[str, str], asyncio.Task[bool]] = {}
+        self._hits: Any = None  # ``relay_identity_cache_total{result="hit"}`` (``cached``)
 
     async def aclose(self) -> None:
         checks = list(self._handle_checks.values())
@@ -413,7 +414,11 @@ class IdentityResolver:
         found = cache.get_nowait(did)
         if found is None or not self._young(found):
             return None
-        self._count("identity_cache", "hit")
+        if self.metrics is not None:
+            hits = self._hits
+            if hits is None:
+                hits = self._hits = self.metrics.child(self.metrics.identity_cache, "hit")
+            hits.inc()
         return found
 
     async def resolve(self, did: str, *, fresh: bool = False, max_age: float = 0.0) -> Identity:
