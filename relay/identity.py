@@ -243,7 +243,7 @@ class RedisIdentityCache:
         self.redis = redis
         self.ttl = ttl
         self.prefix = prefix
-        self.local = local or MemoryIdentityCache(ttl=ttl)
+        self.local = local if local is not None else MemoryIdentityCache(ttl=ttl)
         self.degraded = False
 
     def _failed(self, exc: Exception) -> None:

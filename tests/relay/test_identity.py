@@ -334,3 +334,15 @@ async def test_the_synchronous_cache_read_answers_only_what_resolve_would_from_m
     finally:
         await resolver.aclose()
         await safe.aclose()
+
+
+async def test_a_redis_cache_keeps_the_local_cache_it_was_given_even_when_empty() -> None:
+    """An empty ``MemoryIdentityCache`` is falsy (``__len__``): the Redis cache must still use it,
+    not replace it with a new one the caller cannot see."""
+    local = MemoryIdentityCache(ttl=5.0)
+    client = aioredis.from_url("redis://127.0.0.1:1/15")
+    try:
+        shared = RedisIdentityCache(client, local=local)
+        assert shared.local is local
+    finally:
+        await client.aclose()
