@@ -25,7 +25,7 @@ Scenarios (all by default, or those named), each printing ``RESULT limits_<scena
   ``--new-hosts-per-day 10``: ``admitted`` (answered 200; target ≤ 10), ``hosts_listed``
   (``listHosts``), ``refused_new_host_limit``.
 
-    .venv/bin/python bench/limits.py                    # every scenario, about 6-8 minutes
+    .venv/bin/python bench/limits.py                    # every scenario, about 5-6 minutes (loaded)
     .venv/bin/python bench/limits.py giant slowloris    # some of them
 """
 
