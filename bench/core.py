@@ -246,6 +246,12 @@ def main() -> int:
         blocks, data, ops = parsed[i]
         invert_ops(blocks, data, ops)
 
+    from firehose.validate import judge_frame
+
+    judged = [frame_for(r, i + 1) for i, r in enumerate(results)]  # seq 0 is rejected (bad_seq)
+    now = time.time()
+    assert all(judge_frame(f, None, did_key, now)[0].kind == "accept" for f in judged)
+
     k256 = PrivateKey.generate_k256()
     p256 = PrivateKey.generate_p256()
     msgs = [rng.randbytes(120) for _ in range(64)]
@@ -263,6 +269,8 @@ def main() -> int:
         ),
         "core_commit_verify_per_s": rate(lambda i: verify_frame(frames[i], did_key), n, args.seconds),
         "core_commit_verify_cold_per_s": rate(cold_verify, n, args.seconds),
+        # what a validation worker runs per frame (the checks above, the records' hashes, pruning)
+        "core_relay_judge_per_s": rate(lambda i: judge_frame(judged[i], None, did_key, now), n, args.seconds),
         "core_producer_commits_per_s": producer,
     }
     if args.stages:

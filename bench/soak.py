@@ -21,6 +21,9 @@ Printed as ``RESULT soak_<name>=<value>``:
   sampled every 5 s) after the warm-up (``--warmup`` minutes, default a quarter of the run, at
   most 10) until the commits stop (goal ≤ 0.1); ``rss_slope_main_mb_per_min`` and
   ``rss_slope_workers_mb_per_min`` split it between the main process and the validation workers;
+  ``rss_floor_slope_mb_per_min`` (and ``_main_``/``_workers_``) beside them: the slope of the
+  RSS's floor, the lowest sample of each 5 minutes (see :func:`floor_slope_per_minute`: the
+  trimmer's saw-tooth, 32 MiB high, moves a raw slope by its phase at either end);
   ``rss_peak_mb``, ``rss_after_warmup_mb``, ``rss_end_mb`` beside it;
 * ``lost``: valid commits (ground truth ``accept``) the follower never received, not counting
   those covered by a later ``#sync`` of their account (a repair of a broken chain) (goal: 0);
@@ -185,6 +188,27 @@ def slope_per_minute(samples: list[tuple[float, float]]) -> float:
     return 60.0 * cov / var if var else float("nan")
 
 
+def floor_slope_per_minute(samples: list[tuple[float, float]], window: float = 300.0) -> float:
+    """Slope (MB per minute) of the RSS's floor: the least-squares line through the lowest sample of
+    each consecutive ``window`` seconds (from the first sample on; a last window shorter than half
+    of ``window`` is left out). The trimmer (``firehose.memtrim``) gives free heap back only once
+    32 MiB of it lie resident, so the raw RSS is a saw-tooth of that height whose phase at either
+    end of the run moves a raw slope by up to its height over the run's length; the floor is what
+    the process holds right after giving back what it does not use. Both are printed: a flat
+    floor under a rising raw slope says free heap waiting for a trim, a rising floor says growth."""
+    if not samples:
+        return float("nan")
+    t0, t_end = samples[0][0], samples[-1][0]
+    lows: dict[int, tuple[float, float]] = {}
+    for t, v in samples:
+        k = int((t - t0) // window)
+        if (k + 0.5) * window > t_end - t0 + 1e-9 and k > 0:
+            continue  # the last window, shorter than half
+        if k not in lows or v < lows[k][1]:
+            lows[k] = (t, v)
+    return slope_per_minute(sorted(lows.values()))
+
+
 def diagnose(pids: list[int], directory: Path, label: str, *, trim: bool = False) -> None:
     """Ask every relay process to describe its memory (see ``bench/_diagnose``); with ``trim``
     each also gives its free heap memory back afterwards and says what that returned."""
@@ -320,6 +344,9 @@ async def run(a: argparse.Namespace) -> None:
     result("soak_rss_slope_mb_per_min", round(slope_per_minute(after), 3))
     result("soak_rss_slope_main_mb_per_min", round(slope_per_minute(main_after), 3))
     result("soak_rss_slope_workers_mb_per_min", round(slope_per_minute(workers_after), 3))
+    result("soak_rss_floor_slope_mb_per_min", round(floor_slope_per_minute(after), 3))
+    result("soak_rss_floor_slope_main_mb_per_min", round(floor_slope_per_minute(main_after), 3))
+    result("soak_rss_floor_slope_workers_mb_per_min", round(floor_slope_per_minute(workers_after), 3))
     result("soak_rss_start_mb", round(samples[0][1], 1) if samples else float("nan"))
     result("soak_rss_after_warmup_mb", round(after[0][1], 1) if after else float("nan"))
     result("soak_rss_end_mb", round(rss_end, 1))
@@ -346,6 +373,9 @@ async def run(a: argparse.Namespace) -> None:
              + "; ".join(f"{t.kind} {t.rev} {t.verdict} {t.reason or ''} {t.fault or ''} {t.host}" for t in mine[max(0, i - 4):i + 3]))
     if a.diagnose:
         diagnose_diff(Path(a.diagnose))
+    if a.samples:
+        Path(a.samples).write_text("".join(f"{t:.1f} {v:.1f} {m:.1f}\n"
+                                           for (t, v), (_, m) in zip(samples, main_samples, strict=True)))
     note("soak: rss samples (min, MB): " + " ".join(f"{t / 60:.1f}:{v:.0f}" for t, v in samples[::12]))
 
 
@@ -365,6 +395,8 @@ def main() -> int:
     p.add_argument("--relay-args", default="", help="extra `relay serve` options")
     p.add_argument("--diagnose", default=None, metavar="DIR", help="dump each relay process's memory make-up here")
     p.add_argument("--tracemalloc", action="store_true", help="with --diagnose: trace Python allocations too (slow)")
+    p.add_argument("--samples", default=None, metavar="FILE",
+                   help="write every RSS sample here: seconds, relay total MB, main process MB")
     p.add_argument("--dump-every", type=float, default=5.0, help="with --diagnose: minutes between dumps after the warm-up")
     asyncio.run(run(p.parse_args()))
     return 0

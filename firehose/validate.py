@@ -50,7 +50,7 @@ from firehose.messages import (
 from firehose.prune import Recording, prune_slice
 from firehose.reasons import Reason
 from firehose.state import AccountState
-from mst import cbor
+from mst import cbor, native
 from mst.car import Car, read_car
 from mst.cid import CID, DAG_CBOR_PREFIX
 from mst.commit import Commit, decode_commit
@@ -68,6 +68,13 @@ from mst.invert import invert_ops
 from mst.mst import MST
 from mst.node import BlockMap, empty_node
 from mst.tid import tid_to_micros
+
+#: The native inversion (``mst._accel``, when built) takes a plain ``dict`` of blocks only (anything
+#: else it declines, and the compiled reference runs): with it on, the inversion is given the slice's
+#: own block dict, not a :class:`~firehose.prune.Recording` view, and pruning then walks the slice's
+#: nodes itself (``firehose.prune.referenced``: a byte scan per node) instead of reusing what the
+#: inversion read.
+_NATIVE_INVERSION = native.ACCEL
 
 MAX_COMMIT_BLOCKS_BYTES = 2_000_000
 MAX_SYNC_BLOCKS_BYTES = 10_000
@@ -283,7 +290,7 @@ def validate_commit(
         accepted = _lenient_reason(msg, expected) if lenient else None
         if accepted is None:
             assert expected is not None
-            _check_inversion(used, commit.data, msg, expected, state)
+            _check_inversion(car.blocks if _NATIVE_INVERSION else used, commit.data, msg, expected, state)
         else:
             _check_ops_in_tree(used, commit.data, msg)
         _check_signature(commit, signing_key)

@@ -1,7 +1,8 @@
 """Entry point of one validation worker process (see ``firehose.workers``): reads batches of
 wire jobs from stdin, answers each with ``firehose.pipeline.validate_batch`` on stdout, and exits
 when stdin closes. Between batches it gives freed heap memory back to the operating system
-(``firehose.memtrim``: checked at most every 5 s, a trim once 8 MiB more lie free, as in the main process)."""
+(``firehose.memtrim``: checked at most every 5 s, a trim once the RSS stands 32 MiB above its lowest with
+32 MiB of it resident free memory, as in the main process)."""
 
 from __future__ import annotations
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import sys
 import time
 from pathlib import Path
 
@@ -15,6 +17,7 @@ from hypothesis import strategies as st
 from firehose.reasons import ALL_REASONS, Reason
 from firehose.state import AccountState
 from firehose.validate import EMPTY_TREE_ROOT, Verdict, validate_frame
+from mst import native
 from mst.car import read_car, write_car
 from mst.cid import cid_for_cbor
 from mst.crypto import PrivateKey, parse_did_key, parse_multibase_key
@@ -100,6 +103,24 @@ def test_valid_commit_is_accepted_with_new_state(chain) -> None:
     assert v.new_state == dataclasses.replace(
         before, rev=r.rev, commit_cid=r.commit_cid.encode(), data_cid=r.data.encode(), updated_at=at
     )
+
+
+def test_valid_commits_are_inverted_by_the_native_path(chain) -> None:
+    """With the native path built (``./run test`` requires it), a valid commit's operations are
+    inverted by ``mst._accel``, which declines a block map that is not a plain ``dict``: the
+    reference inversion's key-height cache (only the reference fills it) stays empty. Under
+    ``RELAY_PURE_PYTHON`` the reference runs and fills it."""
+    node = sys.modules["mst._native_node" if native.active() else "mst._node"]
+    repo, before, r, _ = chain
+    body = commit_body(repo, r)
+    node._HEIGHTS.clear()
+    v = judge(body, before, repo.key.did_key())
+    assert (v.kind, v.reason) == ("accept", "ok")
+    if os.environ.get("RELAY_PURE_PYTHON", "").lower() in ("1", "true", "yes"):
+        assert node._HEIGHTS
+    else:
+        assert native.ACCEL, native.ACCEL_STATUS
+        assert not node._HEIGHTS, len(node._HEIGHTS)
 
 
 def test_first_commit_of_unknown_account_is_accepted() -> None:
