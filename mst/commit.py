@@ -10,17 +10,27 @@ present (may be null). Errors are :class:`mst.errors.CommitError` with reasons
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from mst import cbor
 from mst.cid import CID, DAG_CBOR_PREFIX, cid_for_cbor
 from mst.crypto import PrivateKey, PublicKey, parse_did_key
 from mst.errors import CBORError, CommitError
+from mst.native import ACCEL
 from mst.syntax import is_valid_did, is_valid_tid
 
 __all__ = ["Commit", "decode_commit", "sign_commit", "verify_commit_sig"]
 
 _FIELDS = frozenset({"did", "version", "data", "rev", "prev", "sig"})
+
+#: mst._accel.commit (when mst.native.ACCEL): the fields of a canonical, valid commit block, or
+#: None (then the reference below decodes it or raises the error with its reason).
+_accel_commit: Callable[[bytes], tuple[str, int, CID, str, CID | None, bytes] | None] | None = None
+if ACCEL:
+    from mst.accel import module as _accel_module
+
+    _accel_commit = _accel_module().commit
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +99,10 @@ def commit_from_obj(obj: object) -> Commit:
 
 def decode_commit(data: bytes) -> Commit:
     """Decode and validate a commit block; raises ``CommitError``."""
+    if _accel_commit is not None:
+        fields = _accel_commit(data)  # the native path: a canonical, valid commit, or None
+        if fields is not None:
+            return Commit(*fields)
     try:
         obj = cbor.decode_schema_checked(data)  # version and links are checked below
     except CBORError as exc:
