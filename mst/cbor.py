@@ -25,7 +25,6 @@ from cbrrr import CID
 from cbrrr import _cbrrr as _c
 
 from mst.errors import CBORError
-from mst.native import ACCEL
 
 __all__ = ["CBOR_REASONS", "decode", "decode_prefix", "encode", "encode_head"]
 
@@ -123,20 +122,6 @@ def _no_fast_check(obj: object) -> bool:
     return False
 
 
-# The native path (mst._accel, when mst.native.ACCEL): a C constructor for the strict CIDs (it
-# makes the blessed ones itself and hands anything else to ``_strict_cid``), and a C pass that
-# accepts values ``_check_values`` would accept (False: ``_check_values`` runs and decides).
-_cid_ctor: Callable[[bytes], CID] = _strict_cid
-_values_ok: Callable[[object], bool] = _no_fast_check
-if ACCEL:
-    from mst.accel import module as _accel_module
-
-    _accel = _accel_module()
-    _accel.init_cbor(_strict_cid)
-    _cid_ctor = _accel.strict_cid
-    _values_ok = _accel.values_ok
-
-
 def decode_prefix(data: bytes | bytearray | memoryview) -> tuple[object, int]:
     """Decode one strict DAG-CBOR object from the start of ``data``.
 
@@ -219,3 +204,20 @@ def encode_head(major: int, value: int) -> bytes:
     if value < 0x100000000:
         return bytes((mt | 26,)) + value.to_bytes(4, "big")
     return bytes((mt | 27,)) + value.to_bytes(8, "big")
+
+
+# The native path (mst._accel, when mst.native.ACCEL): a C constructor for the strict CIDs (it
+# makes the blessed ones itself and hands anything else to ``_strict_cid``), and a C pass that
+# accepts values ``_check_values`` would accept (False: ``_check_values`` runs and decides).
+_cid_ctor: Callable[[bytes], CID] = _strict_cid
+_values_ok: Callable[[object], bool] = _no_fast_check
+# (At the end of the module: mst.native imports the compiled modules, which import this one.)
+from mst.native import ACCEL  # noqa: E402
+
+if ACCEL:
+    from mst.accel import module as _accel_module
+
+    _accel = _accel_module()
+    _accel.init_cbor(_strict_cid)
+    _cid_ctor = _accel.strict_cid
+    _values_ok = _accel.values_ok

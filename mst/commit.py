@@ -17,20 +17,11 @@ from mst import cbor
 from mst.cid import CID, DAG_CBOR_PREFIX, cid_for_cbor
 from mst.crypto import PrivateKey, PublicKey, parse_did_key
 from mst.errors import CBORError, CommitError
-from mst.native import ACCEL
 from mst.syntax import is_valid_did, is_valid_tid
 
 __all__ = ["Commit", "decode_commit", "sign_commit", "verify_commit_sig"]
 
 _FIELDS = frozenset({"did", "version", "data", "rev", "prev", "sig"})
-
-#: mst._accel.commit (when mst.native.ACCEL): the fields of a canonical, valid commit block, or
-#: None (then the reference below decodes it or raises the error with its reason).
-_accel_commit: Callable[[bytes], tuple[str, int, CID, str, CID | None, bytes] | None] | None = None
-if ACCEL:
-    from mst.accel import module as _accel_module
-
-    _accel_commit = _accel_module().commit
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +94,11 @@ def decode_commit(data: bytes) -> Commit:
         fields = _accel_commit(data)  # the native path: a canonical, valid commit, or None
         if fields is not None:
             return Commit(*fields)
+    return decode_commit_reference(data)
+
+
+def decode_commit_reference(data: bytes) -> Commit:
+    """:func:`decode_commit` without the native path (the reference it falls back to)."""
     try:
         obj = cbor.decode_schema_checked(data)  # version and links are checked below
     except CBORError as exc:
@@ -124,3 +120,15 @@ def verify_commit_sig(commit: Commit, public_key: PublicKey | str) -> bool:
     """True iff ``commit.sig`` is a valid low-S signature by ``public_key`` (object or did:key)."""
     pk = parse_did_key(public_key) if isinstance(public_key, str) else public_key
     return pk.verify(commit.unsigned_bytes(), commit.sig)
+
+
+#: mst._accel.commit (when mst.native.ACCEL): the fields of a canonical, valid commit block, or
+#: None (then ``decode_commit_reference`` decodes it or raises the error with its reason).
+_accel_commit: Callable[[bytes], tuple[str, int, CID, str, CID | None, bytes] | None] | None = None
+# (At the end of the module, as in mst.cbor: mst.native imports modules that import this one.)
+from mst.native import ACCEL  # noqa: E402
+
+if ACCEL:
+    from mst.accel import module as _accel_module
+
+    _accel_commit = _accel_module().commit
