@@ -31,6 +31,7 @@ signing key, now) returning a :class:`Verdict`. No I/O, no clocks, no globals.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -66,7 +67,9 @@ from mst.errors import (
 )
 from mst.invert import invert_ops
 from mst.mst import MST
+from mst.native import ACCEL
 from mst.node import BlockMap, empty_node
+from mst.ops import RepoOp
 from mst.tid import tid_to_micros
 
 MAX_COMMIT_BLOCKS_BYTES = 2_000_000
@@ -74,6 +77,12 @@ MAX_SYNC_BLOCKS_BYTES = 10_000
 MAX_RECORD_BYTES = 1_000_000
 MAX_CLOCK_SKEW_S = 300.0
 EMPTY_TREE_ROOT: CID = empty_node().cid
+#: ``mst._accel.invert`` when the native path is on (see ``_invert_recorded``), else None.
+_accel_invert: Callable[..., CID | None] | None = None
+if ACCEL:
+    from mst.accel import module as _accel_module
+
+    _accel_invert = _accel_module().invert
 
 
 
@@ -203,11 +212,22 @@ def _lenient_reason(msg: CommitMessage, expected: CID | None) -> Reason | None:
     return None
 
 
-def _check_inversion(blocks: BlockMap, data: CID, msg: CommitMessage, expected: CID,
+def _invert_recorded(used: Recording, data: CID, ops: Sequence[RepoOp]) -> CID:
+    """``invert_ops`` on the slice ``used`` records, adding the blocks it read to ``used.seen``: by
+    the native path (``mst._accel.invert``, which needs the plain dict and fills ``seen`` itself)
+    when it accepts, else by the reference reading through the ``Recording``."""
+    if _accel_invert is not None and type(used.blocks) is dict:
+        got: CID | None = _accel_invert(used.blocks, data, ops, used.seen)
+        if got is not None:
+            return got
+    return invert_ops(used, data, ops)
+
+
+def _check_inversion(blocks: Recording, data: CID, msg: CommitMessage, expected: CID,
                      state: AccountState | None) -> None:
     """Step 3: the ops, inverted on the slice's partial tree (``blocks``), give back ``expected``."""
     try:
-        computed = invert_ops(blocks, data, msg.ops)
+        computed = _invert_recorded(blocks, data, msg.ops)
     except MissingBlockError:
         raise _reject(Reason.MISSING_MST_BLOCK) from None
     except InversionError as exc:

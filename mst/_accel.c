@@ -293,6 +293,9 @@ typedef struct {
     size_t mask;
     PyObject *keep;   /* list: objects whose buffers nodes point into */
     int bail;         /* 1: not handled here (the reference decides); 2: a Python error is set */
+    int track;        /* record the CIDs of the blocks load_node reads (invert's ``seen``) */
+    uint8_t (*seen)[CID_LEN];
+    size_t nseen, capseen;
 } Ctx;
 
 /* A context over ``blocks`` with an empty arena and table; ``keep`` as given (may be NULL). */
@@ -309,6 +312,9 @@ static Ctx *ctx_new(PyObject *blocks, PyObject *keep) {
     ctx->mask = 0;
     ctx->bail = 0;
     ctx->keep = keep;
+    ctx->track = 0;
+    ctx->seen = NULL;
+    ctx->nseen = ctx->capseen = 0;
     return ctx;
 }
 
@@ -468,6 +474,20 @@ static Node *load_node(Ctx *ctx, const uint8_t *cid, int layer) {
         i = (i + 1) & ctx->mask;
     }
     if (block == NULL || !PyBytes_CheckExact(block)) return BAIL(ctx); /* missing, or not bytes */
+    if (ctx->track) { /* a copy: the dict's keys may be gone by the time the set is filled */
+        if (ctx->nseen == ctx->capseen) {
+            size_t cap = ctx->capseen ? ctx->capseen * 2 : 16;
+            void *grown = PyMem_Realloc(ctx->seen, cap * CID_LEN);
+            if (grown == NULL) {
+                PyErr_NoMemory();
+                ctx->bail = 2;
+                return NULL;
+            }
+            ctx->seen = grown;
+            ctx->capseen = cap;
+        }
+        memcpy(ctx->seen[ctx->nseen++], cid, CID_LEN);
+    }
     return decode_node(ctx, (const uint8_t *)PyBytes_AS_STRING(block), (size_t)PyBytes_GET_SIZE(block),
                        cid, layer);
 }
@@ -845,8 +865,12 @@ done:
 }
 
 static PyObject *accel_invert(PyObject *self, PyObject *args) {
-    PyObject *blocks, *root, *ops;
-    if (!PyArg_ParseTuple(args, "OOO:invert", &blocks, &root, &ops)) return NULL;
+    PyObject *blocks, *root, *ops, *seen = Py_None;
+    if (!PyArg_ParseTuple(args, "OOO|O:invert", &blocks, &root, &ops, &seen)) return NULL;
+    if (seen != Py_None && !PySet_CheckExact(seen)) {
+        PyErr_SetString(PyExc_TypeError, "invert: seen must be a set or None");
+        return NULL;
+    }
     if (CID_type == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "mst._accel.init(CID) was not called");
         return NULL;
@@ -861,6 +885,7 @@ static PyObject *accel_invert(PyObject *self, PyObject *args) {
     if (root_cid == NULL) Py_RETURN_NONE;
     Ctx *ctx = ctx_new(blocks, PyList_New(0));
     if (ctx == NULL) return PyErr_NoMemory();
+    ctx->track = seen != Py_None;
     PyObject *result = NULL;
     Op *opv = NULL;
     if (ctx->keep == NULL) goto out;
@@ -901,6 +926,11 @@ static PyObject *accel_invert(PyObject *self, PyObject *args) {
     const uint8_t *cid = node_cid(ctx, nd);
     if (cid == NULL) goto fail;
     result = make_cid(cid);
+    for (size_t j = 0; result != NULL && j < ctx->nseen; j++) { /* accepted: the blocks it read */
+        PyObject *c = make_cid(ctx->seen[j]);
+        if (c == NULL || PySet_Add(seen, c) < 0) Py_CLEAR(result);
+        Py_XDECREF(c);
+    }
     goto out;
 fail:
     if (ctx->bail == 2) goto out; /* a Python error is set */
@@ -909,6 +939,7 @@ decline:
     Py_INCREF(result);
 out:
     PyMem_Free(opv);
+    PyMem_Free(ctx->seen);
     Py_XDECREF(ctx->keep);
     arena_free(&ctx->arena);
     PyMem_Free(ctx);
@@ -1309,7 +1340,9 @@ static PyMethodDef methods[] = {
     {"init", accel_init, METH_O, "init(CID): the CID class the results are made of (cbrrr.CID)."},
     {"read_car", accel_read_car, METH_VARARGS,
      "read_car(data, max_blocks, max_block_bytes, max_total_bytes) -> (roots, blocks) or None."},
-    {"invert", accel_invert, METH_VARARGS, "invert(blocks, root, ops) -> CID or None."},
+    {"invert", accel_invert, METH_VARARGS,
+     "invert(blocks, root, ops, seen=None) -> CID or None; when accepted, adds the CIDs of the blocks it read to "
+     "the set ``seen``."},
     {"records", accel_records, METH_VARARGS,
      "records(blocks, root, require_records) -> {path: CID} of the whole tree, or None."},
     {"checked_height", accel_key_height, METH_O, "Height of a valid MST key, -1 if invalid."},

@@ -566,3 +566,25 @@ def test_commit_blocks(accel: ModuleType) -> None:
     blocks = [raw_commit(f) for f in valid]
     for _ in range(2000):
         check_commit(accel, mutate(rng, rng.choice(blocks)))
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_invert_names_the_blocks_it_read(accel: ModuleType, seed: int) -> None:
+    """``invert(..., seen)`` adds the blocks it read to ``seen`` when it accepts (what a reading
+    ``firehose.prune.Recording`` records of the reference, which ``prune_slice`` relies on), and
+    leaves ``seen`` alone when it declines."""
+    from firehose.prune import Recording
+
+    for blocks, after, ops, before in random_commits(seed, 40):
+        seen: set[CID] = set()
+        assert accel.invert(blocks, after, ops, seen) == before
+        recording = Recording(blocks)
+        assert ref_invert.invert_ops(recording, after, ops) == before
+        assert seen == recording.seen and (seen or not ops)
+        assert all(type(c) is CID for c in seen)
+        wrong = [RepoOp("create", ops[0].path, cid_for_raw(b"other"))] if ops else []
+        untouched: set[CID] = set()
+        if wrong and accel.invert(blocks, after, wrong, untouched) is None:
+            assert untouched == set()
+    with pytest.raises(TypeError):
+        accel.invert({}, cid_for_cbor(b"\xa0"), [], [])
