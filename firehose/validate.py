@@ -77,6 +77,9 @@ MAX_SYNC_BLOCKS_BYTES = 10_000
 MAX_RECORD_BYTES = 1_000_000
 MAX_CLOCK_SKEW_S = 300.0
 EMPTY_TREE_ROOT: CID = empty_node().cid
+#: Inversions this process ran by the reference (not the native path): the native path declined
+#: the commit (unusual or invalid input), or is off. Valid, canonical commits never count here.
+reference_inversions = 0
 #: ``mst._accel.invert`` when the native path is on (see ``_invert_recorded``), else None.
 _accel_invert: Callable[..., CID | None] | None = None
 if ACCEL:
@@ -216,10 +219,12 @@ def _invert_recorded(used: Recording, data: CID, ops: Sequence[RepoOp]) -> CID:
     """``invert_ops`` on the slice ``used`` records, adding the blocks it read to ``used.seen``: by
     the native path (``mst._accel.invert``, which needs the plain dict and fills ``seen`` itself)
     when it accepts, else by the reference reading through the ``Recording``."""
+    global reference_inversions
     if _accel_invert is not None and type(used.blocks) is dict:
         got: CID | None = _accel_invert(used.blocks, data, ops, used.seen)
         if got is not None:
             return got
+    reference_inversions += 1
     return invert_ops(used, data, ops)
 
 
