@@ -1239,10 +1239,11 @@ static int read_raw(const uint8_t *d, size_t end, size_t *pos, const char *raw, 
     return 1;
 }
 
-/* commit(block) -> (did, version, data, rev, prev, sig) | None: a version-3 commit block in its
- * canonical encoding (keys did, rev, sig, data, prev, version; minimal heads; did and rev valid;
- * data and prev dag-cbor links, prev possibly null), exactly the fields mst.commit.decode_commit
- * gives it; None for anything else. */
+/* commit(block) -> (did, version, data, rev, prev, sig, signed) | None: a version-3 commit block
+ * in its canonical encoding (keys did, rev, sig, data, prev, version; minimal heads; did and rev
+ * valid; data and prev dag-cbor links, prev possibly null): exactly the fields
+ * mst.commit.decode_commit gives it, and the bytes that are signed (the canonical encoding of the
+ * commit without sig, which is the block without its sig entry); None for anything else. */
 static PyObject *accel_commit(PyObject *self, PyObject *arg) {
     if (CID_type == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "mst._accel.init(CID) was not called");
@@ -1263,15 +1264,25 @@ static PyObject *accel_commit(PyObject *self, PyObject *arg) {
         Py_RETURN_NONE;
     rev = d + pos;
     pos += rev_n;
+    size_t sig_start = pos;
     if (!read_raw(d, end, &pos, "\x63" "sig", 4) || !read_head(d, end, &pos, 2, &sig_n) || sig_n > end - pos)
         Py_RETURN_NONE;
     sig = d + pos;
     pos += sig_n;
+    size_t sig_end = pos;
     if (!read_raw(d, end, &pos, "\x64" "data", 5) || !read_link(d, end, &pos, 0, 1, &data)) Py_RETURN_NONE;
     if (!read_raw(d, end, &pos, "\x64" "prev", 5) || !read_link(d, end, &pos, 1, 1, &prev)) Py_RETURN_NONE;
     if (!read_raw(d, end, &pos, "\x67" "version" "\x03", 9) || pos != end) Py_RETURN_NONE;
     if (!valid_did(did, did_n) || !valid_tid(rev, rev_n)) Py_RETURN_NONE;
     PyObject *did_s = NULL, *rev_s = NULL, *sig_b = NULL, *data_c = NULL, *prev_c = NULL, *result = NULL;
+    PyObject *unsigned_b = NULL;
+    /* the signed bytes: this canonical block without its sig entry (5 entries, same order) */
+    size_t un = end - (sig_end - sig_start);
+    if ((unsigned_b = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)un)) == NULL) goto out;
+    uint8_t *u = (uint8_t *)PyBytes_AS_STRING(unsigned_b);
+    u[0] = 0xa5;
+    memcpy(u + 1, d + 1, sig_start - 1);
+    memcpy(u + sig_start, d + sig_end, end - sig_end);
     if ((did_s = PyUnicode_DecodeASCII((const char *)did, (Py_ssize_t)did_n, NULL)) == NULL) goto out;
     if ((rev_s = PyUnicode_DecodeASCII((const char *)rev, (Py_ssize_t)rev_n, NULL)) == NULL) goto out;
     if ((sig_b = PyBytes_FromStringAndSize((const char *)sig, (Py_ssize_t)sig_n)) == NULL) goto out;
@@ -1282,8 +1293,9 @@ static PyObject *accel_commit(PyObject *self, PyObject *arg) {
     } else if ((prev_c = make_cid(prev)) == NULL) {
         goto out;
     }
-    result = Py_BuildValue("(OiOOOO)", did_s, 3, data_c, rev_s, prev_c, sig_b);
+    result = Py_BuildValue("(OiOOOOO)", did_s, 3, data_c, rev_s, prev_c, sig_b, unsigned_b);
 out:
+    Py_XDECREF(unsigned_b);
     Py_XDECREF(did_s);
     Py_XDECREF(rev_s);
     Py_XDECREF(sig_b);
@@ -1352,7 +1364,7 @@ static PyMethodDef methods[] = {
     {"values_ok", accel_values_ok, METH_O,
      "values_ok(obj) -> True if nesting <= 256 and every int fits int64 (False: the reference decides)."},
     {"commit", accel_commit, METH_O,
-     "commit(block) -> (did, version, data, rev, prev, sig) of a canonical commit block, or None."},
+     "commit(block) -> (did, version, data, rev, prev, sig, signed bytes) of a canonical commit block, or None."},
     {NULL, NULL, 0, NULL},
 };
 

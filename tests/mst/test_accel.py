@@ -520,8 +520,14 @@ def check_commit(accel: ModuleType, block: bytes, *, must_handle: bool = False) 
         assert raw is None, (want, raw)
     elif raw is not None:
         commit = want[1]
-        assert raw == (commit.did, commit.version, commit.data, commit.rev, commit.prev, commit.sig)
+        assert raw == (commit.did, commit.version, commit.data, commit.rev, commit.prev, commit.sig,
+                       cbor.encode_trusted(commit.unsigned_dict()))
         assert all(type(v) is t for v, t in zip(raw, (str, int, CID, str), strict=False))
+        from mst.native import ACCEL
+
+        native = decode_commit(block)
+        assert native.signed == (raw[6] if ACCEL else None)
+        assert native.unsigned_bytes() == commit.unsigned_bytes()
     else:
         assert not must_handle, "the native path declined a valid canonical commit"
     assert outcome(decode_commit, block) == want
