@@ -16,6 +16,10 @@ Prints ``RESULT <name>=<value>`` lines:
   frames are cycled, so the key-height cache is warm (as for an active repo);
 * ``core_commit_verify_cold_per_s`` — the same with the key-height cache emptied before every
   frame (worst case: no key seen before);
+* ``core_worker_commits_per_s`` — what a validation worker does per ``#commit`` of such a batch
+  (``firehose.pipeline.validate_batch``: the relay's full judgement ``validate_frame``, with its
+  record, rev and chain checks, slice pruning and the outgoing body's encoding; account state
+  known, as for an active repo); no IPC;
 * ``core_producer_commits_per_s`` — ``Repo.apply_writes`` of 1–3 writes (simulator speed).
 
 With ``--stages`` it also prints (as ``#`` comment lines) the CPU microseconds per frame of each
@@ -258,6 +262,21 @@ def main() -> int:
     ksigs = [(k256.public_key, m, k256.sign(m)) for m in msgs]
     psigs = [(p256.public_key, m, p256.sign(m)) for m in msgs]
 
+    from firehose.pipeline import validate_batch
+    from firehose.state import AccountState, account_row
+
+    # each frame judged against the account state just before it (the chain checks pass)
+    states = [AccountState(did=DID, rev=r.since, data_cid=r.prev_data.encode() if r.prev_data else None)
+              for r in results]
+    now = 1_900_000_000.0  # after every rev (the simulated clock runs ahead of the real one)
+    jobs = [(frame_for(r, i + 1), account_row(s), did_key, now, False)
+            for i, (r, s) in enumerate(zip(results, states, strict=True))]
+    verdicts, _ = validate_batch(jobs)
+    assert all(v[0] == "accept" for v in verdicts), {v[1] for v in verdicts}
+
+    def worker_batch(i: int) -> None:
+        validate_batch(jobs[i * 30 : i * 30 + 30])
+
     figures = {
         "core_decode_per_s": rate(decode_one, n, args.seconds),
         "core_inversions_per_s": rate(invert_one, n, args.seconds),
@@ -271,6 +290,7 @@ def main() -> int:
         "core_commit_verify_cold_per_s": rate(cold_verify, n, args.seconds),
         # what a validation worker runs per frame (the checks above, the records' hashes, pruning)
         "core_relay_judge_per_s": rate(lambda i: judge_frame(judged[i], None, did_key, now), n, args.seconds),
+        "core_worker_commits_per_s": 30 * rate(worker_batch, n // 30, args.seconds),
         "core_producer_commits_per_s": producer,
     }
     if args.stages:

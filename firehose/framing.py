@@ -146,6 +146,15 @@ def _sorts_before_seq(key: str) -> bool:
     return len(raw) < 3 or (len(raw) == 3 and raw < b"seq")
 
 
+#: ``_sorts_before_seq`` of the keys the relay's outgoing bodies carry (the subscribeRepos lexicon's
+#: fields), looked up instead of computed per key of every event.
+_BEFORE_SEQ_KNOWN: dict[str, bool] = {
+    k: _sorts_before_seq(k)
+    for k in ("rebase", "tooBig", "repo", "commit", "rev", "since", "blocks", "ops", "blobs", "prevData",
+              "time", "did", "handle", "active", "status", "name", "message")
+}
+
+
 def encode_unsequenced(body: dict[str, Any]) -> tuple[bytes, int]:
     """Encode ``body`` (without ``seq``) for ``PendingEvent.body_cbor``, with the offset of the
     ``seq`` entry (``PendingEvent.seq_offset``), for a producer that holds the dict anyway (a
@@ -153,7 +162,8 @@ def encode_unsequenced(body: dict[str, Any]) -> tuple[bytes, int]:
     if "seq" in body:
         raise FramingError("seq_present")
     encoded = cbrrr.encode_dag_cbor(body)
-    before = {k: v for k, v in body.items() if _sorts_before_seq(k)}
+    known = _BEFORE_SEQ_KNOWN
+    before = {k: v for k, v in body.items() if known.get(k) or (k not in known and _sorts_before_seq(k))}
     head = len(encode_head(5, len(body)))
     if not before:
         return encoded, head

@@ -31,6 +31,7 @@ signing key, now) returning a :class:`Verdict`. No I/O, no clocks, no globals.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -50,7 +51,7 @@ from firehose.messages import (
 from firehose.prune import Recording, prune_slice
 from firehose.reasons import Reason
 from firehose.state import AccountState
-from mst import cbor, native
+from mst import cbor
 from mst.car import Car, read_car
 from mst.cid import CID, DAG_CBOR_PREFIX
 from mst.commit import Commit, decode_commit
@@ -66,21 +67,25 @@ from mst.errors import (
 )
 from mst.invert import invert_ops
 from mst.mst import MST
+from mst.native import ACCEL
 from mst.node import BlockMap, empty_node
+from mst.ops import RepoOp
 from mst.tid import tid_to_micros
-
-#: The native inversion (``mst._accel``, when built) takes a plain ``dict`` of blocks only (anything
-#: else it declines, and the compiled reference runs): with it on, the inversion is given the slice's
-#: own block dict, not a :class:`~firehose.prune.Recording` view, and pruning then walks the slice's
-#: nodes itself (``firehose.prune.referenced``: a byte scan per node) instead of reusing what the
-#: inversion read.
-_NATIVE_INVERSION = native.ACCEL
 
 MAX_COMMIT_BLOCKS_BYTES = 2_000_000
 MAX_SYNC_BLOCKS_BYTES = 10_000
 MAX_RECORD_BYTES = 1_000_000
 MAX_CLOCK_SKEW_S = 300.0
 EMPTY_TREE_ROOT: CID = empty_node().cid
+#: Inversions this process ran by the reference (not the native path): the native path declined
+#: the commit (unusual or invalid input), or is off. Valid, canonical commits never count here.
+reference_inversions = 0
+#: ``mst._accel.invert`` when the native path is on (see ``_invert_recorded``), else None.
+_accel_invert: Callable[..., CID | None] | None = None
+if ACCEL:
+    from mst.accel import module as _accel_module
+
+    _accel_invert = _accel_module().invert
 
 
 
@@ -210,11 +215,24 @@ def _lenient_reason(msg: CommitMessage, expected: CID | None) -> Reason | None:
     return None
 
 
-def _check_inversion(blocks: BlockMap, data: CID, msg: CommitMessage, expected: CID,
+def _invert_recorded(used: Recording, data: CID, ops: Sequence[RepoOp]) -> CID:
+    """``invert_ops`` on the slice ``used`` records, adding the blocks it read to ``used.seen``: by
+    the native path (``mst._accel.invert``, which needs the plain dict and fills ``seen`` itself)
+    when it accepts, else by the reference reading through the ``Recording``."""
+    global reference_inversions
+    if _accel_invert is not None and type(used.blocks) is dict:
+        got: CID | None = _accel_invert(used.blocks, data, ops, used.seen)
+        if got is not None:
+            return got
+    reference_inversions += 1
+    return invert_ops(used, data, ops)
+
+
+def _check_inversion(blocks: Recording, data: CID, msg: CommitMessage, expected: CID,
                      state: AccountState | None) -> None:
     """Step 3: the ops, inverted on the slice's partial tree (``blocks``), give back ``expected``."""
     try:
-        computed = invert_ops(blocks, data, msg.ops)
+        computed = _invert_recorded(blocks, data, msg.ops)
     except MissingBlockError:
         raise _reject(Reason.MISSING_MST_BLOCK) from None
     except InversionError as exc:
@@ -290,7 +308,7 @@ def validate_commit(
         accepted = _lenient_reason(msg, expected) if lenient else None
         if accepted is None:
             assert expected is not None
-            _check_inversion(car.blocks if _NATIVE_INVERSION else used, commit.data, msg, expected, state)
+            _check_inversion(used, commit.data, msg, expected, state)
         else:
             _check_ops_in_tree(used, commit.data, msg)
         _check_signature(commit, signing_key)

@@ -60,6 +60,22 @@ static PyObject *make_cid(const uint8_t *cid) {
     return obj;
 }
 
+/* 1 when a CID's hash is its bytes' hash (cbrrr.CID.__hash__), checked by init: then a dict keyed by
+ * CIDs can be filled from C without calling the Python-level __hash__ for every key. */
+static int cid_hash_is_bytes_hash = 0;
+
+/* dict[key] = value for a CID ``key`` made by make_cid */
+static int set_cid_item(PyObject *dict, PyObject *key, PyObject *value) {
+#if PY_VERSION_HEX < 0x030D0000
+    if (cid_hash_is_bytes_hash) {
+        Py_hash_t h = PyObject_Hash(*(PyObject **)((char *)key + cid_bytes_offset));
+        if (h == -1) return -1;
+        return _PyDict_SetItem_KnownHash(dict, key, value, h);
+    }
+#endif
+    return PyDict_SetItem(dict, key, value);
+}
+
 /* The 36 cid bytes of an exact CID object with a 36-byte bytes value, else NULL (no error set). */
 static const uint8_t *cid_bytes_of(PyObject *obj) {
     if (obj == NULL || Py_TYPE(obj) != CID_type) return NULL;
@@ -277,6 +293,9 @@ typedef struct {
     size_t mask;
     PyObject *keep;   /* list: objects whose buffers nodes point into */
     int bail;         /* 1: not handled here (the reference decides); 2: a Python error is set */
+    int track;        /* record the CIDs of the blocks load_node reads (invert's ``seen``) */
+    uint8_t (*seen)[CID_LEN];
+    size_t nseen, capseen;
 } Ctx;
 
 /* A context over ``blocks`` with an empty arena and table; ``keep`` as given (may be NULL). */
@@ -293,6 +312,9 @@ static Ctx *ctx_new(PyObject *blocks, PyObject *keep) {
     ctx->mask = 0;
     ctx->bail = 0;
     ctx->keep = keep;
+    ctx->track = 0;
+    ctx->seen = NULL;
+    ctx->nseen = ctx->capseen = 0;
     return ctx;
 }
 
@@ -452,6 +474,20 @@ static Node *load_node(Ctx *ctx, const uint8_t *cid, int layer) {
         i = (i + 1) & ctx->mask;
     }
     if (block == NULL || !PyBytes_CheckExact(block)) return BAIL(ctx); /* missing, or not bytes */
+    if (ctx->track) { /* a copy: the dict's keys may be gone by the time the set is filled */
+        if (ctx->nseen == ctx->capseen) {
+            size_t cap = ctx->capseen ? ctx->capseen * 2 : 16;
+            void *grown = PyMem_Realloc(ctx->seen, cap * CID_LEN);
+            if (grown == NULL) {
+                PyErr_NoMemory();
+                ctx->bail = 2;
+                return NULL;
+            }
+            ctx->seen = grown;
+            ctx->capseen = cap;
+        }
+        memcpy(ctx->seen[ctx->nseen++], cid, CID_LEN);
+    }
     return decode_node(ctx, (const uint8_t *)PyBytes_AS_STRING(block), (size_t)PyBytes_GET_SIZE(block),
                        cid, layer);
 }
@@ -829,8 +865,12 @@ done:
 }
 
 static PyObject *accel_invert(PyObject *self, PyObject *args) {
-    PyObject *blocks, *root, *ops;
-    if (!PyArg_ParseTuple(args, "OOO:invert", &blocks, &root, &ops)) return NULL;
+    PyObject *blocks, *root, *ops, *seen = Py_None;
+    if (!PyArg_ParseTuple(args, "OOO|O:invert", &blocks, &root, &ops, &seen)) return NULL;
+    if (seen != Py_None && !PySet_CheckExact(seen)) {
+        PyErr_SetString(PyExc_TypeError, "invert: seen must be a set or None");
+        return NULL;
+    }
     if (CID_type == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "mst._accel.init(CID) was not called");
         return NULL;
@@ -845,6 +885,7 @@ static PyObject *accel_invert(PyObject *self, PyObject *args) {
     if (root_cid == NULL) Py_RETURN_NONE;
     Ctx *ctx = ctx_new(blocks, PyList_New(0));
     if (ctx == NULL) return PyErr_NoMemory();
+    ctx->track = seen != Py_None;
     PyObject *result = NULL;
     Op *opv = NULL;
     if (ctx->keep == NULL) goto out;
@@ -885,6 +926,11 @@ static PyObject *accel_invert(PyObject *self, PyObject *args) {
     const uint8_t *cid = node_cid(ctx, nd);
     if (cid == NULL) goto fail;
     result = make_cid(cid);
+    for (size_t j = 0; result != NULL && j < ctx->nseen; j++) { /* accepted: the blocks it read */
+        PyObject *c = make_cid(ctx->seen[j]);
+        if (c == NULL || PySet_Add(seen, c) < 0) Py_CLEAR(result);
+        Py_XDECREF(c);
+    }
     goto out;
 fail:
     if (ctx->bail == 2) goto out; /* a Python error is set */
@@ -893,6 +939,7 @@ decline:
     Py_INCREF(result);
 out:
     PyMem_Free(opv);
+    PyMem_Free(ctx->seen);
     Py_XDECREF(ctx->keep);
     arena_free(&ctx->arena);
     PyMem_Free(ctx);
@@ -1070,7 +1117,7 @@ static PyObject *accel_read_car(PyObject *self, PyObject *args) {
             Py_DECREF(key);
             goto out;
         }
-        int r = PyDict_SetItem(blocks, key, block);
+        int r = set_cid_item(blocks, key, block);
         Py_DECREF(key);
         Py_DECREF(block);
         if (r < 0) goto out;
@@ -1085,6 +1132,175 @@ out:
     Py_XDECREF(roots);
     Py_XDECREF(blocks);
     PyBuffer_Release(&buf);
+    return result;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* DAG-CBOR decoding helpers for mst.cbor and mst.commit (same accept-only contract)          */
+
+static PyObject *cid_fallback = NULL; /* mst.cbor's strict CID constructor (the reference) */
+
+/* strict_cid(raw) -> CID: cbrrr's CID constructor for mst.cbor's strict decoding. A blessed
+ * 36-byte link becomes a CID holding ``raw`` itself (exactly what ``CID(bytes(raw))`` makes,
+ * without running ``CID.__init__``); anything else goes to the reference set by init_cbor,
+ * which makes the CID or raises its error. */
+static PyObject *accel_strict_cid(PyObject *self, PyObject *raw) {
+    if (CID_type != NULL && PyBytes_CheckExact(raw) && PyBytes_GET_SIZE(raw) == CID_LEN &&
+        is_blessed((const uint8_t *)PyBytes_AS_STRING(raw))) {
+        PyObject *obj = CID_type->tp_alloc(CID_type, 0);
+        if (obj == NULL) return NULL;
+        Py_INCREF(raw);
+        *(PyObject **)((char *)obj + cid_bytes_offset) = raw;
+        return obj;
+    }
+    if (cid_fallback == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "mst._accel.init_cbor(fallback) was not called");
+        return NULL;
+    }
+    return PyObject_CallOneArg(cid_fallback, raw);
+}
+
+static PyObject *accel_init_cbor(PyObject *self, PyObject *fallback) {
+    if (!PyCallable_Check(fallback)) {
+        PyErr_SetString(PyExc_TypeError, "init_cbor expects the reference CID constructor");
+        return NULL;
+    }
+    Py_INCREF(fallback);
+    Py_XSETREF(cid_fallback, fallback);
+    Py_RETURN_NONE;
+}
+
+#define MAX_VALUE_DEPTH 256 /* mst.cbor.MAX_DEPTH */
+
+/* 1 when every container in ``o`` (an exact dict or list at nesting ``depth``) nests at most
+ * MAX_VALUE_DEPTH deep and every exact int in it fits int64 (mst.cbor._check_values' rules; it
+ * descends into exact dicts and lists only, as that does); 0 otherwise (the reference decides). */
+static int values_ok(PyObject *o, int depth) {
+    if (depth > MAX_VALUE_DEPTH) return 0;
+    Py_ssize_t pos = 0, i = 0, n = 0;
+    int is_dict = PyDict_CheckExact(o);
+    if (!is_dict) n = PyList_GET_SIZE(o);
+    for (;;) {
+        PyObject *c;
+        if (is_dict) {
+            PyObject *k;
+            if (!PyDict_Next(o, &pos, &k, &c)) break;
+        } else {
+            if (i >= n) break;
+            c = PyList_GET_ITEM(o, i++);
+        }
+        if (PyDict_CheckExact(c) || PyList_CheckExact(c)) {
+            if (!values_ok(c, depth + 1)) return 0;
+        } else if (PyLong_CheckExact(c)) {
+            int overflow = 0;
+            (void)PyLong_AsLongLongAndOverflow(c, &overflow);
+            if (overflow) return 0;
+        }
+    }
+    return 1;
+}
+
+static PyObject *accel_values_ok(PyObject *self, PyObject *obj) {
+    if (!(PyDict_CheckExact(obj) || PyList_CheckExact(obj))) Py_RETURN_FALSE;
+    return PyBool_FromLong(values_ok(obj, 1));
+}
+
+/* did/rev syntax of mst.syntax (is_valid_did: ``did:[a-z]+:[a-zA-Z0-9._:%-]*[a-zA-Z0-9._-]``,
+ * at most 2048 characters; is_valid_tid: 13 characters, ``[234567abcdefghij][234567a-z]{12}``) */
+static int did_char(uint8_t c) {
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
+           c == '_' || c == '-' || c == ':' || c == '%';
+}
+
+static int valid_did(const uint8_t *s, size_t n) {
+    if (n > 2048 || n < 4 || memcmp(s, "did:", 4) != 0) return 0;
+    size_t i = 4;
+    while (i < n && s[i] >= 'a' && s[i] <= 'z') i++;
+    if (i == 4 || i >= n || s[i] != ':') return 0;
+    i++;
+    if (i >= n) return 0;
+    for (; i < n; i++)
+        if (!did_char(s[i])) return 0;
+    return s[n - 1] != ':' && s[n - 1] != '%';
+}
+
+static int valid_tid(const uint8_t *s, size_t n) {
+    if (n != 13) return 0;
+    if (!((s[0] >= '2' && s[0] <= '7') || (s[0] >= 'a' && s[0] <= 'j'))) return 0;
+    for (size_t i = 1; i < 13; i++)
+        if (!((s[i] >= '2' && s[i] <= '7') || (s[i] >= 'a' && s[i] <= 'z'))) return 0;
+    return 1;
+}
+
+/* a text key given as its full encoding (head + bytes) at *pos */
+static int read_raw(const uint8_t *d, size_t end, size_t *pos, const char *raw, size_t n) {
+    if (*pos + n > end || memcmp(d + *pos, raw, n) != 0) return 0;
+    *pos += n;
+    return 1;
+}
+
+/* commit(block) -> (did, version, data, rev, prev, sig, signed) | None: a version-3 commit block
+ * in its canonical encoding (keys did, rev, sig, data, prev, version; minimal heads; did and rev
+ * valid; data and prev dag-cbor links, prev possibly null): exactly the fields
+ * mst.commit.decode_commit gives it, and the bytes that are signed (the canonical encoding of the
+ * commit without sig, which is the block without its sig entry); None for anything else. */
+static PyObject *accel_commit(PyObject *self, PyObject *arg) {
+    if (CID_type == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "mst._accel.init(CID) was not called");
+        return NULL;
+    }
+    if (!PyBytes_CheckExact(arg)) Py_RETURN_NONE;
+    const uint8_t *d = (const uint8_t *)PyBytes_AS_STRING(arg);
+    size_t end = (size_t)PyBytes_GET_SIZE(arg), pos = 0;
+    uint64_t did_n, rev_n, sig_n;
+    const uint8_t *did, *rev, *sig, *data, *prev;
+    if (end < 1 || d[0] != 0xa6) Py_RETURN_NONE;
+    pos = 1;
+    if (!read_raw(d, end, &pos, "\x63" "did", 4) || !read_head(d, end, &pos, 3, &did_n) || did_n > end - pos)
+        Py_RETURN_NONE;
+    did = d + pos;
+    pos += did_n;
+    if (!read_raw(d, end, &pos, "\x63" "rev", 4) || !read_head(d, end, &pos, 3, &rev_n) || rev_n > end - pos)
+        Py_RETURN_NONE;
+    rev = d + pos;
+    pos += rev_n;
+    size_t sig_start = pos;
+    if (!read_raw(d, end, &pos, "\x63" "sig", 4) || !read_head(d, end, &pos, 2, &sig_n) || sig_n > end - pos)
+        Py_RETURN_NONE;
+    sig = d + pos;
+    pos += sig_n;
+    size_t sig_end = pos;
+    if (!read_raw(d, end, &pos, "\x64" "data", 5) || !read_link(d, end, &pos, 0, 1, &data)) Py_RETURN_NONE;
+    if (!read_raw(d, end, &pos, "\x64" "prev", 5) || !read_link(d, end, &pos, 1, 1, &prev)) Py_RETURN_NONE;
+    if (!read_raw(d, end, &pos, "\x67" "version" "\x03", 9) || pos != end) Py_RETURN_NONE;
+    if (!valid_did(did, did_n) || !valid_tid(rev, rev_n)) Py_RETURN_NONE;
+    PyObject *did_s = NULL, *rev_s = NULL, *sig_b = NULL, *data_c = NULL, *prev_c = NULL, *result = NULL;
+    PyObject *unsigned_b = NULL;
+    /* the signed bytes: this canonical block without its sig entry (5 entries, same order) */
+    size_t un = end - (sig_end - sig_start);
+    if ((unsigned_b = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)un)) == NULL) goto out;
+    uint8_t *u = (uint8_t *)PyBytes_AS_STRING(unsigned_b);
+    u[0] = 0xa5;
+    memcpy(u + 1, d + 1, sig_start - 1);
+    memcpy(u + sig_start, d + sig_end, end - sig_end);
+    if ((did_s = PyUnicode_DecodeASCII((const char *)did, (Py_ssize_t)did_n, NULL)) == NULL) goto out;
+    if ((rev_s = PyUnicode_DecodeASCII((const char *)rev, (Py_ssize_t)rev_n, NULL)) == NULL) goto out;
+    if ((sig_b = PyBytes_FromStringAndSize((const char *)sig, (Py_ssize_t)sig_n)) == NULL) goto out;
+    if ((data_c = make_cid(data)) == NULL) goto out;
+    if (prev == NULL) {
+        prev_c = Py_None;
+        Py_INCREF(prev_c);
+    } else if ((prev_c = make_cid(prev)) == NULL) {
+        goto out;
+    }
+    result = Py_BuildValue("(OiOOOOO)", did_s, 3, data_c, rev_s, prev_c, sig_b, unsigned_b);
+out:
+    Py_XDECREF(unsigned_b);
+    Py_XDECREF(did_s);
+    Py_XDECREF(rev_s);
+    Py_XDECREF(sig_b);
+    Py_XDECREF(data_c);
+    Py_XDECREF(prev_c);
     return result;
 }
 
@@ -1109,6 +1325,15 @@ static PyObject *accel_init(PyObject *self, PyObject *cid_type) {
     Py_XDECREF(CID_type);
     CID_type = (PyTypeObject *)cid_type;
     cid_bytes_offset = member->offset;
+    /* does hash(CID(b)) == hash(b)? (a sample; cbrrr.CID defines it so) */
+    static const uint8_t sample[CID_LEN] = {0x01, 0x71, 0x12, 0x20, 7, 1, 2, 3};
+    PyObject *probe = make_cid(sample);
+    if (probe == NULL) return NULL;
+    Py_hash_t hc = PyObject_Hash(probe);
+    Py_hash_t hb = hc == -1 ? -1 : PyObject_Hash(*(PyObject **)((char *)probe + cid_bytes_offset));
+    Py_DECREF(probe);
+    if (hb == -1) return NULL;
+    cid_hash_is_bytes_hash = hc == hb;
     Py_RETURN_NONE;
 }
 
@@ -1127,10 +1352,19 @@ static PyMethodDef methods[] = {
     {"init", accel_init, METH_O, "init(CID): the CID class the results are made of (cbrrr.CID)."},
     {"read_car", accel_read_car, METH_VARARGS,
      "read_car(data, max_blocks, max_block_bytes, max_total_bytes) -> (roots, blocks) or None."},
-    {"invert", accel_invert, METH_VARARGS, "invert(blocks, root, ops) -> CID or None."},
+    {"invert", accel_invert, METH_VARARGS,
+     "invert(blocks, root, ops, seen=None) -> CID or None; when accepted, adds the CIDs of the blocks it read to "
+     "the set ``seen``."},
     {"records", accel_records, METH_VARARGS,
      "records(blocks, root, require_records) -> {path: CID} of the whole tree, or None."},
     {"checked_height", accel_key_height, METH_O, "Height of a valid MST key, -1 if invalid."},
+    {"init_cbor", accel_init_cbor, METH_O,
+     "init_cbor(fallback): the reference strict CID constructor strict_cid hands what it declines."},
+    {"strict_cid", accel_strict_cid, METH_O, "strict_cid(raw) -> CID (mst.cbor's CID constructor)."},
+    {"values_ok", accel_values_ok, METH_O,
+     "values_ok(obj) -> True if nesting <= 256 and every int fits int64 (False: the reference decides)."},
+    {"commit", accel_commit, METH_O,
+     "commit(block) -> (did, version, data, rev, prev, sig, signed bytes) of a canonical commit block, or None."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -17,6 +17,7 @@ Decoded values are plain Python: dict/list/str/int/bytes/bool/None/float/``CID``
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import cbrrr
@@ -117,6 +118,10 @@ def _check_values(obj: Any) -> None:
                 raise CBORError("cbor_integer_out_of_range", "integer does not fit in int64")
 
 
+def _no_fast_check(obj: object) -> bool:
+    return False
+
+
 def decode_prefix(data: bytes | bytearray | memoryview) -> tuple[object, int]:
     """Decode one strict DAG-CBOR object from the start of ``data``.
 
@@ -124,13 +129,13 @@ def decode_prefix(data: bytes | bytearray | memoryview) -> tuple[object, int]:
     firehose frames, which are two concatenated objects). Raises ``CBORError``.
     """
     try:
-        obj, n = _c.decode_dag_cbor(data, _strict_cid, False)  # type: ignore[arg-type]  # any buffer
+        obj, n = _c.decode_dag_cbor(data, _cid_ctor, False)  # type: ignore[arg-type]  # any buffer
     except CBORError:
         raise
     except (ValueError, TypeError, RecursionError, OverflowError, cbrrr.CbrrrDecodeError) as exc:
         raise CBORError(_classify(exc), str(exc)[:200]) from None
     t = type(obj)
-    if t is dict or t is list:
+    if (t is dict or t is list) and not _values_ok(obj):
         _check_values(obj)
     elif t is int and (obj > _INT64_MAX or obj < _INT64_MIN):
         raise CBORError("cbor_integer_out_of_range", "integer does not fit in int64")
@@ -156,7 +161,7 @@ def encode(obj: object) -> bytes:
     except (ValueError, TypeError, OverflowError, RecursionError) as exc:
         raise CBORError("cbor_unencodable", str(exc)[:200]) from None
     t = type(obj)
-    if t is dict or t is list:
+    if (t is dict or t is list) and not _values_ok(obj):
         _check_values(obj)
     elif t is int and (obj > _INT64_MAX or obj < _INT64_MIN):  # type: ignore[operator]
         raise CBORError("cbor_integer_out_of_range", "integer does not fit in int64")
@@ -199,3 +204,20 @@ def encode_head(major: int, value: int) -> bytes:
     if value < 0x100000000:
         return bytes((mt | 26,)) + value.to_bytes(4, "big")
     return bytes((mt | 27,)) + value.to_bytes(8, "big")
+
+
+# The native path (mst._accel, when mst.native.ACCEL): a C constructor for the strict CIDs (it
+# makes the blessed ones itself and hands anything else to ``_strict_cid``), and a C pass that
+# accepts values ``_check_values`` would accept (False: ``_check_values`` runs and decides).
+_cid_ctor: Callable[[bytes], CID] = _strict_cid
+_values_ok: Callable[[object], bool] = _no_fast_check
+# (At the end of the module: mst.native imports the compiled modules, which import this one.)
+from mst.native import ACCEL  # noqa: E402
+
+if ACCEL:
+    from mst.accel import module as _accel_module
+
+    _accel = _accel_module()
+    _accel.init_cbor(_strict_cid)
+    _cid_ctor = _accel.strict_cid
+    _values_ok = _accel.values_ok

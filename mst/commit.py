@@ -10,7 +10,8 @@ present (may be null). Errors are :class:`mst.errors.CommitError` with reasons
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from mst import cbor
 from mst.cid import CID, DAG_CBOR_PREFIX, cid_for_cbor
@@ -33,6 +34,9 @@ class Commit:
     rev: str
     prev: CID | None
     sig: bytes
+    #: The signed bytes, when ``decode_commit`` took them from the block itself (its native path);
+    #: never set otherwise. Not an argument, not compared, not copied by ``dataclasses.replace``.
+    signed: bytes | None = field(default=None, init=False, repr=False, compare=False)
 
     def unsigned_dict(self) -> dict[str, object]:
         return {
@@ -45,7 +49,8 @@ class Commit:
 
     def unsigned_bytes(self) -> bytes:
         """The bytes that are signed: DAG-CBOR of the commit without ``sig``."""
-        return cbor.encode_trusted(self.unsigned_dict())
+        signed = self.signed
+        return signed if signed is not None else cbor.encode_trusted(self.unsigned_dict())
 
     def encode(self) -> bytes:
         """DAG-CBOR of the signed commit (its block)."""
@@ -89,6 +94,18 @@ def commit_from_obj(obj: object) -> Commit:
 
 def decode_commit(data: bytes) -> Commit:
     """Decode and validate a commit block; raises ``CommitError``."""
+    if _accel_commit is not None:
+        fields = _accel_commit(data)  # the native path: a canonical, valid commit, or None
+        if fields is not None:
+            did, version, link, rev, prev, sig, signed = fields
+            commit = Commit(did, version, link, rev, prev, sig)
+            object.__setattr__(commit, "signed", signed)
+            return commit
+    return decode_commit_reference(data)
+
+
+def decode_commit_reference(data: bytes) -> Commit:
+    """:func:`decode_commit` without the native path (the reference it falls back to)."""
     try:
         obj = cbor.decode_schema_checked(data)  # version and links are checked below
     except CBORError as exc:
@@ -110,3 +127,15 @@ def verify_commit_sig(commit: Commit, public_key: PublicKey | str) -> bool:
     """True iff ``commit.sig`` is a valid low-S signature by ``public_key`` (object or did:key)."""
     pk = parse_did_key(public_key) if isinstance(public_key, str) else public_key
     return pk.verify(commit.unsigned_bytes(), commit.sig)
+
+
+#: mst._accel.commit (when mst.native.ACCEL): the fields of a canonical, valid commit block, or
+#: None (then ``decode_commit_reference`` decodes it or raises the error with its reason).
+_accel_commit: Callable[[bytes], tuple[str, int, CID, str, CID | None, bytes, bytes] | None] | None = None
+# (At the end of the module, as in mst.cbor: mst.native imports modules that import this one.)
+from mst.native import ACCEL  # noqa: E402
+
+if ACCEL:
+    from mst.accel import module as _accel_module
+
+    _accel_commit = _accel_module().commit

@@ -64,8 +64,6 @@ def _choose() -> tuple[bool, str]:
     return True, "compiled: " + ", ".join(COMPILED_MODULES)
 
 
-#: True when the compiled modules are the ones ``mst.node``/``mst.invert``/``mst.car`` export.
-COMPILED, STATUS = _choose()
 
 
 def _choose_accel() -> tuple[bool, str]:
@@ -86,6 +84,10 @@ def _choose_accel() -> tuple[bool, str]:
 
 #: True when ``mst.car.read_car`` and ``mst.invert.invert_ops`` try ``mst._accel`` first.
 ACCEL, ACCEL_STATUS = _choose_accel()
+
+#: True when the compiled modules are the ones ``mst.node``/``mst.invert``/``mst.car`` export.
+#: (Decided after ``ACCEL``: importing them imports ``mst.cbor``, which reads ``ACCEL``.)
+COMPILED, STATUS = _choose()
 
 
 def active() -> bool:

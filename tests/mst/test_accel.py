@@ -402,3 +402,195 @@ def test_block_hashes_at_every_padding_boundary(accel: ModuleType) -> None:
     for cid, data in blocks[::7]:
         bad = data[:-1] + bytes([data[-1] ^ 1]) if data else b"\x00"
         assert check_car(accel, ref_car.write_car([cid], [(cid, bad)]))[2] == "car_hash_mismatch"
+
+
+# --- DAG-CBOR helpers: strict CIDs, the value walk, commit blocks ------------------------------
+
+
+def reference_decode(data: bytes) -> Outcome:
+    """``cbor.decode`` as it is without the native path: cbrrr with the Python CID constructor,
+    then the Python value walk."""
+    def decode() -> object:
+        obj, n = cbor._c.decode_dag_cbor(data, cbor._strict_cid, False)
+        if n != len(data):
+            raise cbor.CBORError("cbor_trailing_bytes", "")
+        if type(obj) in (dict, list):
+            cbor._check_values(obj)
+        return obj
+    try:
+        return ("ok", decode())
+    except cbor.CBORError as exc:
+        return ("error", exc.reason)
+    except Exception as exc:  # noqa: BLE001 - cbrrr's errors, classified as mst.cbor does
+        return ("error", cbor._classify(exc))
+
+
+def test_strict_cid_makes_blessed_links_and_hands_the_rest_to_the_reference(accel: ModuleType) -> None:
+    from mst import native
+
+    # mst.cbor really decodes through it (when the native path is on: not under RELAY_PURE_PYTHON)
+    assert cbor._cid_ctor is (accel.strict_cid if native.ACCEL else cbor._strict_cid)
+    accel.init_cbor(cbor._strict_cid)  # what mst.cbor does when the native path is on
+    for prefix in (b"\x01\x71\x12\x20", b"\x01\x55\x12\x20"):
+        raw = prefix + bytes(range(32))
+        got = accel.strict_cid(raw)
+        assert type(got) is CID and got == CID(raw) and got.cid_bytes is raw and hash(got) == hash(CID(raw))
+    for bad in (b"\x01\x70\x12\x20" + bytes(32), b"\x01\x71\x13\x20" + bytes(32), b"\x01\x71\x12\x20" + bytes(31),
+                b"\x01\x71\x12\x20" + bytes(33), b"", b"\x01\x55\x12\x21" + bytes(32)):
+        with pytest.raises(cbor._BadCID):
+            accel.strict_cid(bad)
+
+
+def test_values_walk_accepts_exactly_what_the_reference_accepts(accel: ModuleType) -> None:
+    def nested(depth: int, leaf: object) -> object:
+        obj: object = leaf
+        for level in range(depth):
+            obj = [obj] if level % 2 else {"k": obj}
+        return obj
+
+    cases: list[object] = [
+        {}, [], {"a": 1, "b": [1, 2, {"c": None}]}, [True, False, 1.5, "x", b"y", None],
+        [2**63 - 1, -(2**63)], [2**63], [-(2**63) - 1], {"a": {"b": [2**64]}}, {"a": [{"b": -(2**70)}]},
+        nested(255, 1), nested(256, 1), nested(256, [1]), nested(257, 1), nested(255, 2**63),
+    ]
+    for obj in cases:
+        try:
+            cbor._check_values(obj)
+            want = True
+        except cbor.CBORError:
+            want = False
+        assert accel.values_ok(obj) is want, obj if not isinstance(obj, dict | list) or len(str(obj)) < 200 else "deep"
+    assert accel.values_ok(1) is False and accel.values_ok("x") is False
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_strict_decoding_matches_the_reference(accel: ModuleType, seed: int) -> None:
+    """``cbor.decode`` (native CID constructor and value walk) against the pure-Python decoding,
+    on valid values and mutations of them: same values, same error reasons."""
+    rng = random.Random(seed)
+    link = cid_for_cbor(b"\xa0")
+    raw_link = cid_for_raw(b"x")
+    values: list[object] = [
+        {"op": 1, "t": "#commit"},
+        {"ops": [{"action": "create", "path": "a/b", "cid": link, "prev": None}], "blocks": b"\x00" * 40,
+         "seq": 2**62, "n": -(2**63), "l": [raw_link, link, [link]]},
+        [link, {"x": [1, 2, 3]}, "text", 1.25],
+    ]
+    seen_ok = seen_error = 0
+    for _ in range(400):
+        data = cbor.encode(rng.choice(values))
+        if rng.random() < 0.8:
+            data = mutate(rng, data)
+        want = reference_decode(data)
+        try:
+            got: Outcome = ("ok", cbor.decode(data))
+        except cbor.CBORError as exc:
+            got = ("error", exc.reason)
+        assert got == want, data.hex()
+        if got[0] == "ok":
+            seen_ok += 1
+        else:
+            seen_error += 1
+    assert seen_ok > 50 and seen_error > 50
+
+
+def raw_commit(fields: list[tuple[str, bytes]], count: int | None = None) -> bytes:
+    """A commit block written field by field (``fields``: key and its already encoded value), so
+    key order, head sizes and the entry count can be made wrong on purpose."""
+    out = bytearray([0xa0 + (len(fields) if count is None else count)])
+    for key, value in fields:
+        out += cbor.encode(key) + value
+    return bytes(out)
+
+
+def commit_fields(did: str = "did:plc:abcdefghijklmnopqrstuvwx", rev: str = "3kabcdefghij2",
+                  sig: bytes = b"s" * 64, prev: CID | None = None, version: int = 3) -> list[tuple[str, bytes]]:
+    data = cid_for_cbor(b"\x80")
+    return [("did", cbor.encode(did)), ("rev", cbor.encode(rev)), ("sig", cbor.encode(sig)),
+            ("data", cbor.encode(data)), ("prev", cbor.encode(prev)), ("version", cbor.encode(version))]
+
+
+def check_commit(accel: ModuleType, block: bytes, *, must_handle: bool = False) -> Outcome:
+    """The native commit decoder agrees with the reference; returns the reference's outcome."""
+    from mst.commit import decode_commit, decode_commit_reference
+
+    want = outcome(decode_commit_reference, block)
+    raw = accel.commit(block)
+    if want[0] == "error":
+        assert raw is None, (want, raw)
+    elif raw is not None:
+        commit = want[1]
+        assert raw == (commit.did, commit.version, commit.data, commit.rev, commit.prev, commit.sig,
+                       cbor.encode_trusted(commit.unsigned_dict()))
+        assert all(type(v) is t for v, t in zip(raw, (str, int, CID, str), strict=False))
+        from mst.native import ACCEL
+
+        native = decode_commit(block)
+        assert native.signed == (raw[6] if ACCEL else None)
+        assert native.unsigned_bytes() == commit.unsigned_bytes()
+    else:
+        assert not must_handle, "the native path declined a valid canonical commit"
+    assert outcome(decode_commit, block) == want
+    return want
+
+
+def test_commit_blocks(accel: ModuleType) -> None:
+    link = cid_for_cbor(b"\xa1")
+    valid = [
+        commit_fields(), commit_fields(prev=link), commit_fields(sig=b""), commit_fields(sig=b"x" * 300),
+        commit_fields(did="did:web:example.com"), commit_fields(did="did:web:localhost%3A2583"),
+        commit_fields(did="did:a:b"), commit_fields(did="did:plc:" + "a" * 2040),
+        commit_fields(did="did:x:A.b_c-d:e%20f"), commit_fields(rev="2222222222222"),
+        commit_fields(rev="jzzzzzzzzzzzz"),
+    ]
+    for fields in valid:
+        assert check_commit(accel, raw_commit(fields), must_handle=True)[0] == "ok"
+    invalid = [
+        commit_fields(did="did:plc:abc:"), commit_fields(did="did:plc:abc%"), commit_fields(did="did:PLC:abc"),
+        commit_fields(did="did::abc"), commit_fields(did="did:plc:"), commit_fields(did="did:plc"),
+        commit_fields(did="dad:plc:abc"), commit_fields(did="did:plc:a/b"), commit_fields(did="did:plc:é"),
+        commit_fields(did="did:plc:" + "a" * 2041), commit_fields(rev="kzzzzzzzzzzzz"),
+        commit_fields(rev="3kabcdefghij"), commit_fields(rev="3kabcdefghij22"), commit_fields(rev="3kabcdefghij1"),
+        commit_fields(rev="3kabcdefghijA"), commit_fields(version=2), commit_fields(prev=cid_for_raw(b"x")),
+    ]
+    for fields in invalid:
+        assert check_commit(accel, raw_commit(fields))[0] == "error", fields
+    base = commit_fields()
+    structural = [
+        raw_commit(base[:5]), raw_commit(base, count=7), raw_commit([base[1], base[0], *base[2:]]),
+        raw_commit([*base[:3], base[4], base[3], base[5]]), raw_commit([*base, ("x", b"\x01")]),
+        raw_commit([*base[:2], ("sig", cbor.encode("text")), *base[3:]]),
+        raw_commit([*base[:3], ("data", cbor.encode(cid_for_raw(b"y"))), *base[4:]]),
+        raw_commit([*base[:3], ("data", b"\xf6"), *base[4:]]),
+        raw_commit([("did", b"\x78\x0b" + b"did:plc:abc"), *base[1:]]),  # non-minimal head
+        raw_commit([*base[:5], ("version", b"\x18\x03")]),
+        raw_commit(base) + b"\x00", raw_commit(base)[:-1], b"", b"\xa6", b"\x80",
+    ]
+    for block in structural:
+        assert check_commit(accel, block)[0] == "error", block.hex()
+    rng = random.Random(7)
+    blocks = [raw_commit(f) for f in valid]
+    for _ in range(2000):
+        check_commit(accel, mutate(rng, rng.choice(blocks)))
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_invert_names_the_blocks_it_read(accel: ModuleType, seed: int) -> None:
+    """``invert(..., seen)`` adds the blocks it read to ``seen`` when it accepts (what a reading
+    ``firehose.prune.Recording`` records of the reference, which ``prune_slice`` relies on), and
+    leaves ``seen`` alone when it declines."""
+    from firehose.prune import Recording
+
+    for blocks, after, ops, before in random_commits(seed, 40):
+        seen: set[CID] = set()
+        assert accel.invert(blocks, after, ops, seen) == before
+        recording = Recording(blocks)
+        assert ref_invert.invert_ops(recording, after, ops) == before
+        assert seen == recording.seen and (seen or not ops)
+        assert all(type(c) is CID for c in seen)
+        wrong = [RepoOp("create", ops[0].path, cid_for_raw(b"other"))] if ops else []
+        untouched: set[CID] = set()
+        if wrong and accel.invert(blocks, after, wrong, untouched) is None:
+            assert untouched == set()
+    with pytest.raises(TypeError):
+        accel.invert({}, cid_for_cbor(b"\xa0"), [], [])
