@@ -503,8 +503,16 @@ class Upstreams:
             self._finished(run, work, slot, ok=False)
             return
         event.host = run.hostname
-        # The cursor stored with the event: every frame up to the watermark is done already.
-        event.upstream_seq = run.watermark if run.fence is work.fence else None
+        # The cursor stored with the event: every frame up to it is done once the event is stored.
+        # That is the watermark, or this frame itself when it heads the window (every frame before
+        # it is done, and it is done exactly when its event is durable): a host whose frames come
+        # one at a time (most of a thousand hosts) then needs no cursor write of its own per frame.
+        if run.fence is not work.fence:
+            event.upstream_seq = None
+        elif run.window and run.window[0] is slot:
+            event.upstream_seq = slot.seq
+        else:
+            event.upstream_seq = run.watermark
         event.frame_seq = work.uf.seq
         event.fence = work.fence
         try:
