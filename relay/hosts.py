@@ -123,6 +123,7 @@ class _BoardRow:
     status: str
     accounts: int
     limit: int | None
+    relay: bool = False
 
 
 class HostBoard:
@@ -162,14 +163,15 @@ class HostBoard:
                 page = await self.store.list_hosts(after=after, limit=500)
                 for host in page:
                     if host.hostname not in self._rows:
-                        self._add(host.hostname, host.status, host.account_count, self.policy.account_limit(host))
+                        self._add(host.hostname, host.status, host.account_count, self.policy.account_limit(host),
+                                  host.relay)
                 if len(page) < 500:
                     break
                 after = page[-1].hostname
             self._loaded = True
 
-    def _add(self, hostname: str, status: str, accounts: int, limit: int | None) -> _BoardRow:
-        row = self._rows[hostname] = _BoardRow(status, accounts, limit)
+    def _add(self, hostname: str, status: str, accounts: int, limit: int | None, relay: bool = False) -> _BoardRow:
+        row = self._rows[hostname] = _BoardRow(status, accounts, limit, relay)
         self._counts[status] = self._counts.get(status, 0) + 1
         self._version += 1
         return row
@@ -208,9 +210,10 @@ class HostBoard:
         limit = self.policy.account_limit(host)
         row = self._rows.get(host.hostname)
         if row is None:
-            self._add(host.hostname, host.status, host.account_count, limit)
+            self._add(host.hostname, host.status, host.account_count, limit, host.relay)
             return
         self._set(row, host.status)
+        row.relay = host.relay
         if row.limit != limit:
             row.limit = limit
             self._version += 1
@@ -228,6 +231,10 @@ class HostBoard:
             else:
                 row.accounts += delta
                 self._version += 1
+
+    def hostnames(self, *, skip: tuple[str, ...] = (), relays: bool = True) -> list[str]:
+        """The hosts held, but those whose status is in ``skip`` (and relay upstreams unless ``relays``)."""
+        return [h for h, r in self._rows.items() if r.status not in skip and (relays or not r.relay)]
 
     def counts(self) -> dict[str, int]:
         """Hosts per status (every status of ``HOST_STATUSES``, zero included)."""

@@ -52,7 +52,6 @@ from urllib.parse import urlsplit
 
 from backfill.outbox import Repair, RepairOutcome
 from backfill.store import Store
-from backfill.types import HostState
 from firehose.state import AccountState
 from mst.errors import ReasonError
 from relay.hosts import host_base_url
@@ -196,8 +195,7 @@ class StatusHealer:
     async def step(self) -> None:
         """One pass: learn the hosts, sweep every one that is due, check the due suspects."""
         now = self.clock()
-        for host in await self._hosts():
-            name = host.hostname
+        for name in await self._hosts():
             if name not in self._due:
                 self._due[name] = await self._first_due(name, now)
             connected = self.upstreams.connected(name)
@@ -226,15 +224,12 @@ class StatusHealer:
             return last + self.pace.interval
         return now + self.pace.interval * ((zlib.crc32(hostname.encode()) % 1000) / 1000.0)
 
-    async def _hosts(self) -> list[HostState]:
-        out: list[HostState] = []
-        after: str | None = None
-        while True:
-            page = await self.store.list_hosts(after=after, limit=500)
-            out += [h for h in page if h.status not in SKIPPED_HOSTS and not h.relay]
-            if len(page) < 500:
-                return out
-            after = page[-1].hostname
+    async def _hosts(self) -> list[str]:
+        """The PDS hosts to sweep, from the host board (``relay.hosts.HostBoard``, in memory: a
+        tick reads no host rows)."""
+        board = self.upstreams.board
+        await board.ensure_loaded()
+        return board.hostnames(skip=SKIPPED_HOSTS, relays=False)
 
     def _failed(self, hostname: str, reason: str) -> None:
         self.metrics.child(self.metrics.heal_host_failures, reason).inc()

@@ -114,8 +114,8 @@ def _gauges(text: str) -> tuple[dict[str, float], dict[str, float]]:
 
 async def test_scrapes_follow_host_statuses_without_reading_the_store(tmp_path: Path) -> None:
     """A running relay's ``relay_hosts{status}`` follows a host going offline (the status watch)
-    and being banned and unbanned (admin), and a ``/metrics`` scrape or a status-watch pass runs
-    no statement on the ``hosts`` table."""
+    and being banned and unbanned (admin), and a ``/metrics`` scrape, a status-watch pass or a
+    status-healer tick runs no statement reading the ``hosts`` table."""
     store = await open_counting(tmp_path / "relay.sqlite")
     for i in range(20):
         await store.upsert_host(HostState(hostname=f"gone{i}.example", status="banned", account_count=i))
@@ -149,6 +149,11 @@ async def test_scrapes_follow_host_statuses_without_reading_the_store(tmp_path: 
             await asyncio.sleep(0.05)
         counts, _ = await scrape()
         assert counts["offline"] == 1 and counts["active"] == 0
+        healer = relay.service.healer
+        assert healer is not None
+        store.statements.clear()
+        await healer.step()  # the status healer's tick learns its hosts from the board too
+        assert store.host_reads() == [], store.host_reads()
         assert (await store.get_host(dead)).status == "offline"  # type: ignore[union-attr]
         await hosts.block(dead)
         counts, accounts = await scrape()
