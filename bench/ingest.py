@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -60,8 +62,10 @@ async def run_ingest(*, hosts: int, accounts: int, commits: int, db: str, prefix
         schema = f"bench_{prefix}_{int(time.time())}"
         database_url = f"{PG_DSN}?schema={schema}"
     extra = ([] if workers is None else ["--validation-workers", str(workers)]) + (relay_args or [])
+    # a profile covers the measured window only: from the release of the commits to the end
+    env = {"RELAY_PROFILE_ON_SIGNAL": "1"} if profile else None
     try:
-        async with relay(fleet.plc_url, database_url=database_url, extra=extra, profile=profile) as r:
+        async with relay(fleet.plc_url, database_url=database_url, extra=extra, profile=profile, env=env) as r:
             consumer = CountingConsumer(r.ws_url).start()
             await asyncio.wait_for(consumer.connected.wait(), 30)
             await r.crawl([h.hostname for h in fleet.hosts])
@@ -80,6 +84,8 @@ async def run_ingest(*, hosts: int, accounts: int, commits: int, db: str, prefix
             workers_pids = [p for p in pids if p != main_pid]
             cpu_main0, cpu_workers0, sim0 = cpu_seconds([main_pid]), cpu_seconds(workers_pids), self_cpu()
             t0 = time.time()
+            if profile:
+                os.kill(main_pid, signal.SIGUSR1)
             release = asyncio.create_task(fleet.release(rate))
             last_progress = time.monotonic()
             last_n = 0
@@ -178,7 +184,7 @@ def main() -> int:
     p.add_argument("--workers", type=int, default=None, help="relay --validation-workers")
     p.add_argument("--skip-sim-capacity", action="store_true")
     p.add_argument("--rate", type=float, default=None, help="release the commits at this rate (default: all at once)")
-    p.add_argument("--profile", default=None, help="run the relay's main process under cProfile, stats here")
+    p.add_argument("--profile", default=None, help="profile the relay's main process over the measured window (cProfile, CPU clock), stats here")
     a = p.parse_args()
     if not a.skip_sim_capacity:
         asyncio.run(sim_capacity(5_000 if a.quick else 20_000))
