@@ -11,6 +11,7 @@ process, cannot bring the old document back.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,8 +48,14 @@ class Identity:
         """The PDS endpoint as a relay hostname (``host`` or ``host:port``), lower case."""
         if not self.pds:
             return None
-        parts = urlsplit(self.pds)
-        return parts.netloc.lower() or None
+        return _netloc(self.pds)
+
+
+@functools.lru_cache(maxsize=65536)
+def _netloc(url: str) -> str | None:
+    """``url``'s host[:port], lower case (None when empty). Cached: every frame asks it of its
+    account's PDS endpoint, and a relay sees one endpoint per host."""
+    return urlsplit(url).netloc.lower() or None
 
 
 @dataclass(frozen=True, slots=True)
