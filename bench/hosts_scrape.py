@@ -64,17 +64,19 @@ class Phase:
 
 async def scraper(url: str, every: float, took: list[float], sizes: list[int],
                   windows: list[tuple[float, float]]) -> None:
-    """GET ``url`` every ``every`` s (the first at once), recording each request's time, size and
-    ``(start, end)``."""
-    async with httpx.AsyncClient(timeout=60) as http:
-        while True:
-            t0 = time.perf_counter()
-            r = await http.get(url)
-            t1 = time.perf_counter()
-            took.append(t1 - t0)
-            sizes.append(len(r.content))
-            windows.append((t0, t1))
-            await asyncio.sleep(max(0.0, every - (time.perf_counter() - t0)))
+    """GET ``url`` every ``every`` s (the first at once) with ``curl``, a process of its own as
+    Prometheus is (reading a 1.5 MB answer here would delay this process' simulator and consumer,
+    and so the delays measured), recording each request's time, size and ``(start, end)``."""
+    while True:
+        t0 = time.perf_counter()
+        proc = await asyncio.create_subprocess_exec("curl", "-s", "-o", "/dev/null", "-w", "%{size_download}",
+                                                    "--max-time", "60", url, stdout=asyncio.subprocess.PIPE)
+        out, _ = await proc.communicate()
+        t1 = time.perf_counter()
+        took.append(t1 - t0)
+        sizes.append(int(float(out or b"0")))
+        windows.append((t0, t1))
+        await asyncio.sleep(max(0.0, every - (time.perf_counter() - t0)))
 
 
 async def prober(url: str, every: float, probes: list[tuple[float, float]]) -> None:
