@@ -164,6 +164,12 @@ class StatusHealer:
         self.insecure = insecure
         self.clock = clock
         self.tick = max(0.05, min(tick, pace.interval / 10, pace.suspect_delay / 2))
+        #: seconds between passes over every host (suspects are checked every tick): a pass costs
+        #: a few µs per host, and a reconnect is found by its connection count, so none is missed
+        self.host_every = max(self.tick, min(5.0, pace.settle))
+        self._hosts_at = float("-inf")
+        #: hostname -> the host run's connection count at the last pass
+        self._connections: dict[str, int] = {}
         #: hostname -> monotonic time of its next sweep
         self._due: dict[str, float] = {}
         self._failures: dict[str, int] = {}
@@ -185,21 +191,30 @@ class StatusHealer:
         (store errors are logged and retried on the next tick)."""
         while True:
             try:
-                await self.step()
+                now = time.monotonic()
+                hosts = now - self._hosts_at >= self.host_every
+                if hosts:
+                    self._hosts_at = now
+                await self.step(hosts=hosts)
             except asyncio.CancelledError:
                 raise
             except Exception:
                 log.exception("status healing step failed")
             await asyncio.sleep(self.tick)
 
-    async def step(self) -> None:
-        """One pass: learn the hosts, sweep every one that is due, check the due suspects."""
+    async def step(self, *, hosts: bool = True) -> None:
+        """One pass: learn the hosts, sweep every one that is due (``hosts``), check the due suspects."""
         now = self.clock()
-        for name in await self._hosts():
+        for name in await self._hosts() if hosts else ():
             if name not in self._due:
                 self._due[name] = await self._first_due(name, now)
             connected = self.upstreams.connected(name)
-            if connected and self.seen_connected.get(name) is False:  # a reconnect: #account may be missed
+            seen = self.seen_connected.get(name)
+            count = self.upstreams.connections(name)
+            # a reconnect (#account may be missed): seen disconnected, or connected again since the last pass
+            again = seen is False or (seen is True and count > self._connections.get(name, count))
+            self._connections[name] = count
+            if connected and again:
                 last = self._last_sweep.get(name, float("-inf"))
                 self._due[name] = min(self._due[name], max(now + self.pace.settle, last + self.pace.resweep_gap))
             self.seen_connected[name] = connected

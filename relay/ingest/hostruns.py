@@ -353,6 +353,11 @@ class Upstreams:
         run = self._runs.get(hostname)
         return run is not None and run.subscriber.connected.is_set()
 
+    def connections(self, hostname: str) -> int:
+        """How many times the relay has connected to ``hostname``'s stream (its current run)."""
+        run = self._runs.get(hostname)
+        return 0 if run is None else run.subscriber.connections
+
     def caught_up(self, hostname: str | None, observed_at: float, settle: float) -> bool:
         """Has the relay read and finished everything ``hostname`` sent before ``observed_at``
         (wall-clock seconds)? True when the relay does not follow the host; else when a finished
