@@ -160,6 +160,9 @@ class Sequencer:
         self.lease_holder: str | None = None
         self._waiting = False
         self.wait_log_interval = wait_log_interval
+        #: called after each committed batch that changed hosts' account counts, with
+        #: ``{hostname: change}`` (non-zero changes only); keeps an in-memory host board exact
+        self.on_host_accounts: Callable[[dict[str, int]], None] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -608,6 +611,11 @@ class Sequencer:
                 del self._overlay[did]  # the database has it now
         self.stats.batches += 1
         self.stats.events += len(prepared.sequenced)
+        on_host_accounts = self.on_host_accounts
+        if on_host_accounts is not None and batch.host_updates:
+            deltas = {h: u[2] for h, u in batch.host_updates.items() if u[2]}
+            if deltas:
+                on_host_accounts(deltas)
         for fut, result in prepared.results:
             if not fut.done():
                 fut.set_result(result)

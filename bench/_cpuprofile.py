@@ -5,11 +5,14 @@
 A wall-clock profile on a loaded machine charges every preemption to whatever line was running
 (a pipe write that wakes a worker, a thread hand-off): CPU time charges only the work itself.
 Only the main thread is profiled; the stats are written to ``OUT`` on exit (also on SIGTERM).
+With ``RELAY_PROFILE_ON_SIGNAL=1`` profiling starts only at SIGUSR1, so a bench can profile just its
+measured window (start-up, crawling and warm-up left out).
 """
 
 from __future__ import annotations
 
 import cProfile
+import os
 import runpy
 import signal
 import sys
@@ -29,7 +32,10 @@ def main() -> None:
         raise SystemExit(0)
 
     signal.signal(signal.SIGTERM, _term)
-    prof.enable()
+    if os.environ.get("RELAY_PROFILE_ON_SIGNAL") == "1":
+        signal.signal(signal.SIGUSR1, lambda signum, frame: prof.enable())
+    else:
+        prof.enable()
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
     finally:

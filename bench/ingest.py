@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -39,9 +41,11 @@ from sim import SimConfig, SimFleet  # noqa: E402
 async def run_ingest(*, hosts: int, accounts: int, commits: int, db: str, prefix: str = "ingest",
                      workers: int | None = None, fleet_config: SimConfig | None = None,
                      profile: str | None = None, stall_s: float = 20.0,
-                     relay_args: list[str] | None = None) -> dict[str, float]:
-    """One ingest measurement; returns the figures (also printed as RESULT lines). ``relay_args``
-    are extra ``relay serve`` options."""
+                     relay_args: list[str] | None = None, rate: float | None = None,
+                     quiet: bool = False) -> dict[str, float]:
+    """One ingest measurement; returns the figures (also printed as RESULT lines unless ``quiet``).
+    ``relay_args`` are extra ``relay serve`` options; ``rate``: release the commits at this many per
+    second (all at once when None)."""
     cfg = fleet_config or SimConfig(hosts=hosts, accounts_per_host=accounts, seed=1)
     fleet = SimFleet(cfg)
     t = time.perf_counter()
@@ -58,8 +62,10 @@ async def run_ingest(*, hosts: int, accounts: int, commits: int, db: str, prefix
         schema = f"bench_{prefix}_{int(time.time())}"
         database_url = f"{PG_DSN}?schema={schema}"
     extra = ([] if workers is None else ["--validation-workers", str(workers)]) + (relay_args or [])
+    # a profile covers the measured window only: from the release of the commits to the end
+    env = {"RELAY_PROFILE_ON_SIGNAL": "1"} if profile else None
     try:
-        async with relay(fleet.plc_url, database_url=database_url, extra=extra, profile=profile) as r:
+        async with relay(fleet.plc_url, database_url=database_url, extra=extra, profile=profile, env=env) as r:
             consumer = CountingConsumer(r.ws_url).start()
             await asyncio.wait_for(consumer.connected.wait(), 30)
             await r.crawl([h.hostname for h in fleet.hosts])
@@ -78,7 +84,9 @@ async def run_ingest(*, hosts: int, accounts: int, commits: int, db: str, prefix
             workers_pids = [p for p in pids if p != main_pid]
             cpu_main0, cpu_workers0, sim0 = cpu_seconds([main_pid]), cpu_seconds(workers_pids), self_cpu()
             t0 = time.time()
-            await fleet.release(None)
+            if profile:
+                os.kill(main_pid, signal.SIGUSR1)
+            release = asyncio.create_task(fleet.release(rate))
             last_progress = time.monotonic()
             last_n = 0
             while True:
@@ -87,8 +95,9 @@ async def run_ingest(*, hosts: int, accounts: int, commits: int, db: str, prefix
                 samples.append((time.time(), n, r.cpu(), self_cpu()))
                 if n != last_n:
                     last_n, last_progress = n, time.monotonic()
-                if n >= expected or time.monotonic() - last_progress > stall_s:
+                if n >= expected or (release.done() and time.monotonic() - last_progress > stall_s):
                     break
+            await release
             t_end = consumer.last_at
             cpu_main = cpu_seconds([main_pid]) - cpu_main0
             cpu_workers = cpu_seconds(workers_pids) - cpu_workers0
@@ -126,8 +135,9 @@ async def run_ingest(*, hosts: int, accounts: int, commits: int, db: str, prefix
         "rejects": metric_sum(metrics, "relay_verdicts_total", kind="reject"),
         "load_average": load_average(),
     })
-    for k, v in out.items():
-        result(f"{prefix}_{k}", v)
+    if not quiet:
+        for k, v in out.items():
+            result(f"{prefix}_{k}", v)
     return out
 
 
@@ -173,13 +183,14 @@ def main() -> int:
     p.add_argument("--db", choices=["sqlite", "postgres"], default="sqlite")
     p.add_argument("--workers", type=int, default=None, help="relay --validation-workers")
     p.add_argument("--skip-sim-capacity", action="store_true")
-    p.add_argument("--profile", default=None, help="run the relay's main process under cProfile, stats here")
+    p.add_argument("--rate", type=float, default=None, help="release the commits at this rate (default: all at once)")
+    p.add_argument("--profile", default=None, help="profile the relay's main process over the measured window (cProfile, CPU clock), stats here")
     a = p.parse_args()
     if not a.skip_sim_capacity:
         asyncio.run(sim_capacity(5_000 if a.quick else 20_000))
     commits = a.commits or (8_000 if a.quick else 60_000)
     asyncio.run(run_ingest(hosts=a.hosts, accounts=a.accounts, commits=commits, db=a.db, workers=a.workers,
-                           profile=a.profile))
+                           profile=a.profile, rate=a.rate))
     if a.profile:
         import pstats
 

@@ -42,7 +42,8 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 
 import httpx
 
@@ -117,16 +118,155 @@ class HostPolicy:
         return host.account_limit if host.account_limit is not None else self.config.default_account_limit
 
 
+@dataclass(slots=True)
+class _BoardRow:
+    status: str
+    accounts: int
+    limit: int | None
+    relay: bool = False
+
+
+class HostBoard:
+    """The host rows' statuses and account counts, held in memory: what the host gauges
+    (``relay_hosts{status}``, ``relay_host_accounts``, ``relay_host_account_limit``) export and what
+    the status watch compares with, so neither a scrape nor a housekeeping tick reads the store.
+
+    Contract: this process is the only writer of host rows (the ingest holding the writer lease),
+    and every write that changes what the board holds tells it — a status change goes through
+    :meth:`set_status`, a stored host row through :meth:`stored`, and the sequencer reports each
+    committed batch's account-count changes to :meth:`add_accounts`. The board is read from the
+    store once (:meth:`ensure_loaded`, before ingest starts); after that it is exact as long as the
+    contract holds. A host the store holds but the board has not seen (written behind its back,
+    e.g. by a test) joins it at the next :meth:`stored`."""
+
+    def __init__(self, store: Store, policy: HostPolicy) -> None:
+        self.store = store
+        self.policy = policy
+        self._rows: dict[str, _BoardRow] = {}
+        self._counts: dict[str, int] = dict.fromkeys(HOST_STATUSES, 0)
+        self._loaded = False
+        self._load_lock = asyncio.Lock()
+        #: bumped on every change of an account gauge's value; :meth:`publish` rebuilds only then
+        self._version = 0
+        self._published = -1
+
+    async def ensure_loaded(self) -> None:
+        """Read every host row once (paged); later calls return at once. Rows the board already
+        holds (told about while loading) are kept as they are."""
+        if self._loaded:
+            return
+        async with self._load_lock:
+            if self._loaded:
+                return
+            after: str | None = None
+            while True:
+                page = await self.store.list_hosts(after=after, limit=500)
+                for host in page:
+                    if host.hostname not in self._rows:
+                        self._add(host.hostname, host.status, host.account_count, self.policy.account_limit(host),
+                                  host.relay)
+                if len(page) < 500:
+                    break
+                after = page[-1].hostname
+            self._loaded = True
+
+    def _add(self, hostname: str, status: str, accounts: int, limit: int | None, relay: bool = False) -> _BoardRow:
+        row = self._rows[hostname] = _BoardRow(status, accounts, limit, relay)
+        self._counts[status] = self._counts.get(status, 0) + 1
+        self._version += 1
+        return row
+
+    def _set(self, row: _BoardRow, status: str) -> None:
+        if row.status != status:
+            self._counts[row.status] -= 1
+            self._counts[status] = self._counts.get(status, 0) + 1
+            if "banned" in (row.status, status):  # banned hosts have no account gauges
+                self._version += 1
+            row.status = status
+
+    def status(self, hostname: str) -> str | None:
+        """The host's status as stored, or None for a host the board does not hold."""
+        row = self._rows.get(hostname)
+        return None if row is None else row.status
+
+    async def set_status(self, hostname: str, status: str) -> bool:
+        """Store ``hostname``'s new status and hold it; False (nothing changed) when the store has
+        no such host. The one way host statuses change."""
+        changed = await self.store.set_host_status(hostname, status)
+        if changed:
+            row = self._rows.get(hostname)
+            if row is None:
+                stored = await self.store.get_host(hostname)
+                if stored is not None:
+                    self.stored(stored)
+            else:
+                self._set(row, status)
+        return changed
+
+    def stored(self, host: HostState) -> None:
+        """``host`` as just written (``Store.upsert_host``) or read from the store: its status and
+        limit are taken; its account count only when the board does not hold the host yet (an
+        upsert never changes a stored count; the sequencer's deltas keep it)."""
+        limit = self.policy.account_limit(host)
+        row = self._rows.get(host.hostname)
+        if row is None:
+            self._add(host.hostname, host.status, host.account_count, limit, host.relay)
+            return
+        self._set(row, host.status)
+        row.relay = host.relay
+        if row.limit != limit:
+            row.limit = limit
+            self._version += 1
+
+    def add_accounts(self, deltas: Mapping[str, int]) -> None:
+        """A committed batch changed these hosts' account counts (``BatchWrite.host_updates``). A
+        host the board does not hold was created by that batch (as the store does: ``active``,
+        no settings)."""
+        for hostname, delta in deltas.items():
+            if not delta:
+                continue
+            row = self._rows.get(hostname)
+            if row is None:
+                self._add(hostname, "active", delta, self.policy.account_limit(HostState(hostname=hostname)))
+            else:
+                row.accounts += delta
+                self._version += 1
+
+    def hostnames(self, *, skip: tuple[str, ...] = (), relays: bool = True) -> list[str]:
+        """The hosts held, but those whose status is in ``skip`` (and relay upstreams unless ``relays``)."""
+        return [h for h, r in self._rows.items() if r.status not in skip and (relays or not r.relay)]
+
+    def counts(self) -> dict[str, int]:
+        """Hosts per status (every status of ``HOST_STATUSES``, zero included)."""
+        return dict(self._counts)
+
+    def accounts(self) -> dict[str, tuple[int, int | None]]:
+        """``{hostname: (accounts, limit or None)}`` of every host not banned."""
+        return {h: (r.accounts, r.limit) for h, r in self._rows.items() if r.status != "banned"}
+
+    def publish(self, metrics: RelayMetrics) -> None:
+        """Set the host gauges from memory (no store access). The per-host account snapshot is
+        rebuilt only when a value in it changed since the last call."""
+        for status, n in self._counts.items():
+            metrics.hosts.labels(status=status).set(n)
+        if self._published != self._version:
+            self._published = self._version
+            metrics.set_host_accounts(self.accounts())
+
+
 class HostManager:
     """Admits, lists and changes hosts; asks the ingest side to start/stop subscribers
     (``start_host``/``stop_host``) and the resync side to release held accounts (``limit_raised``)."""
 
     def __init__(self, *, store: Store, config: RelayConfig, metrics: RelayMetrics, guard: AddressGuard,
                  safe: SafeClient, start_host: StartHost | None = None, stop_host: StopHost | None = None,
-                 limit_raised: LimitRaised | None = None, policy: HostPolicy | None = None) -> None:
+                 limit_raised: LimitRaised | None = None, policy: HostPolicy | None = None,
+                 board: HostBoard | None = None) -> None:
         self.store = store
         self.config = config
         self.policy = policy or HostPolicy(config)
+        #: the host rows' statuses and account counts in memory (shared with the ingest side)
+        self.board = board or HostBoard(store, self.policy)
         self.metrics = metrics
         self.guard = guard
         self.safe = safe
@@ -233,6 +373,7 @@ class HostManager:
                     existing.relay, changed = True, True
                 if changed:
                     await self.store.upsert_host(existing)
+                    self.board.stored(existing)
                     if self.stop_host is not None:  # its run picks the new settings up
                         await self.stop_host(existing.hostname)
             if self.start_host is not None:
@@ -262,6 +403,7 @@ class HostManager:
                     self._reserved -= 1
         log.info("host added", extra=fields(hostname=hostname, public=public, relay=relay))
         stored = await self.store.get_host(hostname) or host
+        self.board.stored(stored)
         if self.start_host is not None:
             await self.start_host(stored)
         return stored
@@ -310,7 +452,7 @@ class HostManager:
 
     async def block(self, hostname: str) -> HostState:
         host = await self._require(hostname)
-        await self.store.set_host_status(host.hostname, "banned")
+        await self.board.set_status(host.hostname, "banned")
         if self.stop_host is not None:
             await self.stop_host(host.hostname)
         self.metrics.forget_host(host.hostname)
@@ -319,7 +461,7 @@ class HostManager:
 
     async def unblock(self, hostname: str) -> HostState:
         host = await self._require(hostname)
-        await self.store.set_host_status(host.hostname, "active")
+        await self.board.set_status(host.hostname, "active")
         await self.record_action("unblock_host", host.hostname)
         host = await self._require(host.hostname)
         if self.start_host is not None:
@@ -341,6 +483,7 @@ class HostManager:
         for window, value in rate_limits.items():
             setattr(host, f"rate_limit_{window}", value)
         await self.store.upsert_host(host)
+        self.board.stored(host)
         after = self.account_limit(host)
         await self.record_action("set_limits", host.hostname, account_limit=account_limit, trusted=trusted, **rate_limits)
         if (rate_limits or trusted is not None) and host.status != "banned" and self.stop_host and self.start_host:
@@ -357,6 +500,7 @@ class HostManager:
         host = await self._require(hostname)
         host.lenient = lenient
         await self.store.upsert_host(host)
+        self.board.stored(host)
         await self.record_action("set_validation", host.hostname, lenient=lenient)
         if host.status != "banned" and self.stop_host and self.start_host:
             await self.stop_host(host.hostname)
@@ -407,18 +551,7 @@ class HostManager:
         await self.record_action("set_crawling", "relay", enabled=enabled)
 
     async def refresh_status_gauge(self) -> None:
-        counts = dict.fromkeys(HOST_STATUSES, 0)
-        accounts: dict[str, tuple[int, int | None]] = {}
-        after: str | None = None
-        while True:
-            page = await self.store.list_hosts(after=after, limit=500)
-            for host in page:
-                counts[host.status] = counts.get(host.status, 0) + 1
-                if host.status != "banned":
-                    accounts[host.hostname] = (host.account_count, self.account_limit(host))
-            if len(page) < 500:
-                break
-            after = page[-1].hostname
-        for status, n in counts.items():
-            self.metrics.hosts.labels(status=status).set(n)
-        self.metrics.set_host_accounts(accounts)
+        """Set the host gauges from the board: no store read once the board is loaded (at
+        start), so a scrape costs the same at 5,000 hosts as at 3."""
+        await self.board.ensure_loaded()
+        self.board.publish(self.metrics)

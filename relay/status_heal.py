@@ -52,7 +52,6 @@ from urllib.parse import urlsplit
 
 from backfill.outbox import Repair, RepairOutcome
 from backfill.store import Store
-from backfill.types import HostState
 from firehose.state import AccountState
 from mst.errors import ReasonError
 from relay.hosts import host_base_url
@@ -165,6 +164,12 @@ class StatusHealer:
         self.insecure = insecure
         self.clock = clock
         self.tick = max(0.05, min(tick, pace.interval / 10, pace.suspect_delay / 2))
+        #: seconds between passes over every host (suspects are checked every tick): a pass costs
+        #: a few µs per host, and a reconnect is found by its connection count, so none is missed
+        self.host_every = max(self.tick, min(5.0, pace.settle))
+        self._hosts_at = float("-inf")
+        #: hostname -> the host run's connection count at the last pass
+        self._connections: dict[str, int] = {}
         #: hostname -> monotonic time of its next sweep
         self._due: dict[str, float] = {}
         self._failures: dict[str, int] = {}
@@ -186,22 +191,30 @@ class StatusHealer:
         (store errors are logged and retried on the next tick)."""
         while True:
             try:
-                await self.step()
+                now = time.monotonic()
+                hosts = now - self._hosts_at >= self.host_every
+                if hosts:
+                    self._hosts_at = now
+                await self.step(hosts=hosts)
             except asyncio.CancelledError:
                 raise
             except Exception:
                 log.exception("status healing step failed")
             await asyncio.sleep(self.tick)
 
-    async def step(self) -> None:
-        """One pass: learn the hosts, sweep every one that is due, check the due suspects."""
+    async def step(self, *, hosts: bool = True) -> None:
+        """One pass: learn the hosts, sweep every one that is due (``hosts``), check the due suspects."""
         now = self.clock()
-        for host in await self._hosts():
-            name = host.hostname
+        for name in await self._hosts() if hosts else ():
             if name not in self._due:
                 self._due[name] = await self._first_due(name, now)
             connected = self.upstreams.connected(name)
-            if connected and self.seen_connected.get(name) is False:  # a reconnect: #account may be missed
+            seen = self.seen_connected.get(name)
+            count = self.upstreams.connections(name)
+            # a reconnect (#account may be missed): seen disconnected, or connected again since the last pass
+            again = seen is False or (seen is True and count > self._connections.get(name, count))
+            self._connections[name] = count
+            if connected and again:
                 last = self._last_sweep.get(name, float("-inf"))
                 self._due[name] = min(self._due[name], max(now + self.pace.settle, last + self.pace.resweep_gap))
             self.seen_connected[name] = connected
@@ -226,15 +239,12 @@ class StatusHealer:
             return last + self.pace.interval
         return now + self.pace.interval * ((zlib.crc32(hostname.encode()) % 1000) / 1000.0)
 
-    async def _hosts(self) -> list[HostState]:
-        out: list[HostState] = []
-        after: str | None = None
-        while True:
-            page = await self.store.list_hosts(after=after, limit=500)
-            out += [h for h in page if h.status not in SKIPPED_HOSTS and not h.relay]
-            if len(page) < 500:
-                return out
-            after = page[-1].hostname
+    async def _hosts(self) -> list[str]:
+        """The PDS hosts to sweep, from the host board (``relay.hosts.HostBoard``, in memory: a
+        tick reads no host rows)."""
+        board = self.upstreams.board
+        await board.ensure_loaded()
+        return board.hostnames(skip=SKIPPED_HOSTS, relays=False)
 
     def _failed(self, hostname: str, reason: str) -> None:
         self.metrics.child(self.metrics.heal_host_failures, reason).inc()

@@ -35,7 +35,7 @@ from firehose.pipeline import ValidationPool
 from firehose.publisher import BusPublisher
 from relay.config import RelayConfig, parse_nameservers
 from relay.consumers import ConsumerRegistry
-from relay.hosts import HostManager, HostPolicy
+from relay.hosts import HostBoard, HostManager, HostPolicy
 from relay.identity import (
     IdentityCache,
     IdentityResolver,
@@ -183,6 +183,12 @@ async def open_ingest(stack: contextlib.AsyncExitStack, config: RelayConfig, cor
     service runs it as a task). ``limit_raised(hostname)``: called by the host manager when an
     operator raises a host's account limit."""
     policy = HostPolicy(config)
+    # The host rows' statuses and account counts in memory, read once here before anything of the
+    # ingest runs; every later change reaches it (statuses through it, account counts from the
+    # sequencer's committed batches), so scrapes and housekeeping never read the hosts table.
+    board = HostBoard(core.store, policy)
+    await board.ensure_loaded()
+    writer.sequencer.on_host_accounts = board.add_accounts
     pool = ValidationPool(config.validation_workers)
     await pool.start()
     stack.push_async_callback(pool.close)
@@ -190,7 +196,7 @@ async def open_ingest(stack: contextlib.AsyncExitStack, config: RelayConfig, cor
                                held_per_account=config.resync_held_bytes_per_account,
                                held_total=config.resync_held_bytes_total)
     admission = Admission(store=core.store, identity=core.identity, policy=policy,
-                          default_account_limit=config.default_account_limit)
+                          default_account_limit=config.default_account_limit, board=board)
     suspects = SuspectQueue(config.status_heal_suspect_delay, limit=100_000 if config.status_heal_interval else 0)
     lanes = WatchedLanes(suspects=suspects, store=core.store, sequencer=writer.sequencer, pool=pool,
                          admission=admission, identity=core.identity, resync=resync_queue, count=count,
@@ -198,17 +204,19 @@ async def open_ingest(stack: contextlib.AsyncExitStack, config: RelayConfig, cor
                          identity_retry=retry_pauses(config.identity_retry))
     resync = ResyncManager(store=core.store, identity=core.identity, safe=safe, metrics=metrics,
                            queue=resync_queue, lanes=lanes, workers=config.resync_workers,
-                           retry_base=config.resync_retry_base, retry_max=config.resync_retry_max)
+                           retry_base=config.resync_retry_base, retry_max=config.resync_retry_max,
+                           set_host_status=board.set_status)
     stack.push_async_callback(resync.close)
     stack.push_async_callback(lanes.close)
     buffer = max(1, config.ingest_buffer_mb) * 1024 * 1024
     upstreams = Upstreams(store=core.store, sequencer=writer.sequencer, lanes=lanes, admission=admission,
                           policy=policy, guard=guard, metrics=metrics, config=config, count=count,
-                          max_in_flight_bytes=buffer, max_in_flight_bytes_per_host=max(1, buffer // 8))
+                          max_in_flight_bytes=buffer, max_in_flight_bytes_per_host=max(1, buffer // 8),
+                          board=board)
     stack.push_async_callback(upstreams.close)
     hosts = HostManager(store=core.store, config=config, metrics=metrics, guard=guard, safe=safe,
                         policy=policy, start_host=upstreams.start_host, stop_host=upstreams.stop_host,
-                        limit_raised=limit_raised)
+                        limit_raised=limit_raised, board=board)
     await hosts.load_settings()
     siblings = SiblingForwarder(config.sibling_relays, metrics=metrics)
     siblings.start()

@@ -42,7 +42,7 @@ from backfill.store import Store
 from backfill.types import HostState
 from firehose.lru import BoundedLRU
 from firehose.state import AccountState
-from relay.hosts import HostPolicy, matches_domain
+from relay.hosts import HostBoard, HostPolicy, matches_domain
 from relay.identity import Identity, IdentityResolver
 from relay.jsonlog import fields
 
@@ -85,8 +85,11 @@ class Admission:
 
     def __init__(self, *, store: Store, identity: IdentityResolver, policy: HostPolicy,
                  default_account_limit: int | None, host_ttl: float = HOST_TTL,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, board: HostBoard | None = None) -> None:
+        """``board``: the host rows' statuses in memory, shared with the host manager; a host
+        throttled here changes status through it."""
         self.store = store
+        self.board = board or HostBoard(store, policy)
         self.identity = identity
         self.policy = policy
         self.default_account_limit = default_account_limit
@@ -184,7 +187,7 @@ class Admission:
         if did not in reserved:
             if limit is not None and self._host_counts[hostname] + len(reserved) >= limit:
                 if host is not None and host.status == "active":
-                    await self.store.set_host_status(hostname, "throttled")
+                    await self.board.set_status(hostname, "throttled")
                     self.forget_host(hostname)
                     log.info("host throttled", extra=fields(host=hostname, limit=limit))
                 self._host_counts[hostname] += 1  # the held account is stored on the host too

@@ -48,7 +48,7 @@ from firehose.state import Fence, PendingEvent, SequencedEvent
 from firehose.subscriber import HostSubscriber, SubscriberConfig, UpstreamFrame
 from mst.syntax import is_valid_did
 from relay.config import RelayConfig
-from relay.hosts import HostPolicy, host_base_url
+from relay.hosts import HostBoard, HostPolicy, host_base_url
 from relay.ingest.admission import Admission
 from relay.ingest.budget import ByteBudget
 from relay.ingest.lanes import FRAME_HOST, AccountLanes, Count, Work
@@ -162,14 +162,18 @@ class Upstreams:
     def __init__(self, *, store: Store, sequencer: Sequencer, lanes: AccountLanes, admission: Admission,
                  policy: HostPolicy, guard: AddressGuard, metrics: RelayMetrics, config: RelayConfig, count: Count,
                  max_in_flight_per_host: int = 512, max_in_flight_bytes_per_host: int = 16 * 1024 * 1024,
-                 max_in_flight_bytes: int = 128 * 1024 * 1024, backoff_base: float = 1.0) -> None:
+                 max_in_flight_bytes: int = 128 * 1024 * 1024, backoff_base: float = 1.0,
+                 board: HostBoard | None = None) -> None:
         """``admission`` is told whenever a host starts or stops (its cached host settings).
         Frames read and not yet finished are bounded per host (``max_in_flight_per_host`` frames,
         ``max_in_flight_bytes_per_host`` bytes) and across all hosts (``max_in_flight_bytes``,
         granted in arrival order: ``relay.ingest.budget``): a run over its own bounds stops
         reading its socket until its own frames finish (a run with nothing outstanding may always
-        take one frame, however large); a run that does not fit the shared budget waits its turn."""
+        take one frame, however large); a run that does not fit the shared budget waits its turn.
+        ``board``: the host rows' statuses in memory (``relay.hosts.HostBoard``), shared with the
+        host manager; host statuses change through it."""
         self.store = store
+        self.board = board or HostBoard(store, policy)
         self.sequencer = sequencer
         self.lanes = lanes
         self.admission = admission
@@ -233,8 +237,9 @@ class Upstreams:
                        followed_since=host.created_at)
         self._runs[host.hostname] = run
         run.task = asyncio.create_task(self._run_host(run), name=f"host:{host.hostname}")
+        self.board.stored(host)
         if host.status not in ("active", "throttled"):
-            await self.store.set_host_status(host.hostname, "active")
+            await self.board.set_status(host.hostname, "active")
         log.info("subscribing", extra=fields(host=host.hostname, cursor=cursor, relay=run.relay,
                                              lenient=run.lenient))
 
@@ -323,19 +328,14 @@ class Upstreams:
         await asyncio.gather(*(self.stop_host(h) for h in list(self._runs)), return_exceptions=True)
 
     async def watch_hosts(self, *, idle_after: float = 1800.0, offline_after: int = 5) -> None:
-        """Derive idle/offline/active host statuses from the subscribers (call periodically)."""
+        """Derive idle/offline/active host statuses from the subscribers (call periodically).
+        Compares with the board (``HostBoard``): the store is written only for a host whose status
+        changes, never read."""
         now = time.monotonic()
-        stored: dict[str, HostState] = {}
-        after: str | None = None
-        while True:  # one query per 500 hosts, not one per host
-            page = await self.store.list_hosts(after=after, limit=500)
-            stored.update((h.hostname, h) for h in page)
-            if len(page) < 500:
-                break
-            after = page[-1].hostname
+        await self.board.ensure_loaded()
         for hostname, run in list(self._runs.items()):
-            host = stored.get(hostname)
-            if host is None or host.status in ("banned", "throttled"):
+            current = self.board.status(hostname)
+            if current is None or current in ("banned", "throttled"):
                 continue
             sub = run.subscriber
             if sub.connected.is_set():
@@ -344,14 +344,19 @@ class Upstreams:
                 status = "offline"
             else:
                 continue
-            if status != host.status:
-                await self.store.set_host_status(hostname, status)
+            if status != current:
+                await self.board.set_status(hostname, status)
                 log.info("host status", extra=fields(host=hostname, status=status))
 
     def connected(self, hostname: str) -> bool:
         """Is the relay connected to ``hostname``'s stream right now?"""
         run = self._runs.get(hostname)
         return run is not None and run.subscriber.connected.is_set()
+
+    def connections(self, hostname: str) -> int:
+        """How many times the relay has connected to ``hostname``'s stream (its current run)."""
+        run = self._runs.get(hostname)
+        return 0 if run is None else run.subscriber.connections
 
     def caught_up(self, hostname: str | None, observed_at: float, settle: float) -> bool:
         """Has the relay read and finished everything ``hostname`` sent before ``observed_at``
@@ -519,8 +524,16 @@ class Upstreams:
             self._finished(run, work, slot, ok=False)
             return
         event.host = run.hostname
-        # The cursor stored with the event: every frame up to the watermark is done already.
-        event.upstream_seq = run.watermark if run.fence is work.fence else None
+        # The cursor stored with the event: every frame up to it is done once the event is stored.
+        # That is the watermark, or this frame itself when it heads the window (every frame before
+        # it is done, and it is done exactly when its event is durable): a host whose frames come
+        # one at a time (most of a thousand hosts) then needs no cursor write of its own per frame.
+        if run.fence is not work.fence:
+            event.upstream_seq = None
+        elif run.window and run.window[0] is slot:
+            event.upstream_seq = slot.seq
+        else:
+            event.upstream_seq = run.watermark
         event.frame_seq = work.uf.seq
         event.fence = work.fence
         try:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+from collections.abc import Awaitable, Callable
 
 from backfill.collections import counts_from_paths
 from backfill.store import Store
@@ -58,9 +59,13 @@ class ResyncManager:
     def __init__(self, *, store: Store, identity: IdentityResolver, safe: SafeClient, metrics: RelayMetrics,
                  queue: ResyncQueue, lanes: AccountLanes, workers: int = 4,
                  retry_base: float = 2.0, retry_max: float = 30.0, max_repo_bytes: int = MAX_REPO_BYTES,
-                 rng: random.Random | None = None) -> None:
-        """``retry_base``/``retry_max``: the first retry's delay and the cap of the doubling delays."""
+                 rng: random.Random | None = None,
+                 set_host_status: Callable[[str, str], Awaitable[bool]] | None = None) -> None:
+        """``retry_base``/``retry_max``: the first retry's delay and the cap of the doubling delays.
+        ``set_host_status``: how a host's status is changed (``relay.hosts.HostBoard.set_status``,
+        which keeps the in-memory host board current; the store's own by default)."""
         self.store = store
+        self.set_host_status = set_host_status or store.set_host_status
         self.identity = identity
         self.safe = safe
         self.metrics = metrics
@@ -101,7 +106,7 @@ class ResyncManager:
                 count += 1
         host = await self.store.get_host(hostname)
         if host is not None and host.status == "throttled":
-            await self.store.set_host_status(hostname, "active")
+            await self.set_host_status(hostname, "active")
         return count
 
     async def _worker(self) -> None:

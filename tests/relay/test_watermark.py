@@ -250,3 +250,42 @@ async def test_frames_held_while_the_store_is_down_are_bounded_in_bytes(relay_fa
         check_stream(consumer.events)
     finally:
         await fleet.stop()
+
+
+async def test_a_host_whose_frames_come_one_at_a_time_stores_its_cursor_with_its_events(relay_factory) -> None:  # type: ignore[no-untyped-def]
+    """A frame at the head of its host's window is stored with its own seq as the host cursor: a
+    host sending one frame at a time (most hosts of a large relay) costs one sequencer batch per
+    frame, not a second one for a cursor write, and its stored cursor is its last frame's seq."""
+    from tests.relay.e2e import commits_of
+
+    fleet = SimFleet(SimConfig(hosts=1, accounts_per_host=2, seed=2703))
+    await fleet.start()
+    try:
+        async with relay_factory(allow_insecure_hosts=True, plc_url=fleet.plc_url, validation_workers=0) as relay, \
+                Consumer(relay.ws_url, cursor=0) as consumer:
+            host = fleet.hosts[0]
+            await crawl(relay.url, host.hostname)
+            await consumer.wait_for(lambda evs: all(commits_of(consumer, a.did) for a in fleet.accounts))
+            await until_cursor(relay, host.hostname, host.seq)
+            sequencer = relay.service.sequencer
+            assert sequencer is not None
+            before = sequencer.stats.batches
+            n = 12
+            for _ in range(n):  # one frame at a time: each delivered before the next is made
+                truth = await fleet.generate(1)
+                rev = truth[-1].rev
+                await consumer.wait_for(lambda evs, rev=rev: any(e.rev == rev for e in evs))
+            await until_cursor(relay, host.hostname, host.seq)
+            assert sequencer.stats.batches - before <= n + 2  # not 2 per frame
+    finally:
+        await fleet.stop()
+
+
+async def until_cursor(relay: RunningRelay, hostname: str, seq: int) -> None:
+    """Wait until the stored cursor of ``hostname`` is ``seq``."""
+    from tests.waiting import until_async
+
+    async def stored() -> bool:
+        return await relay.service.store.host_cursor(hostname) == seq
+
+    await until_async(stored, f"{hostname}'s stored cursor to reach {seq}")
