@@ -192,6 +192,53 @@ async def test_in_flight_heads_count_accounts_per_host_and_catch_re_deliveries(s
         await seq.close()
 
 
+async def test_in_flight_heads_keep_the_host_for_the_batches_behind(store: Store) -> None:
+    """A batch numbered while the one before is still being committed counts accounts per host
+    as if that one were stored: after an event with a rev alone (its account's host is the stored
+    one) and after a new account's first commit (its host is the event's). Each later batch
+    carries a re-delivery of a stored account, whose being ignored shows it was numbered."""
+    faults = Faults(None)
+    seq = Sequencer(with_faults(store, faults), Collector(), max_batch=1, max_delay=0)
+    await seq.start()
+
+    async def count(host: str) -> int:
+        state = await store.get_host(host)
+        assert state is not None
+        return state.account_count
+
+    async def behind(first: PendingEvent, then: PendingEvent) -> None:
+        """``then`` (with a re-delivery of b) numbered while ``first`` is held in its commit."""
+        faults.trigger, faults.reached, faults.go = (lambda batch: bool(batch.events)), asyncio.Event(), asyncio.Event()
+        seq.max_batch = 1
+        held = asyncio.ensure_future(seq.submit(first))
+        await asyncio.wait_for(faults.reached.wait(), 10)
+        seq.max_batch = 2
+        ignored = seq.stats.ignored
+        later = [asyncio.ensure_future(seq.submit(then)),
+                 asyncio.ensure_future(seq.submit(commit_event(2, did="did:plc:b", host="h1")))]
+        await until(lambda: seq.stats.ignored > ignored, "the batch behind numbered")
+        faults.go.set()
+        assert (await held) is not None and (await later[0]) is not None and await later[1] is None
+
+    try:
+        for n, did in ((1, "did:plc:a"), (2, "did:plc:b")):
+            assert await seq.submit(commit_event(n, did=did, host="h1")) is not None
+        assert await count("h1") == 2
+        # a's rev alone in flight, then a commit of a with its state on the same host: no move
+        await behind(replace(commit_event(3, did="did:plc:a", host="h1"), account=None),
+                     commit_event(4, did="did:plc:a", host="h1"))
+        assert await count("h1") == 2
+        # c's first commit in flight, then c's next one: one new account, not two
+        await behind(commit_event(5, did="did:plc:c", host="h1"), commit_event(6, did="did:plc:c", host="h1"))
+        assert await count("h1") == 3
+        # an event with a rev alone for an account the relay has no head for is numbered
+        assert await seq.submit(replace(commit_event(7, did="did:plc:d", host="h1"), account=None)) is not None
+        assert [e.seq for e in await store.read_after(0, 10)] == [1, 2, 3, 4, 5, 6, 7]
+    finally:
+        faults.go.set()
+        await seq.close()
+
+
 async def test_event_times_strictly_increase_by_whole_microseconds(store: Store) -> None:
     """A clock that stands still (or goes back) still gives every event a later time: 1 µs after
     the one before."""
