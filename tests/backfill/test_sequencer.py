@@ -239,6 +239,21 @@ async def test_in_flight_heads_keep_the_host_for_the_batches_behind(store: Store
         await seq.close()
 
 
+async def test_collection_counts_and_the_hosts_last_seen_are_written_with_the_batch(store: Store) -> None:
+    """What a batch writes besides its events: each account's record counts per collection (an
+    event's complete counts, then its commits' creates and deletes) and, for each host, the time of
+    the batch's first event (the sequencer's clock, kept strictly increasing)."""
+    async with Sequencer(store, Collector(), clock=lambda: 1234.5, max_batch=1, max_delay=0) as seq:
+        counted = replace(commit_event(1, did="did:plc:a", host="h1"), collections={"app.bsky.feed.like": 3})
+        assert await seq.submit(counted) is not None
+        posts = (("app.bsky.feed.post", "create"), ("app.bsky.feed.post", "create"), ("app.bsky.feed.like", "delete"))
+        last = await seq.submit(replace(commit_event(2, did="did:plc:a", host="h1"), op_changes=posts))
+    assert await store.collection_counts("did:plc:a") == {"app.bsky.feed.like": 2, "app.bsky.feed.post": 2}
+    host = await store.get_host("h1")
+    assert last is not None and last.time == 1234.5 + 1e-6  # the clock stands still: 1 µs after the first
+    assert host is not None and host.last_seen == last.time and host.account_count == 1
+
+
 async def test_event_times_strictly_increase_by_whole_microseconds(store: Store) -> None:
     """A clock that stands still (or goes back) still gives every event a later time: 1 µs after
     the one before."""
