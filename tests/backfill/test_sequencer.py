@@ -239,6 +239,42 @@ async def test_in_flight_heads_keep_the_host_for_the_batches_behind(store: Store
         await seq.close()
 
 
+async def test_a_batch_whose_head_lookup_spans_a_refused_commit_is_numbered_afresh(store: Store) -> None:
+    """A commit refused while the next batch reads its accounts' heads: that batch is looked up
+    and numbered again once the sequencer has re-synced, and its submitter gets its event (not
+    dropped, not left waiting)."""
+    faults = Faults(RuntimeError("refused (injected)"))
+    seq = Sequencer(with_faults(store, faults), Collector(), max_batch=1, max_delay=0)
+    real_heads = store.account_heads
+    entered, release = asyncio.Event(), asyncio.Event()
+
+    async def account_heads(dids: Any) -> Any:
+        if "did:plc:behind" in dids:
+            entered.set()
+            await release.wait()
+        return await real_heads(dids)
+
+    store.account_heads = account_heads  # type: ignore[method-assign]
+    await seq.start()
+    try:
+        faults.trigger = lambda batch: bool(batch.events)
+        refused = asyncio.ensure_future(seq.submit(commit_event(1, did="did:plc:first")))
+        await asyncio.wait_for(faults.reached.wait(), 10)
+        behind = asyncio.ensure_future(seq.submit(commit_event(2, did="did:plc:behind")))
+        await asyncio.wait_for(entered.wait(), 10)  # its lookup is under way...
+        faults.go.set()
+        with pytest.raises(RuntimeError, match="refused"):  # ...when the commit before it is refused
+            await asyncio.wait_for(refused, 10)
+        release.set()
+        event = await asyncio.wait_for(behind, 10)
+        assert event is not None and event.seq == 1 and event.did == "did:plc:behind"
+        assert [(e.seq, e.did) for e in await store.read_after(0, 10)] == [(1, "did:plc:behind")]
+    finally:
+        faults.go.set()
+        release.set()
+        await seq.close()
+
+
 async def test_collection_counts_and_the_hosts_last_seen_are_written_with_the_batch(store: Store) -> None:
     """What a batch writes besides its events: each account's record counts per collection (an
     event's complete counts, then its commits' creates and deletes) and, for each host, the time of
