@@ -239,6 +239,33 @@ async def test_in_flight_heads_keep_the_host_for_the_batches_behind(store: Store
         await seq.close()
 
 
+async def test_an_account_write_in_flight_gives_its_rev_to_the_batches_behind(store: Store) -> None:
+    """An account written with no event (a newer rev, e.g. after a resync) is the head a later
+    batch judges re-deliveries by while the write is still being committed, as it is once stored."""
+    faults = Faults(None)
+    seq = Sequencer(with_faults(store, faults), Collector(), max_batch=1, max_delay=0)
+    await seq.start()
+    try:
+        assert await seq.submit(commit_event(1, did="did:plc:a", host="h1")) is not None
+        newer = commit_event(9, did="did:plc:a", host="h1").account
+        assert newer is not None
+        faults.trigger = lambda batch: bool(batch.accounts) and not batch.events
+        written = asyncio.ensure_future(seq.write_account(newer))
+        await asyncio.wait_for(faults.reached.wait(), 10)
+        seq.max_batch = 2  # with a re-delivery of the stored commit: ignored either way
+        stale = [asyncio.ensure_future(seq.submit(commit_event(n, did="did:plc:a", host="h1"))) for n in (8, 1)]
+        await until(lambda: seq.stats.ignored > 0, "the batch behind the write numbered")
+        assert seq.stats.ignored == 2  # the stale commit judged against the write in flight
+        faults.go.set()
+        await asyncio.wait_for(written, 10)
+        assert [await s for s in stale] == [None, None]
+        assert await seq.submit(commit_event(8, did="did:plc:a", host="h1")) is None  # and once stored
+        assert [e.seq for e in await store.read_after(0, 10)] == [1]
+    finally:
+        faults.go.set()
+        await seq.close()
+
+
 async def test_a_batch_whose_head_lookup_spans_a_refused_commit_is_numbered_afresh(store: Store) -> None:
     """A commit refused while the next batch reads its accounts' heads: that batch is looked up
     and numbered again once the sequencer has re-synced, and its submitter gets its event (not
