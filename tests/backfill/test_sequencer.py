@@ -192,6 +192,141 @@ async def test_in_flight_heads_count_accounts_per_host_and_catch_re_deliveries(s
         await seq.close()
 
 
+async def test_in_flight_heads_keep_the_host_for_the_batches_behind(store: Store) -> None:
+    """A batch numbered while the one before is still being committed counts accounts per host
+    as if that one were stored: after an event with a rev alone (its account's host is the stored
+    one) and after a new account's first commit (its host is the event's). Each later batch
+    carries a re-delivery of a stored account, whose being ignored shows it was numbered."""
+    faults = Faults(None)
+    seq = Sequencer(with_faults(store, faults), Collector(), max_batch=1, max_delay=0)
+    await seq.start()
+
+    async def count(host: str) -> int:
+        state = await store.get_host(host)
+        assert state is not None
+        return state.account_count
+
+    async def behind(first: PendingEvent, then: PendingEvent) -> None:
+        """``then`` (with a re-delivery of b) numbered while ``first`` is held in its commit."""
+        faults.trigger, faults.reached, faults.go = (lambda batch: bool(batch.events)), asyncio.Event(), asyncio.Event()
+        seq.max_batch = 1
+        held = asyncio.ensure_future(seq.submit(first))
+        await asyncio.wait_for(faults.reached.wait(), 10)
+        seq.max_batch = 2
+        ignored = seq.stats.ignored
+        later = [asyncio.ensure_future(seq.submit(then)),
+                 asyncio.ensure_future(seq.submit(commit_event(2, did="did:plc:b", host="h1")))]
+        await until(lambda: seq.stats.ignored > ignored, "the batch behind numbered")
+        faults.go.set()
+        assert (await held) is not None and (await later[0]) is not None and await later[1] is None
+
+    try:
+        for n, did in ((1, "did:plc:a"), (2, "did:plc:b")):
+            assert await seq.submit(commit_event(n, did=did, host="h1")) is not None
+        assert await count("h1") == 2
+        # a's rev alone in flight, then a commit of a with its state on the same host: no move
+        await behind(replace(commit_event(3, did="did:plc:a", host="h1"), account=None),
+                     commit_event(4, did="did:plc:a", host="h1"))
+        assert await count("h1") == 2
+        # c's first commit in flight, then c's next one: one new account, not two
+        await behind(commit_event(5, did="did:plc:c", host="h1"), commit_event(6, did="did:plc:c", host="h1"))
+        assert await count("h1") == 3
+        # an event with a rev alone for an account the relay has no head for is numbered
+        assert await seq.submit(replace(commit_event(7, did="did:plc:d", host="h1"), account=None)) is not None
+        assert [e.seq for e in await store.read_after(0, 10)] == [1, 2, 3, 4, 5, 6, 7]
+    finally:
+        faults.go.set()
+        await seq.close()
+
+
+async def test_an_account_write_in_flight_gives_its_rev_to_the_batches_behind(store: Store) -> None:
+    """An account written with no event (a newer rev, e.g. after a resync) is the head a later
+    batch judges re-deliveries by while the write is still being committed, as it is once stored."""
+    faults = Faults(None)
+    seq = Sequencer(with_faults(store, faults), Collector(), max_batch=1, max_delay=0)
+    await seq.start()
+    try:
+        assert await seq.submit(commit_event(1, did="did:plc:a", host="h1")) is not None
+        newer = commit_event(9, did="did:plc:a", host="h1").account
+        assert newer is not None
+        faults.trigger = lambda batch: bool(batch.accounts) and not batch.events
+        written = asyncio.ensure_future(seq.write_account(newer))
+        await asyncio.wait_for(faults.reached.wait(), 10)
+        seq.max_batch = 2  # with a re-delivery of the stored commit: ignored either way
+        stale = [asyncio.ensure_future(seq.submit(commit_event(n, did="did:plc:a", host="h1"))) for n in (8, 1)]
+        await until(lambda: seq.stats.ignored > 0, "the batch behind the write numbered")
+        assert seq.stats.ignored == 2  # the stale commit judged against the write in flight
+        faults.go.set()
+        await asyncio.wait_for(written, 10)
+        assert [await s for s in stale] == [None, None]
+        assert await seq.submit(commit_event(8, did="did:plc:a", host="h1")) is None  # and once stored
+        assert [e.seq for e in await store.read_after(0, 10)] == [1]
+    finally:
+        faults.go.set()
+        await seq.close()
+
+
+async def test_a_batch_whose_head_lookup_spans_a_refused_commit_is_numbered_afresh(store: Store) -> None:
+    """A commit refused while the next batch reads its accounts' heads: that batch is looked up
+    and numbered again once the sequencer has re-synced, and its submitter gets its event (not
+    dropped, not left waiting)."""
+    faults = Faults(RuntimeError("refused (injected)"))
+    seq = Sequencer(with_faults(store, faults), Collector(), max_batch=1, max_delay=0)
+    real_heads = store.account_heads
+    entered, release = asyncio.Event(), asyncio.Event()
+
+    async def account_heads(dids: Any) -> Any:
+        if "did:plc:behind" in dids:
+            entered.set()
+            await release.wait()
+        return await real_heads(dids)
+
+    store.account_heads = account_heads  # type: ignore[method-assign]
+    await seq.start()
+    try:
+        faults.trigger = lambda batch: bool(batch.events)
+        refused = asyncio.ensure_future(seq.submit(commit_event(1, did="did:plc:first")))
+        await asyncio.wait_for(faults.reached.wait(), 10)
+        behind = asyncio.ensure_future(seq.submit(commit_event(2, did="did:plc:behind")))
+        await asyncio.wait_for(entered.wait(), 10)  # its lookup is under way...
+        faults.go.set()
+        with pytest.raises(RuntimeError, match="refused"):  # ...when the commit before it is refused
+            await asyncio.wait_for(refused, 10)
+        release.set()
+        event = await asyncio.wait_for(behind, 10)
+        assert event is not None and event.seq == 1 and event.did == "did:plc:behind"
+        assert [(e.seq, e.did) for e in await store.read_after(0, 10)] == [(1, "did:plc:behind")]
+    finally:
+        faults.go.set()
+        release.set()
+        await seq.close()
+
+
+async def test_collection_counts_and_the_hosts_last_seen_are_written_with_the_batch(store: Store) -> None:
+    """What a batch writes besides its events: each account's record counts per collection (an
+    event's complete counts, then its commits' creates and deletes) and, for each host, the time of
+    the batch's first event (the sequencer's clock, kept strictly increasing)."""
+    async with Sequencer(store, Collector(), clock=lambda: 1234.5, max_batch=1, max_delay=0) as seq:
+        counted = replace(commit_event(1, did="did:plc:a", host="h1"), collections={"app.bsky.feed.like": 3})
+        assert await seq.submit(counted) is not None
+        posts = (("app.bsky.feed.post", "create"), ("app.bsky.feed.post", "create"), ("app.bsky.feed.like", "delete"))
+        last = await seq.submit(replace(commit_event(2, did="did:plc:a", host="h1"), op_changes=posts))
+    assert await store.collection_counts("did:plc:a") == {"app.bsky.feed.like": 2, "app.bsky.feed.post": 2}
+    host = await store.get_host("h1")
+    assert last is not None and last.time == 1234.5 + 1e-6  # the clock stands still: 1 µs after the first
+    assert host is not None and host.last_seen == last.time and host.account_count == 1
+
+
+async def test_the_defaults_the_relay_runs_with(store: Store) -> None:
+    """The relay builds its sequencer with these (``relay.wiring``): batches of up to 1000 events
+    gathered for at most 2 ms, 20,000 submits queued before submitters wait, store retries paced
+    from 50 ms up to 2 s, a wait for the lease logged once a minute; frames from the standard encoder."""
+    seq = Sequencer(store, Collector())
+    assert (seq.max_batch, seq.max_delay, seq.max_pending) == (1000, 0.002, 20000)
+    assert (seq.retry_base, seq.retry_max, seq.wait_log_interval) == (0.05, 2.0, 60.0)
+    assert seq.frame_encoder("#identity", {"did": "did:plc:a", "seq": 1}) == encode_frame("#identity", {"did": "did:plc:a", "seq": 1})
+
+
 async def test_event_times_strictly_increase_by_whole_microseconds(store: Store) -> None:
     """A clock that stands still (or goes back) still gives every event a later time: 1 µs after
     the one before."""

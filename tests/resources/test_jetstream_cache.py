@@ -83,3 +83,29 @@ def test_compressed_forms_are_made_once_and_counted_exactly() -> None:
     kept = held(tight)
     assert 1 in kept and kept[1] == plain[0] + len(packed)  # the grown event stays, the oldest others go
     assert tight.cached_bytes == sum(kept.values()) <= tight.cache_bytes
+
+
+def test_the_cache_bounds_are_inclusive_and_its_count_follows_evictions() -> None:
+    """Events fill the cache up to exactly ``cache_bytes`` and ``cache_size`` (both inclusive);
+    beyond them the least recently used go, and the byte count stays the sum of what is held.
+    By default it holds at most 20,000 events and 64 MiB."""
+    evs = [events(n, 200 * n)[n - 1] for n in range(1, 5)]  # seqs 1..4, each larger than the one before
+    sizes = [JetstreamConverter(ZstdCodec.default()).event(ev).size for ev in evs]
+    assert sizes == sorted(set(sizes))
+    exact = JetstreamConverter(ZstdCodec.default(), cache_bytes=sizes[0] + sizes[1])
+    for ev in evs[:2]:
+        exact.event(ev)
+    assert held(exact) == {1: sizes[0], 2: sizes[1]}  # exactly full: both kept
+    exact.event(evs[2])
+    assert held(exact) == {3: sizes[2]}  # event 3 is larger than event 1: both 1 and 2 go
+    assert exact.cached_bytes == sum(held(exact).values())
+    one = JetstreamConverter(ZstdCodec.default(), cache_bytes=sizes[0])
+    one.event(evs[0])
+    assert held(one) == {1: sizes[0]}  # one event of exactly the bound is kept
+    counted = JetstreamConverter(ZstdCodec.default(), cache_size=2)
+    for ev in evs:
+        counted.event(ev)
+    assert held(counted) == {3: sizes[2], 4: sizes[3]}
+    assert counted.cached_bytes == sizes[2] + sizes[3]
+    default = JetstreamConverter(ZstdCodec.default())
+    assert (default._cache.maxsize, default.cache_bytes) == (20_000, 64 * 1024 * 1024)
