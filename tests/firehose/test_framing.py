@@ -23,6 +23,7 @@ from firehose.framing import (
 )
 from tests.backfill.conftest import decode_frame
 from tests.backfill.helpers import Collector, commit_event
+from tests.hypothesis_budget import examples
 
 CID = cbrrr.CID.cidv1_dag_cbor_sha256_32_from(b"framing")
 
@@ -56,7 +57,7 @@ seqs = st.one_of(
 )
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400), deadline=None)
 @given(body=bodies, seq=seqs)
 def test_splice_equals_full_reencoding(body: dict[str, Any], seq: int) -> None:
     encoded = cbrrr.encode_dag_cbor(body)
