@@ -188,8 +188,9 @@ def test_bad_input_is_a_typed_error(data: bytes, seq: Any, reason: str) -> None:
     b"\xbf\x61a\x01\xff",  # an indefinite-length map
     b"\xa2\x61a\x5f\x41x\xff\x64zzzz\x01",  # an indefinite-length byte string before "seq"
     b"\xa2\x61a\x1c\x64zzzz\x01",  # a reserved additional information (28) before "seq"
-], ids=["indefinite-map", "indefinite-bytes", "reserved-info"])
-def test_indefinite_or_reserved_lengths_are_not_a_map(data: bytes) -> None:
+    b"\xa2\x01\x02\x64zzzz\x01",  # an integer key
+], ids=["indefinite-map", "indefinite-bytes", "reserved-info", "integer-key"])
+def test_indefinite_lengths_and_non_text_keys_are_not_a_map(data: bytes) -> None:
     """Not canonical DAG-CBOR: ``body_not_map``, from both the splice and the offset walk."""
     for call in (lambda: splice_seq(data, 1), lambda: seq_offset(data)):
         with pytest.raises(FramingError) as info:
