@@ -171,6 +171,8 @@ def test_map_header_grows_past_23_entries() -> None:
     [
         (cbrrr.encode_dag_cbor([1, 2]), 1, "body_not_map"),
         (b"", 1, "truncated_body"),
+        (b"\xb8", 1, "truncated_body"),  # a map head cut inside its one-byte count
+        (b"\xb9\x01", 1, "truncated_body"),  # ... inside its two-byte count
         (cbrrr.encode_dag_cbor({"seq": 1}), 2, "seq_present"),
         (cbrrr.encode_dag_cbor({"ops": [1, 2, 3]})[:-2], 1, "truncated_body"),
         (cbrrr.encode_dag_cbor({"a": 1}), -1, "bad_seq"),
