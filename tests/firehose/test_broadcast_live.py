@@ -11,6 +11,7 @@ from collections.abc import AsyncGenerator
 
 import pytest
 
+from backfill.store import Store
 from firehose.broadcast import CONSUMER_TOO_SLOW, ERROR_KIND, FUTURE_CURSOR, Broadcaster, ConsumerSession
 from firehose.bus import InProcessBus, Subscription
 from firehose.frames import decode_frame
@@ -183,6 +184,24 @@ class LossyBus(InProcessBus):
             await super().publish(kept)
 
 
+class ReadLog:
+    """The real store, recording each ``read_after`` as ``(after, limit)``."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.reads: list[tuple[int, int]] = []
+
+    async def read_after(self, seq: int, limit: int = 1000) -> list[SequencedEvent]:
+        self.reads.append((seq, limit))
+        return await self.store.read_after(seq, limit)
+
+    async def oldest_seq(self) -> int | None:
+        return await self.store.oldest_seq()
+
+    async def latest_seq(self) -> int | None:
+        return await self.store.latest_seq()
+
+
 @pytest.mark.parametrize(("lost", "replay_batch"), [
     (set(range(1, 9)), 4),  # a hole of two whole store reads before a batch
     (set(range(1, 10)), 4),  # a hole of two reads and a bit
@@ -190,11 +209,13 @@ class LossyBus(InProcessBus):
 ])
 async def test_a_hole_longer_than_a_store_read_is_filled_in_order(ingest: Ingest, lost: set[int],
                                                                   replay_batch: int) -> None:
-    """What the bus never delivered is read from the store in chunks of ``replay_batch`` until
-    the hole is closed, and handed on in order before anything after it, as one filled gap."""
+    """What the bus never delivered is read from the store in chunks of ``replay_batch`` (a
+    bounded read each) until the hole is closed, and handed on in order before anything after it,
+    as one filled gap."""
     bus = LossyBus(lost)
     ingest.bus = bus
-    b = Broadcaster(ingest.store, bus, replay_batch=replay_batch)
+    store = ReadLog(ingest.store)
+    b = Broadcaster(store, bus, replay_batch=replay_batch)
     session = b.session(None)
     batches, first = await registered(b, session)
     await b.start(after_seq=0)
@@ -205,6 +226,9 @@ async def test_a_hole_longer_than_a_store_read_is_filled_in_order(ingest: Ingest
             got += [e.seq for e in await asyncio.wait_for(anext(batches), 10)]
         assert got == list(range(1, 13))
         assert b.stats.bus_gaps_filled == 1 and b.stats.bus_errors == 0
+        assert store.reads and {limit for _, limit in store.reads} == {replay_batch}
+        if lost == set(range(1, 9)):  # whole reads up to the batch, one more that comes back short
+            assert store.reads == [(0, 4), (4, 4), (8, 4), (12, 4)]
     finally:
         await batches.aclose()
         await b.close()
