@@ -58,6 +58,7 @@ async def test_the_live_queue_holds_live_queue_max_frames_and_not_one_more(inges
     b = Broadcaster(ingest.store, ingest.bus, live_queue_max=3)  # not started: the test is the fan-out
     session = b.session(None)
     batches, first = await registered(b, session)
+    assert b.stats.consumers == 1
     b.deliver([ev(1), ev(2), ev(3)])
     assert not session.too_slow.is_set()
     assert [e.seq for e in await first] == [1, 2, 3]
@@ -69,7 +70,7 @@ async def test_the_live_queue_holds_live_queue_max_frames_and_not_one_more(inges
     b.deliver([ev(8)])  # a cut session takes nothing more and is not counted again
     assert b.stats.too_slow == 1
     await ended(batches)
-    assert b.consumer_count == 0
+    assert b.consumer_count == 0 and b.stats.consumers == 0
 
 
 async def test_a_session_waiting_for_events_ends_when_cut(ingest: Ingest) -> None:
@@ -81,9 +82,10 @@ async def test_a_session_waiting_for_events_ends_when_cut(ingest: Ingest) -> Non
     batches_two, first_two = await registered(b, two)
     b.deliver([ev(1), ev(2), ev(3)])
     assert one.too_slow.is_set() and two.too_slow.is_set()
-    assert b.stats.too_slow == 2
+    assert b.stats.too_slow == 2 and b.stats.consumers == 2
     await ended(batches_one, first_one)
     await ended(batches_two, first_two)
+    assert b.stats.consumers == 0
 
 
 class RecordingWriter:
@@ -307,14 +309,17 @@ async def test_a_failed_bus_read_is_counted_and_the_fan_out_goes_on(ingest: Inge
 
 
 async def test_live_frames_reach_a_session_as_stored(ingest: Ingest) -> None:
-    """The fan-out hands on the stored frames themselves."""
+    """Started without a position, the fan-out follows from the store's latest seq; it hands on
+    the stored frames themselves."""
+    await ingest.add(3)
     b = Broadcaster(ingest.store, ingest.bus)
     session = b.session(None)
     batches, first = await registered(b, session)
-    await b.start(after_seq=0)
+    await b.start()
+    assert b.latest_seq == 3
     try:
         await ingest.add(2, batch=2)
-        assert [e.frame for e in await asyncio.wait_for(first, 10)] == [commit_frame(1), commit_frame(2)]
+        assert [e.frame for e in await asyncio.wait_for(first, 10)] == [commit_frame(4), commit_frame(5)]
     finally:
         await batches.aclose()
         await b.close()
