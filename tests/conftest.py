@@ -13,7 +13,10 @@ from pathlib import Path
 import pytest
 import redis
 
+from tests import hypothesis_budget
 from tests.redis_keys import current_keys, keys_removed, leftovers
+
+hypothesis_budget.load()  # RELAY_HYPOTHESIS_PROFILE (``mutation`` under ./run mutate)
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = Path(os.environ.get("RELAY_SHARED_DIR", ROOT.parent / "shared"))

@@ -16,6 +16,7 @@ from firehose.frames import (
     encode_info_frame,
 )
 from firehose.reasons import ALL_REASONS, Reason
+from tests.hypothesis_budget import examples
 
 
 def test_round_trip_message_frame_is_canonical() -> None:
@@ -83,7 +84,7 @@ def test_frame_size_limit() -> None:
     assert decode_frame(ok).t == "#commit"
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400), deadline=None)
 @given(st.binary(max_size=512))
 def test_fuzz_random_bytes_only_typed_errors(data: bytes) -> None:
     try:
@@ -92,7 +93,7 @@ def test_fuzz_random_bytes_only_typed_errors(data: bytes) -> None:
         assert exc.reason in ALL_REASONS
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400), deadline=None)
 @given(st.data())
 def test_fuzz_mutated_frames_only_typed_errors(data: st.DataObject) -> None:
     frame = bytearray(encode_frame("#commit", {"seq": 5, "repo": "did:plc:x", "blocks": b"abc", "ops": [{"a": None}]}))

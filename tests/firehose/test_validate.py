@@ -23,6 +23,7 @@ from mst.cid import cid_for_cbor
 from mst.crypto import PrivateKey, parse_did_key, parse_multibase_key
 from mst.repo import Write
 from mst.tid import TidClock, tid_to_micros
+from tests.hypothesis_budget import examples
 
 from .commits import commit_body, flip_sig, frame, new_repo, posts, rewrite_car, state_of, sync_body
 
@@ -316,7 +317,7 @@ def fuzz_seed(chain):
     return frame(commit_body(repo, r)), before, repo.key.did_key()
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_fuzz_mutated_commit_frames_only_typed_verdicts(fuzz_seed, data: st.DataObject) -> None:
     raw, state, key = fuzz_seed
@@ -330,7 +331,7 @@ def test_fuzz_mutated_commit_frames_only_typed_verdicts(fuzz_seed, data: st.Data
     assert v.kind in ("accept", "ignore", "reject", "desync") and v.reason in ALL_REASONS
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.binary(max_size=2048))
 def test_fuzz_random_bytes_only_typed_rejections(data: bytes) -> None:
     v = validate_frame(data, None, "did:key:zQ3shULQPBZrbHpyf48oS68ZudUDQNdtWrhV8dafhaTFFUeGP", now())
@@ -351,7 +352,7 @@ _values = st.recursive(
 )
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_fuzz_structured_field_mutations_only_typed_verdicts(chain, data: st.DataObject) -> None:
     repo, before, r, _ = chain
