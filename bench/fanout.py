@@ -12,7 +12,8 @@ parses WebSocket frames cheaply, see ``bench/_rawws.py``):
    same rate to the same number of consumers → CPU per delivered frame and latency.
 
 Where the relay's CPU goes: ``fanout_relay_cpu_us_per_event_{main,workers}_{1,n}`` split each
-phase's CPU per accepted event between the main process and the validation workers, and
+phase's CPU per accepted event between the main process and the validation workers,
+``fanout_relay_sys_us_per_frame_marginal`` is the kernel's part of the marginal cost, and
 ``--profile OUT`` runs the main process under cProfile timed by its main thread's CPU clock
 (``bench/_cpuprofile.py``) and prints its CPU by module and its costliest functions (cProfile's
 per-call overhead inflates code made of many small calls).
@@ -35,6 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import (  # noqa: E402
+    CLK_TCK,
     cpu_seconds,
     listener_extra,
     load_average,
@@ -174,6 +176,13 @@ class Child:
             await self.proc.wait()
 
 
+def _sys_seconds(pid: int) -> float:
+    """System (kernel) CPU seconds of one process: socket writes, and on loopback the receiving side
+    of TCP too, are charged here."""
+    with open(f"/proc/{pid}/stat", "rb") as fh:
+        return int(fh.read().decode(errors="replace").rsplit(")", 1)[1].split()[12]) / CLK_TCK
+
+
 def percentiles(values: list[float]) -> tuple[float, float]:
     if len(values) < 2:
         return (values[0] if values else float("nan"),) * 2  # type: ignore[return-value]
@@ -194,6 +203,7 @@ async def phase(fleet, r, url: str, n: int, rate: float, count: int):  # type: i
         expected = sum(1 for t in first_truth if t.verdict == "accept")
         cpu0 = r.cpu() if r is not None else 0.0
         main0 = cpu_seconds([r.proc.pid]) if r is not None else 0.0
+        sys0 = _sys_seconds(r.proc.pid) if r is not None else 0.0
         t0 = time.time()
         await fleet.release(rate)
         fleet._pending = rest
@@ -201,6 +211,7 @@ async def phase(fleet, r, url: str, n: int, rate: float, count: int):  # type: i
         note(f"fanout: phase with {n} consumers drained={drained} ({child.progress}/{expected})")
         cpu = (r.cpu() - cpu0) if r is not None else 0.0
         main_cpu = (cpu_seconds([r.proc.pid]) - main0) if r is not None else 0.0
+        main_sys = (_sys_seconds(r.proc.pid) - sys0) if r is not None else 0.0
         wall = time.time() - t0
         child.send("STOP")
         data = json.loads(await child.line())
@@ -209,7 +220,7 @@ async def phase(fleet, r, url: str, n: int, rate: float, count: int):  # type: i
     sent = {(t.did, t.rev): t.sent_at for t in first_truth if t.kind == "#commit"}
     lat = [(tr - sent[(d, rv)]) * 1000 for d, rv, tr in data["samples"] if (d, rv) in sent]
     frames = sum(data["counts"])
-    return {"cpu": cpu, "main_cpu": main_cpu, "events": expected, "frames": frames, "wall": wall, "latencies": lat,
+    return {"cpu": cpu, "main_cpu": main_cpu, "main_sys": main_sys, "events": expected, "frames": frames, "wall": wall, "latencies": lat,
             "consumer_cpu": data["cpu"], "per_consumer": data["counts"], "batch": batch}
 
 
@@ -299,6 +310,8 @@ async def run(rate: float, consumers: int, seconds: float, profile: str | None =
         per_event = 1e6 / max(1, ph["events"])
         result(f"fanout_relay_cpu_us_per_event_main_{tag}", ph["main_cpu"] * per_event)
         result(f"fanout_relay_cpu_us_per_event_workers_{tag}", (ph["cpu"] - ph["main_cpu"]) * per_event)
+    result("fanout_relay_sys_us_per_frame_marginal",
+           (many["main_sys"] - one["main_sys"]) * 1e6 / max(1, many["frames"] - one["frames"]))
     result("fanout_baseline_cpu_us_per_frame", b_per_frame * 1e6)
     result("fanout_baseline_frames_delivered", bframes)
     result("fanout_baseline_latency_p50_ms", b50)
