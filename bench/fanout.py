@@ -11,7 +11,14 @@ parses WebSocket frames cheaply, see ``bench/_rawws.py``):
 3. baseline: a plain ``websockets`` server (child process) broadcasting phase 2's frames at the
    same rate to the same number of consumers → CPU per delivered frame and latency.
 
-    .venv/bin/python bench/fanout.py [--quick] [--rate 2000] [--consumers 50] [--seconds S]
+Where the relay's CPU goes: ``fanout_relay_cpu_us_per_event_{main,workers}_{1,n}`` split each
+phase's CPU per accepted event between the main process and the validation workers,
+``fanout_relay_sys_us_per_frame_marginal`` is the kernel's part of the marginal cost, and
+``--profile OUT`` runs the main process under cProfile timed by its main thread's CPU clock
+(``bench/_cpuprofile.py``) and prints its CPU by module and its costliest functions (cProfile's
+per-call overhead inflates code made of many small calls).
+
+    .venv/bin/python bench/fanout.py [--quick] [--rate 2000] [--consumers 50] [--seconds S] [--profile OUT]
 """
 
 from __future__ import annotations
@@ -28,7 +35,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import listener_extra, load_average, note, relay, result, self_cpu, wait_until  # noqa: E402
+from bench._common import (  # noqa: E402
+    CLK_TCK,
+    cpu_seconds,
+    listener_extra,
+    load_average,
+    note,
+    relay,
+    result,
+    self_cpu,
+    wait_until,
+)
 
 #: extra ``relay serve`` flags chosen by --listener
 LISTENER: list[str] = []
@@ -159,6 +176,13 @@ class Child:
             await self.proc.wait()
 
 
+def _sys_seconds(pid: int) -> float:
+    """System (kernel) CPU seconds of one process: socket writes, and on loopback the receiving side
+    of TCP too, are charged here."""
+    with open(f"/proc/{pid}/stat", "rb") as fh:
+        return int(fh.read().decode(errors="replace").rsplit(")", 1)[1].split()[12]) / CLK_TCK
+
+
 def percentiles(values: list[float]) -> tuple[float, float]:
     if len(values) < 2:
         return (values[0] if values else float("nan"),) * 2  # type: ignore[return-value]
@@ -178,12 +202,16 @@ async def phase(fleet, r, url: str, n: int, rate: float, count: int):  # type: i
         first_truth = [p.truth for p in batch if p.truth is not None]
         expected = sum(1 for t in first_truth if t.verdict == "accept")
         cpu0 = r.cpu() if r is not None else 0.0
+        main0 = cpu_seconds([r.proc.pid]) if r is not None else 0.0
+        sys0 = _sys_seconds(r.proc.pid) if r is not None else 0.0
         t0 = time.time()
         await fleet.release(rate)
         fleet._pending = rest
         drained = await child.wait_progress(expected)
         note(f"fanout: phase with {n} consumers drained={drained} ({child.progress}/{expected})")
         cpu = (r.cpu() - cpu0) if r is not None else 0.0
+        main_cpu = (cpu_seconds([r.proc.pid]) - main0) if r is not None else 0.0
+        main_sys = (_sys_seconds(r.proc.pid) - sys0) if r is not None else 0.0
         wall = time.time() - t0
         child.send("STOP")
         data = json.loads(await child.line())
@@ -192,11 +220,28 @@ async def phase(fleet, r, url: str, n: int, rate: float, count: int):  # type: i
     sent = {(t.did, t.rev): t.sent_at for t in first_truth if t.kind == "#commit"}
     lat = [(tr - sent[(d, rv)]) * 1000 for d, rv, tr in data["samples"] if (d, rv) in sent]
     frames = sum(data["counts"])
-    return {"cpu": cpu, "frames": frames, "wall": wall, "latencies": lat, "consumer_cpu": data["cpu"],
-            "per_consumer": data["counts"], "batch": batch}
+    return {"cpu": cpu, "main_cpu": main_cpu, "main_sys": main_sys, "events": expected, "frames": frames, "wall": wall, "latencies": lat,
+            "consumer_cpu": data["cpu"], "per_consumer": data["counts"], "batch": batch}
 
 
-async def run(rate: float, consumers: int, seconds: float) -> None:
+def print_profile(path: str, top: int = 25) -> None:
+    """The main process's CPU (cProfile, CPU clock) by source file, then its costliest functions."""
+    import pstats
+
+    stats = pstats.Stats(path, stream=sys.stderr)
+    by_file: dict[str, float] = {}
+    total = 0.0
+    for (filename, _line, _name), (_cc, _nc, tt, _ct, _callers) in stats.stats.items():  # type: ignore[attr-defined]
+        key = filename.split("site-packages/")[-1].replace(str(Path(__file__).resolve().parent.parent) + "/", "")
+        by_file[key] = by_file.get(key, 0.0) + tt
+        total += tt
+    note(f"fanout profile: main thread CPU {total:.2f}s (cProfile, CPU clock), by file (own time):")
+    for key, tt in sorted(by_file.items(), key=lambda kv: -kv[1])[:top]:
+        note(f"  {100 * tt / max(total, 1e-9):5.1f}%  {tt:7.3f}s  {key}")
+    stats.sort_stats("tottime").print_stats(top)
+
+
+async def run(rate: float, consumers: int, seconds: float, profile: str | None = None) -> None:
     from sim import SimConfig, SimFleet
 
     count = int(rate * seconds)
@@ -206,7 +251,7 @@ async def run(rate: float, consumers: int, seconds: float) -> None:
     fleet.prepare(2 * count)
     note(f"fanout: pre-generated {2 * count} commits in {time.perf_counter() - t:.1f}s")
     try:
-        async with relay(fleet.plc_url, extra=LISTENER) as r:
+        async with relay(fleet.plc_url, extra=LISTENER, profile=profile) as r:
             await r.crawl([h.hostname for h in fleet.hosts])
             # announcements must be through before measuring
             warm = await Child.spawn("--child-consumers", r.ws_url + "?cursor=0", "1", "0")
@@ -261,12 +306,20 @@ async def run(rate: float, consumers: int, seconds: float) -> None:
     result("fanout_relay_cpu_us_per_frame_marginal", marginal * 1e6)
     result("fanout_relay_cpu_cores_1_consumer", one["cpu"] / max(1e-9, one["wall"]))
     result("fanout_relay_cpu_cores_n_consumers", many["cpu"] / max(1e-9, many["wall"]))
+    for tag, ph in (("1", one), ("n", many)):
+        per_event = 1e6 / max(1, ph["events"])
+        result(f"fanout_relay_cpu_us_per_event_main_{tag}", ph["main_cpu"] * per_event)
+        result(f"fanout_relay_cpu_us_per_event_workers_{tag}", (ph["cpu"] - ph["main_cpu"]) * per_event)
+    result("fanout_relay_sys_us_per_frame_marginal",
+           (many["main_sys"] - one["main_sys"]) * 1e6 / max(1, many["frames"] - one["frames"]))
     result("fanout_baseline_cpu_us_per_frame", b_per_frame * 1e6)
     result("fanout_baseline_frames_delivered", bframes)
     result("fanout_baseline_latency_p50_ms", b50)
     result("fanout_baseline_latency_p99_ms", b99)
     result("fanout_cpu_ratio_marginal_vs_baseline", marginal / max(1e-12, b_per_frame))
     result("fanout_cpu_ratio_total_vs_baseline", per_frame_total / max(1e-12, b_per_frame))
+    if profile:
+        print_profile(profile)
 
 
 def main() -> int:
@@ -281,12 +334,14 @@ def main() -> int:
     p.add_argument("--rate", type=float, default=2000.0)
     p.add_argument("--consumers", type=int, default=50)
     p.add_argument("--seconds", type=float, default=None)
+    p.add_argument("--profile", default=None,
+                   help="run the relay's main process under cProfile (CPU clock), stats here; prints a summary")
     p.add_argument("--listener", choices=["asgi", "websockets"], default="asgi",
                    help="consumers connect to the main port (asgi) or to a --firehose-bind listener")
     a = p.parse_args()
     LISTENER[:] = listener_extra(a.listener)
     seconds = a.seconds or (2.0 if a.quick else 30.0)
-    asyncio.run(run(a.rate, a.consumers, seconds))
+    asyncio.run(run(a.rate, a.consumers, seconds, a.profile))
     return 0
 
 

@@ -21,13 +21,14 @@ Measured, each printed as a ``RESULT`` line:
   delivered) and ``scale_restart_identity_requests`` (requests the PLC directory got meanwhile:
   0 when every identity is fresh in the store);
 * ``scale_listrepos_accounts_per_s``: ``com.atproto.sync.listRepos`` paged through every account
-  (limit 1000);
+  (limit 1000; skipped, like the seeks below, with ``--state-only``);
 * ``scale_replay_seek_ms_{start,middle,end}``: a consumer connecting with a cursor at the start,
   middle and end of the window, until its first frame (median of 3).
 
     .venv/bin/python bench/scale.py --quick          # 20,000 accounts, 200,000 events: minutes
     .venv/bin/python bench/scale.py                  # 1,000,000 accounts, 10,000,000 events
     .venv/bin/python bench/scale.py --db postgres    # the same on PostgreSQL (a fresh schema)
+    .venv/bin/python bench/scale.py --accounts 3000000 --events 1000000 --state-only   # the size curve
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -68,10 +69,14 @@ from firehose.state import AccountState  # noqa: E402
 from firehose.validate import cid_text, outgoing_body  # noqa: E402
 from sim import SimConfig, SimFleet  # noqa: E402
 from sim.host import SimAccount  # noqa: E402
-from sim.ident import SigningKey, tid_from_micros  # noqa: E402
+from sim.ident import SigningKey  # noqa: E402
 
 HOUR = 3600.0
 BATCH = 10_000
+#: The bench's own consumer shares its process with the simulated fleet, whose emission of a whole
+#: phase at once can keep it from reading for a while on a loaded machine: the relay is told to wait
+#: for it (what is measured is the relay's rate, not how soon it cuts a slow reader).
+CONSUMER_ENV = {"RELAY_CONSUMER_MAX_LAG": "900s", "RELAY_CONSUMER_MAX_QUEUE_BYTES": str(2 << 30)}
 
 
 # -- set-up ------------------------------------------------------------------------------------
@@ -98,12 +103,43 @@ def _cid(i: int, salt: bytes) -> str:
 
 #: the base32 alphabet in ASCII order, so that synthetic DIDs made from increasing numbers sort as strings
 _SORTED_B32 = "234567abcdefghijklmnopqrstuvwxyz"
+#: RFC 4648 base32, lower case: the alphabet of CID text
+_RFC_B32 = "abcdefghijklmnopqrstuvwxyz234567"
+#: two characters (10 bits) per look-up: the synthetic rows are made without a Python loop per character
+_SORTED_PAIRS = [a + b for a in _SORTED_B32 for b in _SORTED_B32]
+_RFC_PAIRS = [a + b for a in _RFC_B32 for b in _RFC_B32]
+_DID_SHIFTS = tuple(110 - 10 * i for i in range(12))
+_TID_SHIFTS = tuple(50 - 10 * i for i in range(6))
+#: a pool of real CIDs per kind; a synthetic account's CID is one of them with 8 characters of its
+#: digest (40 bits) replaced by its number, so every CID is distinct and still a valid CIDv1 text
+_CID_POOL = 256
 
 
 def _synthetic_did(value: int) -> str:
     """A syntactically valid ``did:plc:`` from a 120-bit number (24 base32 characters); larger
     numbers give larger strings."""
-    return "did:plc:" + "".join(_SORTED_B32[(value >> (115 - 5 * i)) & 31] for i in range(24))
+    p = _SORTED_PAIRS
+    return "did:plc:" + "".join([p[(value >> s) & 1023] for s in _DID_SHIFTS])
+
+
+def _tid(micros: int) -> str:
+    """``sim.ident.tid_from_micros(micros)`` (clock id 0), two characters per look-up."""
+    value = micros << 10
+    p = _SORTED_PAIRS
+    return _SORTED_B32[value >> 60 & 31] + "".join([p[(value >> s) & 1023] for s in _TID_SHIFTS])
+
+
+def _cid_maker(salt: bytes) -> Callable[[int], str]:
+    """Distinct valid CID texts for the numbers 0..2^40-1 (the characters 10..17 lie inside the
+    digest, whose 40 bits they carry)."""
+    pool = [_cid(i, salt) for i in range(_CID_POOL)]
+    p = _RFC_PAIRS
+
+    def make(i: int) -> str:
+        text = pool[i % _CID_POOL]
+        return text[:10] + p[i >> 30 & 1023] + p[i >> 20 & 1023] + p[i >> 10 & 1023] + p[i & 1023] + text[18:]
+
+    return make
 
 
 def account_batches(fleet: SimFleet, total: int, now: float, rng: random.Random) -> Iterator[list[AccountState]]:
@@ -119,12 +155,16 @@ def account_batches(fleet: SimFleet, total: int, now: float, rng: random.Random)
     n = max(0, total - len(real))
     stride = (1 << 120) // max(1, n)
 
+    commit_cid, data_cid = _cid_maker(b"c"), _cid_maker(b"d")
+    span = 390 * 86400 * 10**6
+    randrange, random_ = rng.randrange, rng.random
+    n_hosts = len(hosts)
+
     def synthetic() -> Iterator[AccountState]:
         for i in range(n):
-            micros = base + rng.randrange(390 * 86400 * 10**6)
-            yield AccountState(_synthetic_did(i * stride + rng.randrange(stride)), hosts[i % len(hosts)],
-                               rev=tid_from_micros(micros), commit_cid=_cid(i, b"c"), data_cid=_cid(i, b"d"),
-                               updated_at=now - rng.random() * 30 * 86400)
+            yield AccountState(_synthetic_did(i * stride + randrange(stride)), hosts[i % n_hosts],
+                               rev=_tid(base + randrange(span)), commit_cid=commit_cid(i), data_cid=data_cid(i),
+                               updated_at=now - random_() * 2592000.0)
 
     batch: list[AccountState] = []
     for row in heapq.merge(real, synthetic(), key=lambda r: r.did):
@@ -302,7 +342,7 @@ async def run(a: argparse.Namespace) -> None:
         per_phase = a.commits // a.phases
         size = len(fleet.accounts) // a.phases
         rates, cpu_main, cpu_workers, delivered = [], 0.0, 0.0, 0
-        async with relay(fleet.plc_url, database_url=database_url) as r:
+        async with relay(fleet.plc_url, database_url=database_url, env=CONSUMER_ENV) as r:
             await r.crawl([h.hostname for h in fleet.hosts])
             consumer = CountingConsumer(r.ws_url).start()
             await asyncio.wait_for(consumer.connected.wait(), 60)
@@ -337,7 +377,7 @@ async def run(a: argparse.Namespace) -> None:
         await fleet.release(None)
         requests0 = fleet.plc.requests
         t0 = time.monotonic()
-        async with relay(fleet.plc_url, database_url=database_url) as r:
+        async with relay(fleet.plc_url, database_url=database_url, env=CONSUMER_ENV) as r:
             listening = time.monotonic() - t0
             consumer = CountingConsumer(r.ws_url, cursor=last_seq).start()
             await asyncio.wait_for(consumer.connected.wait(), 60)
@@ -356,6 +396,8 @@ async def run(a: argparse.Namespace) -> None:
             result("scale_restart_commits", got)
             result("scale_restart_identity_requests", fleet.plc.requests - requests0)
             await consumer.stop()
+            if a.state_only:
+                return
 
             n, rate = await list_repos_rate(r.url)
             result("scale_listrepos_accounts", n)
@@ -370,8 +412,8 @@ async def run(a: argparse.Namespace) -> None:
             for name, cursor in (("start", oldest), ("middle", (oldest + latest) // 2), ("end", latest - 5)):
                 times = [await seek_ms(r.ws_url, cursor) for _ in range(3)]
                 result(f"scale_replay_seek_ms_{name}", statistics.median(times))
-        result("scale_load_average", load_average())
     finally:
+        result("scale_load_average", load_average())
         await fleet.stop()
         workdir.cleanup()
         if a.db == "postgres":
@@ -395,6 +437,9 @@ def main() -> int:
     p.add_argument("--phases", type=int, default=4, help="working-set slices, one per phase")
     p.add_argument("--restart-commits", type=int, default=None, help="commits emitted while restarting")
     p.add_argument("--db", choices=["sqlite", "postgres"], default="sqlite")
+    p.add_argument("--state-only", action="store_true",
+                   help="stop after the restart figures (no listRepos walk, no replay seeks: at ten million "
+                        "accounts the walk alone takes longer than the rest on a loaded machine)")
     a = p.parse_args()
     quick = {"accounts": 20_000, "events": 200_000, "working_set": 2_000, "commits": 4_000, "restart_commits": 2_000}
     full = {"accounts": 1_000_000, "events": 10_000_000, "working_set": 100_000, "commits": 40_000,
