@@ -1,10 +1,12 @@
-"""The WebSocket read-ahead of an upstream host is bounded (``SubscriberConfig.read_ahead_frames``):
-the ingest budget counts a frame once it is dispatched, so what the connection reads ahead of a
-host run waiting for the budget is outside it. One simulator host sends a backlog of giant frames
-(5.3 MB each, the ``oversized`` fault); the validation worker is stopped (SIGSTOP, a real process)
-so the host's run stops taking frames (its in-flight bytes are full). The connection must then stop reading
-after a couple of messages, not hold a dozen giant frames (``websockets``' default keeps 16 and
-more). Once the worker runs again every accepted event reaches a consumer exactly once.
+"""A host whose frame waits for admission to the ingest budget holds that frame alone outside it
+(``Upstreams.waiting_bytes``, ``relay_ingest_buffer_bytes{state="waiting"}``): its connection
+reads no whole message ahead (``SubscriberConfig.read_ahead_frames`` 0) and is not read at all
+while the frame waits (``HostSubscriber.hold_reads``). One simulator host sends a backlog of giant
+frames (5.3 MB each, the ``oversized`` fault); the validation worker is stopped (SIGSTOP, a real
+process) so the host's run stops admitting frames (its in-flight bytes are full). The connection
+must then hold no whole message and at most the rest of one socket read, where ``websockets``'
+default keeps 16 messages and more and a read-ahead of one kept two. Once the worker runs again
+every accepted event reaches a consumer exactly once.
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ import signal
 from collections import Counter
 from pathlib import Path
 
+import httpx
 import pytest
 
 from sim import SimConfig, SimFleet
-from tests.relay.e2e import Consumer, check_stream, crawl, key_of
+from tests.relay.e2e import Consumer, check_stream, crawl, key_of, metric_value
 from tests.relay.helpers import running_relay
 from tests.waiting import until
 
@@ -26,7 +29,7 @@ pytestmark = pytest.mark.timeout(240)
 GIANTS = 12
 
 
-async def test_a_hosts_read_ahead_stops_at_a_couple_of_giant_frames(tmp_path: Path) -> None:
+async def test_a_host_waiting_for_the_budget_holds_its_frame_alone_outside_it(tmp_path: Path) -> None:
     fleet = SimFleet(SimConfig(hosts=1, accounts_per_host=1, seed=31, announce_accounts=False))
     await fleet.start()
     try:
@@ -49,21 +52,27 @@ async def test_a_hosts_read_ahead_stops_at_a_couple_of_giant_frames(tmp_path: Pa
             try:
                 await crawl(relay.url, host.hostname)
                 # the run dispatches a giant frame (counted twice its size), then waits for room
-                # (the host's in-flight bytes) with the next in hand; the connection reads on until
-                # its queue of whole messages passes the bound and it stops reading the socket
-                def queued() -> tuple[int, int, bool]:
+                # (the host's in-flight bytes) with the next in hand: it holds the connection's reads
+                def state() -> tuple[int, int, int, bool, bool]:
                     run = upstreams._runs.get(host.hostname)
                     ws = None if run is None else run.subscriber._ws
-                    if ws is None:
-                        return 0, 0, False
+                    if run is None or ws is None:
+                        return 0, 0, 0, False, True
                     frames = list(ws.recv_messages.frames.queue)
-                    return len(frames), sum(len(f.data) for f in frames), ws.recv_messages.paused
+                    return (len(frames), sum(len(f.data) for f in frames), len(ws.protocol.reader.buffer),
+                            run.subscriber.reads_held, ws.transport.is_reading())
 
-                await until(lambda: queued()[2] or queued()[0] > 2, "the host's connection to stop reading", timeout=25)
-                count, held, paused = queued()
-                assert paused
-                assert count <= 2, f"{count} whole messages read ahead ({held / 1e6:.0f} MB)"
-                assert held <= 2 * giant
+                await until(lambda: upstreams.waiting_bytes > 0 and not state()[4],
+                            "a giant frame waiting for admission, the connection not reading", timeout=25)
+                count, held, partial, reads_held, reading = state()
+                assert reads_held and not reading
+                waiting = upstreams.waiting_bytes  # the giant frame in hand, counted (2 x its size + 2 KiB)
+                assert 2 * 5_000_000 < waiting <= 2 * giant + 2048
+                async with httpx.AsyncClient(base_url=relay.url) as http:
+                    text = (await http.get("/metrics")).text
+                assert metric_value(text, "relay_ingest_buffer_bytes", state="waiting") == waiting
+                assert count == 0, f"{count} whole messages read ahead ({held / 1e6:.1f} MB)"
+                assert partial <= 256 * 1024, f"{partial} bytes of the next message read"
             finally:
                 os.kill(worker, signal.SIGCONT)
             wanted = [key_of(t.kind, t.did, t.rev) for t in fleet.ground_truth if t.verdict == "accept"]
