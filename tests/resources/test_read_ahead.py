@@ -11,6 +11,7 @@ every accepted event reaches a consumer exactly once.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 from collections import Counter
@@ -18,7 +19,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from websockets.asyncio.server import ServerConnection, serve
 
+from firehose.frames import encode_frame
+from firehose.subscriber import HostSubscriber, SubscriberConfig, UpstreamFrame
 from sim import SimConfig, SimFleet
 from tests.relay.e2e import Consumer, check_stream, crawl, key_of, metric_value
 from tests.relay.helpers import running_relay
@@ -81,3 +85,67 @@ async def test_a_host_waiting_for_the_budget_holds_its_frame_alone_outside_it(tm
         check_stream(consumer.events)
     finally:
         await fleet.stop()
+
+
+def _big(seq: int, size: int = 1_000_000) -> bytes:
+    return encode_frame("#identity", {"seq": seq, "did": "did:plc:abc", "time": "2026-01-01T00:00:00Z",
+                                      "pad": b"x" * size})
+
+
+def _connection_state(sub: HostSubscriber) -> tuple[int, int, bool] | None:
+    """Whole messages the connection holds for the subscriber, bytes of the next one it has read
+    (its parser's buffer), whether it reads its socket; None: not connected."""
+    ws = sub._ws
+    if ws is None:
+        return None
+    return len(ws.recv_messages.frames.queue), len(ws.protocol.reader.buffer), ws.transport.is_reading()
+
+
+@pytest.mark.parametrize("hold", [False, True], ids=["waiting", "holding"])
+async def test_an_owner_that_waits_has_at_most_one_message_read_ahead_and_none_when_it_holds(hold: bool) -> None:
+    """While ``on_frame`` is awaited the connection keeps at most one whole message ahead of the
+    subscriber (``read_ahead_frames`` 0); none when the owner holds the reads (``hold_reads``),
+    and reading goes on once it releases them: every message arrives, in order."""
+    messages = 8
+    first_taken = asyncio.Event()
+    go_on = asyncio.Event()
+    got: list[int] = []
+
+    async def handler(conn: ServerConnection) -> None:
+        for seq in range(1, messages + 1):
+            await conn.send(_big(seq))
+        await conn.wait_closed()
+
+    sub: HostSubscriber | None = None
+
+    async def on_frame(uf: UpstreamFrame) -> None:
+        assert sub is not None
+        got.append(uf.seq)
+        if uf.seq == 1:
+            if hold:
+                sub.hold_reads()
+            first_taken.set()
+            await go_on.wait()
+            if hold:
+                sub.release_reads()
+
+    async with serve(handler, "127.0.0.1", 0, max_size=None) as server:
+        port = server.sockets[0].getsockname()[1]
+        sub = HostSubscriber(f"http://127.0.0.1:{port}", on_frame,
+                             config=SubscriberConfig(rate_limits=[], backoff_base=0.01, backoff_max=0.05))
+        task = asyncio.create_task(sub.run())
+        try:
+            await asyncio.wait_for(first_taken.wait(), 20)
+            await until(lambda: (s := _connection_state(sub)) is not None and not s[2],
+                        "the connection to stop reading", timeout=20)
+            state = _connection_state(sub)
+            assert state is not None
+            queued, partial, _ = state
+            assert queued <= (0 if hold else 1), f"{queued} whole messages read ahead"
+            assert partial <= 256 * 1024, f"{partial} bytes of the next message read"
+            go_on.set()
+            await until(lambda: len(got) >= messages, "every message delivered", timeout=30)
+            assert got == list(range(1, messages + 1))
+        finally:
+            await sub.stop()
+            await asyncio.wait_for(task, 10)
