@@ -12,8 +12,9 @@ import asyncio
 import os
 import sys
 
+from backfill.backends import open_store
 from backfill.errors import BackfillError
-from backfill.store import DEFAULT_SQLITE_PATH, open_store
+from backfill.store import DEFAULT_SQLITE_PATH
 
 
 def _parser() -> argparse.ArgumentParser:

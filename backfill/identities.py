@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -45,10 +46,13 @@ class Identity:
     @property
     def pds_hostname(self) -> str | None:
         """The PDS endpoint as a relay hostname (``host`` or ``host:port``), lower case."""
-        if not self.pds:
-            return None
-        parts = urlsplit(self.pds)
-        return parts.netloc.lower() or None
+        return _hostname(self.pds) if self.pds else None
+
+
+@lru_cache(maxsize=4096)
+def _hostname(endpoint: str) -> str | None:
+    """``Identity.pds_hostname`` of ``endpoint``, parsed once per endpoint (read per commit)."""
+    return urlsplit(endpoint).netloc.lower() or None
 
 
 @dataclass(frozen=True, slots=True)

@@ -373,7 +373,7 @@ def audit_entry(at: float, action: str, target: str, detail: str) -> dict[str, A
     return {"time": at, "action": action, "target": target, "detail": decoded}
 
 
-def _split_schema(url: str) -> tuple[str, str | None]:
+def split_schema(url: str) -> tuple[str, str | None]:
     """Pull a ``schema=`` query parameter out of a Postgres URL."""
     parts = urlsplit(url)
     query = parse_qsl(parts.query, keep_blank_values=True)
@@ -402,16 +402,3 @@ def sqlite_path_from_url(url: str | None) -> str:
 
 def is_postgres_url(url: str | None) -> bool:
     return url is not None and url.split(":", 1)[0] in ("postgresql", "postgres")
-
-
-async def open_store(url: str | None = None, *, schema: str | None = None, pool_size: int = 4) -> Store:
-    """Open (connect to) the store at ``url``; does not migrate (call ``migrate()``)."""
-    if is_postgres_url(url):
-        from backfill.postgres_store import PostgresStore
-
-        assert url is not None
-        dsn, url_schema = _split_schema(url)
-        return await PostgresStore.connect(dsn, schema=schema or url_schema, pool_size=pool_size)
-    from backfill.sqlite_store import SqliteStore
-
-    return await SqliteStore.open(sqlite_path_from_url(url), readers=max(1, min(pool_size, 4)))

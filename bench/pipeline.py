@@ -190,7 +190,7 @@ async def _bench_transport(transport: str, consumers: int, frames: int, size: in
     import uvicorn
     from starlette.applications import Starlette
 
-    from backfill.store import open_store
+    from backfill.backends import open_store
     from firehose.broadcast import Broadcaster
     from firehose.bus import InProcessBus
     from firehose.serve_asgi import SUBSCRIBE_REPOS_PATH, subscribe_repos_routes

@@ -60,7 +60,8 @@ def template_bodies(n: int) -> list[tuple[str, dict]]:
 
 async def load(url: str, events: int) -> int:
     """Make sure the store at ``url`` holds at least ``events`` events; returns the count."""
-    from backfill.store import BatchWrite, open_store
+    from backfill.backends import open_store
+    from backfill.store import BatchWrite
     from firehose.frames import encode_frame
 
     store = await open_store(url)

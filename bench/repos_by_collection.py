@@ -44,7 +44,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from backfill.store import Store, open_store  # noqa: E402
+from backfill.backends import open_store  # noqa: E402
+from backfill.store import Store  # noqa: E402
 from bench._common import PG_DSN, load_average, note, relay, result  # noqa: E402
 
 COLLECTIONS: dict[str, float] = {

@@ -48,8 +48,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import cbrrr  # noqa: E402
 import httpx  # noqa: E402
 
+from backfill.backends import open_store  # noqa: E402
 from backfill.identities import Identity  # noqa: E402
-from backfill.store import BatchWrite, Store, open_store  # noqa: E402
+from backfill.store import BatchWrite, Store  # noqa: E402
 from bench._common import (  # noqa: E402
     PG_DSN,
     CountingConsumer,
@@ -66,7 +67,7 @@ from firehose.framing import encode_unsequenced, frame_header, splice_seq  # noq
 from firehose.state import AccountState  # noqa: E402
 from firehose.validate import cid_text, outgoing_body  # noqa: E402
 from sim import SimConfig, SimFleet  # noqa: E402
-from sim.fleet import SimAccount  # noqa: E402
+from sim.host import SimAccount  # noqa: E402
 from sim.ident import SigningKey, tid_from_micros  # noqa: E402
 
 HOUR = 3600.0

@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import asyncpg  # noqa: E402
 
-from backfill.store import open_store  # noqa: E402
+from backfill.backends import open_store  # noqa: E402
 from backfill.types import HostState  # noqa: E402
 from firehose.state import AccountState  # noqa: E402
 from mst.cid import cid_str  # noqa: E402

@@ -47,9 +47,10 @@ import cbrrr
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from backfill.backends import open_store  # noqa: E402
 from backfill.postgres_store import PostgresStore  # noqa: E402
 from backfill.sequencer import Sequencer  # noqa: E402
-from backfill.store import Store, open_store  # noqa: E402
+from backfill.store import Store  # noqa: E402
 from firehose.frames import encode_frame  # noqa: E402
 from firehose.framing import encode_unsequenced  # noqa: E402
 from firehose.state import AccountState, PendingEvent, SequencedEvent  # noqa: E402

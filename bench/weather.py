@@ -67,7 +67,7 @@ import httpx  # noqa: E402
 
 from bench._common import PG_DSN, load_average, metric_sum, note, relay, result, self_cpu  # noqa: E402
 from sim import Delay, HandleWeather, SimConfig, SimFleet, TruthEvent  # noqa: E402
-from sim.fleet import SimAccount  # noqa: E402
+from sim.host import SimAccount  # noqa: E402
 
 #: the weather kinds of misbehaving hosts, assigned in turn
 KINDS = ("unreadable", "silent_handles", "getrepo_failing", "bad_signature", "key_rotation", "disconnect")

@@ -37,9 +37,13 @@ class ByteBudget:
     def _waits(self) -> None:
         """A take is about to wait in line (a subclass may note it)."""
 
-    def grants_now(self, n: int) -> bool:
-        """A :meth:`take` of ``n`` bytes (in the first line) would be granted without waiting."""
-        return not any(self._lines) and self._fits(n)
+    def take_now(self, n: int) -> bool:
+        """Take ``n`` bytes if they fit now and nobody waits in line (True); else take nothing
+        (False: ``take`` waits in line for them)."""
+        if not any(self._lines) and self._fits(n):
+            self._add(n)
+            return True
+        return False
 
     async def take(self, n: int, *, line: int = 0) -> None:
         if not any(self._lines) and self._fits(n):

@@ -73,6 +73,17 @@ class RateLimiter:
         now = self._clock()
         return max(b.delay(now) for b in self._buckets)
 
+    def take_now(self) -> bool:
+        """Take a token from every bucket if each has one now (True); else take none (False:
+        ``acquire`` waits for them)."""
+        if not self._buckets:
+            return True
+        if self.delay() > 0:
+            return False
+        for b in self._buckets:
+            b.take()
+        return True
+
     async def acquire(self) -> None:
         while True:
             wait = self.delay()

@@ -2,8 +2,9 @@
 
 Contract:
 
-* ``on_frame(UpstreamFrame)`` is awaited for every message frame that carries a ``seq``
-  (``#commit #sync #identity #account``), in order; awaiting it is the backpressure. A frame
+* ``on_frame(UpstreamFrame)`` is called for every message frame that carries a ``seq``
+  (``#commit #sync #identity #account``), in order; what it returns is awaited before the next
+  frame (the backpressure), unless it is None (the frame was taken at once). A frame
   handed to ``on_frame`` belongs to the owner from then on: it is acknowledged (:meth:`ack`) once
   stored, or the owner replaces this subscriber with a new one from the acked cursor
   (``relay.ingest.hostruns`` does, when one of its events is not stored).
@@ -161,7 +162,7 @@ class HostSubscriber:
     def __init__(
         self,
         host: str,
-        on_frame: Callable[[UpstreamFrame], Awaitable[None]],
+        on_frame: Callable[[UpstreamFrame], Awaitable[None] | None],
         *,
         cursor: int | None = None,
         config: SubscriberConfig | None = None,
@@ -415,8 +416,11 @@ class HostSubscriber:
                     if self._acked is not None and seq <= self._acked:
                         self._count(Reason.DUPLICATE_EVENT.value)
                         continue
-                    await self.limiter.acquire()
-                    await self.on_frame(UpstreamFrame(self.host, seq, frame, bytes(raw)))
+                    if not self.limiter.take_now():
+                        await self.limiter.acquire()
+                    pending = self.on_frame(UpstreamFrame(self.host, seq, frame, bytes(raw)))
+                    if pending is not None:  # the owner's backpressure (None: taken at once)
+                        await pending
                     delivered += 1
                     self._delivered = delivered
             finally:

@@ -53,20 +53,20 @@ if TYPE_CHECKING:
     from backfill.types import HostState
     from firehose.state import AccountState
     from relay.hosts import HostManager
-    from relay.service import RelayService
+    from relay.service_view import ServiceView
 
 log = logging.getLogger("relay.admin")
 
 #: An admin endpoint: the request (already authorized) and the service it administers.
-AdminHandler = Callable[[Request, "RelayService"], Awaitable[Response]]
+AdminHandler = Callable[[Request, "ServiceView"], Awaitable[Response]]
 
 
-def _service(request: Request) -> RelayService:
-    service: RelayService = request.app.state.service
+def _service(request: Request) -> ServiceView:
+    service: ServiceView = request.app.state.service
     return service
 
 
-def _hosts(service: RelayService) -> HostManager:
+def _hosts(service: ServiceView) -> HostManager:
     """The service's host manager: the admin API is mounted only when there is one."""
     assert service.hosts is not None, "admin API without a host manager"
     return service.hosts
@@ -86,10 +86,10 @@ def check_token(configured: str, header: str | None) -> str:
     return "wrong"
 
 
-_auth_limiters: weakref.WeakKeyDictionary[RelayService, ClientRateLimiter] = weakref.WeakKeyDictionary()
+_auth_limiters: weakref.WeakKeyDictionary[ServiceView, ClientRateLimiter] = weakref.WeakKeyDictionary()
 
 
-def auth_limiter(service: RelayService) -> ClientRateLimiter:
+def auth_limiter(service: ServiceView) -> ClientRateLimiter:
     """``service``'s table of failed admin authentications per client address."""
     found = _auth_limiters.get(service)
     if found is None:
@@ -97,7 +97,7 @@ def auth_limiter(service: RelayService) -> ClientRateLimiter:
     return found
 
 
-def authenticate(service: RelayService, request: Request) -> str:
+def authenticate(service: ServiceView, request: Request) -> str:
     """``check_token`` for ``request``, counted in ``relay_admin_requests_total{result}``, under the
     per-client failure limit: raises ``RateLimited`` while the client has no failures left, and a
     ``missing`` or ``wrong`` result spends one of them."""
@@ -148,7 +148,7 @@ def _opt_bool(body: dict[str, Any], key: str) -> bool | None:
     return value
 
 
-def _admin_host_view(service: RelayService, host: HostState) -> dict[str, Any]:
+def _admin_host_view(service: ServiceView, host: HostState) -> dict[str, Any]:
     return {"hostname": host.hostname, "status": host.status, "seq": host.cursor,
             "accountCount": host.account_count, "accountLimit": _hosts(service).account_limit(host),
             "trusted": _hosts(service).is_trusted(host), "lastSeen": host.last_seen,
@@ -180,7 +180,7 @@ def admin_endpoint(handler: AdminHandler, *, forward: bool = False) -> Callable[
     return wrapped
 
 
-async def list_hosts(request: Request, service: RelayService) -> Response:
+async def list_hosts(request: Request, service: ServiceView) -> Response:
     limit = int_param(request, "limit", default=500, minimum=1, maximum=1000)
     hosts = await service.store.list_hosts(after=request.query_params.get("cursor"), limit=limit)
     out: dict[str, Any] = {"hosts": [_admin_host_view(service, h) for h in hosts]}
@@ -189,7 +189,7 @@ async def list_hosts(request: Request, service: RelayService) -> Response:
     return JSONResponse(out)
 
 
-async def add_host(request: Request, service: RelayService) -> Response:
+async def add_host(request: Request, service: ServiceView) -> Response:
     body = await json_object(request)
     hostname = body.get("hostname")
     if not isinstance(hostname, str):
@@ -200,17 +200,17 @@ async def add_host(request: Request, service: RelayService) -> Response:
     return JSONResponse(_admin_host_view(service, host))
 
 
-async def block_host(request: Request, service: RelayService) -> Response:
+async def block_host(request: Request, service: ServiceView) -> Response:
     host = await _hosts(service).block(request.path_params["hostname"])
     return JSONResponse(_admin_host_view(service, host))
 
 
-async def unblock_host(request: Request, service: RelayService) -> Response:
+async def unblock_host(request: Request, service: ServiceView) -> Response:
     host = await _hosts(service).unblock(request.path_params["hostname"])
     return JSONResponse(_admin_host_view(service, host))
 
 
-async def set_limits(request: Request, service: RelayService) -> Response:
+async def set_limits(request: Request, service: ServiceView) -> Response:
     body = await json_object(request)
     rates = {w: v for w in ("per_second", "per_hour", "per_day")
              if (v := _opt_int(body, f"rate_limit_{w}")) is not None}
@@ -220,14 +220,14 @@ async def set_limits(request: Request, service: RelayService) -> Response:
     return JSONResponse(_admin_host_view(service, host))
 
 
-async def reset_cursor(request: Request, service: RelayService) -> Response:
+async def reset_cursor(request: Request, service: ServiceView) -> Response:
     body = await json_object(request)
     cursor = _opt_int(body, "cursor") or 0
     host = await _hosts(service).reset_cursor(request.path_params["hostname"], cursor)
     return JSONResponse(_admin_host_view(service, host))
 
 
-async def set_validation(request: Request, service: RelayService) -> Response:
+async def set_validation(request: Request, service: ServiceView) -> Response:
     body = await json_object(request)
     if "lenient" not in body:
         raise invalid("lenient (true, false, or null for the relay setting) required")
@@ -235,7 +235,7 @@ async def set_validation(request: Request, service: RelayService) -> Response:
     return JSONResponse(_admin_host_view(service, host))
 
 
-async def domain_bans(request: Request, service: RelayService) -> Response:
+async def domain_bans(request: Request, service: ServiceView) -> Response:
     if request.method == "POST":
         body = await json_object(request)
         domain = body.get("domain")
@@ -246,7 +246,7 @@ async def domain_bans(request: Request, service: RelayService) -> Response:
     return JSONResponse({"domains": await service.store.list_domain_bans()})
 
 
-async def remove_domain_ban(request: Request, service: RelayService) -> Response:
+async def remove_domain_ban(request: Request, service: ServiceView) -> Response:
     removed = await _hosts(service).unban_domain(request.path_params["domain"])
     if not removed:
         raise KeyError(request.path_params["domain"])
@@ -259,14 +259,14 @@ def _account_view(state: AccountState) -> dict[str, Any]:
             "head": state.commit_cid, "syncState": state.sync_state}
 
 
-async def get_account(request: Request, service: RelayService) -> Response:
+async def get_account(request: Request, service: ServiceView) -> Response:
     state = await service.store.get_account(request.path_params["did"])
     if state is None:
         raise KeyError(request.path_params["did"])
     return JSONResponse(_account_view(state))
 
 
-async def desynchronized(request: Request, service: RelayService) -> Response:
+async def desynchronized(request: Request, service: ServiceView) -> Response:
     """The resync queue (``relay.ingest.resync_queue``): each account with when it was marked
     desynchronized, its state (``queued``, ``running``, ``waiting``), failed attempts, the last
     failure's reason and message, and when the next attempt starts (epoch seconds, like the host
@@ -280,17 +280,17 @@ async def desynchronized(request: Request, service: RelayService) -> Response:
          "lastError": e.last_error, "nextRetry": e.next_retry} for e in entries[:limit]]})
 
 
-async def takedown(request: Request, service: RelayService) -> Response:
+async def takedown(request: Request, service: ServiceView) -> Response:
     state = await service.set_local_status(request.path_params["did"], "takendown")
     return JSONResponse(_account_view(state))
 
 
-async def reverse_takedown(request: Request, service: RelayService) -> Response:
+async def reverse_takedown(request: Request, service: ServiceView) -> Response:
     state = await service.set_local_status(request.path_params["did"], "active")
     return JSONResponse(_account_view(state))
 
 
-async def resync_account(request: Request, service: RelayService) -> Response:
+async def resync_account(request: Request, service: ServiceView) -> Response:
     """Queue a stored account for a resync (404 for an account the relay does not hold)."""
     did = request.path_params["did"]
     if await service.store.get_account(did) is None:
@@ -307,7 +307,7 @@ async def resync_account(request: Request, service: RelayService) -> Response:
 RESYNC_PAGE = 1000
 
 
-async def resync_host(request: Request, service: RelayService) -> Response:
+async def resync_host(request: Request, service: ServiceView) -> Response:
     """Queue every account the relay holds on the host for a resync: the account table is read in
     pages of ``RESYNC_PAGE`` (the whole table: a long request on a large relay). ``{queued}``."""
     hostname = request.path_params["hostname"].lower()
@@ -328,11 +328,11 @@ async def resync_host(request: Request, service: RelayService) -> Response:
     return JSONResponse({"hostname": hostname, "queued": queued})
 
 
-async def consumers(request: Request, service: RelayService) -> Response:
+async def consumers(request: Request, service: ServiceView) -> Response:
     return JSONResponse({"consumers": service.consumers.list()})
 
 
-async def crawling(request: Request, service: RelayService) -> Response:
+async def crawling(request: Request, service: ServiceView) -> Response:
     hosts = _hosts(service)
     if request.method == "POST":
         enabled = _opt_bool(await json_object(request), "enabled")
@@ -342,9 +342,9 @@ async def crawling(request: Request, service: RelayService) -> Response:
     return JSONResponse({"enabled": hosts.crawling_enabled, "source": hosts.crawling_source})
 
 
-async def audit(request: Request, service: RelayService) -> Response:
+async def audit(request: Request, service: ServiceView) -> Response:
     return JSONResponse({"actions": await service.store.list_admin_actions(200)})
 
 
-async def unknown(request: Request, service: RelayService) -> Response:
+async def unknown(request: Request, service: ServiceView) -> Response:
     raise XrpcError(404, "NotFound", f"no admin endpoint {request.url.path}")

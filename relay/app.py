@@ -1,6 +1,6 @@
 """The relay's public HTTP handlers: XRPC (com.atproto.sync.*), health, readiness, metrics.
 
-Each handler reads the ``relay.service.RelayService`` it serves from ``request.app.state.service``;
+Each handler reads the running relay (a ``relay.service_view.ServiceView``) it serves from ``request.app.state.service``;
 ``relay.routes`` holds the route table and builds the apps.
 Public endpoints follow the Lexicons in ``lexicons/com/atproto/sync/`` exactly; errors are
 ``{"error", "message"}`` with the Lexicon's error names. The admin API lives in ``relay.admin``.
@@ -25,7 +25,7 @@ from relay.repo_proxy import RepoRefused, RepoUnavailable
 from relay.xrpc import XrpcError, did_param, int_param, invalid, json_object, param
 
 if TYPE_CHECKING:
-    from relay.service import RelayService
+    from relay.service_view import ServiceView
 
 log = logging.getLogger("relay.app")
 
@@ -45,8 +45,8 @@ def host_view(host: HostState) -> dict[str, object]:
             "status": host.status}
 
 
-def _service(request: Request) -> RelayService:
-    service: RelayService = request.app.state.service
+def _service(request: Request) -> ServiceView:
+    service: ServiceView = request.app.state.service
     return service
 
 
@@ -215,7 +215,7 @@ async def health(request: Request) -> Response:
     return JSONResponse(body)
 
 
-def _known_seq(service: RelayService) -> int:
+def _known_seq(service: ServiceView) -> int:
     if service.sequencer is not None and service.sequencer.state not in ("waiting", "stopped"):
         return service.sequencer.high_water
     return service.core.broadcaster.latest_seq if service.core is not None else 0

@@ -17,13 +17,13 @@ from starlette.types import Receive, Scope, Send
 from relay.routes import early_app
 
 if TYPE_CHECKING:
-    from relay.service import RelayService
+    from relay.service_view import ServiceView
 
 
 class ServiceGate:
     """ASGI app: ``service.app`` once the service runs, ``early_app(service)`` until then."""
 
-    def __init__(self, service: RelayService) -> None:
+    def __init__(self, service: ServiceView) -> None:
         self.service = service
         self.early = early_app(service)
 

@@ -217,6 +217,16 @@ class MemoryIdentityCache:
     async def purge(self, did: str) -> None:
         self._entries.pop(did, None)
 
+    def get_nowait(self, did: str) -> Identity | None:
+        """What :meth:`get` returns, without a coroutine (the per-commit look-up)."""
+        item = self._entries.get(did)
+        if item is None:
+            return None
+        if item[0] < self.clock():
+            self._entries.pop(did)
+            return None
+        return item[1]
+
     def __len__(self) -> int:
         return len(self._entries)
 
@@ -233,7 +243,7 @@ class RedisIdentityCache:
         self.redis = redis
         self.ttl = ttl
         self.prefix = prefix
-        self.local = local or MemoryIdentityCache(ttl=ttl)
+        self.local = local if local is not None else MemoryIdentityCache(ttl=ttl)
         self.degraded = False
 
     def _failed(self, exc: Exception) -> None:
@@ -372,6 +382,7 @@ class IdentityResolver:
         self.handle_timeout = handle_timeout
         self._handle_slots = asyncio.Semaphore(handle_concurrency)
         self._handle_checks: dict[tuple[str, str], asyncio.Task[bool]] = {}
+        self._hits: Any = None  # ``relay_identity_cache_total{result="hit"}`` (``cached``)
 
     async def aclose(self) -> None:
         checks = list(self._handle_checks.values())
@@ -391,6 +402,24 @@ class IdentityResolver:
         """Fetched less than ``stale_after`` ago (an identity of unknown age counts as young)."""
         return (self.stale_after <= 0 or identity.fetched_at <= 0
                 or self.clock() - identity.fetched_at < self.stale_after)
+
+    def cached(self, did: str) -> Identity | None:
+        """The identity :meth:`resolve` would return from the in-process cache (counted a
+        ``hit``), without awaiting; None when that needs more than a memory read — not cached,
+        too old, or the cache is shared through Redis (whose answer is the truth: another process
+        may have purged it) — and then :meth:`resolve` decides. Every purge reaches it."""
+        cache = self.cache
+        if type(cache) is not MemoryIdentityCache:
+            return None
+        found = cache.get_nowait(did)
+        if found is None or not self._young(found):
+            return None
+        if self.metrics is not None:
+            hits = self._hits
+            if hits is None:
+                hits = self._hits = self.metrics.child(self.metrics.identity_cache, "hit")
+            hits.inc()
+        return found
 
     async def resolve(self, did: str, *, fresh: bool = False, max_age: float = 0.0) -> Identity:
         """The identity of ``did``; ``fresh`` bypasses (and refreshes) the caches, unless this

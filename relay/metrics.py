@@ -16,6 +16,7 @@ scrape of thousands of hosts holds the GIL for milliseconds, not a second.
 from __future__ import annotations
 
 import asyncio
+from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
@@ -24,12 +25,12 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
-    Histogram,
     disable_created_metrics,
     generate_latest,
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from relay.host_series import HostSeries
 
@@ -55,15 +56,16 @@ class RelayMetrics:
         #: ``relay_events_in_total{host,type}``, ``relay_host_cursor_resets_total{host,reason}``,
         #: ``relay_host_accounts{host}``, ``relay_host_account_limit{host}``
         self.host_series = HostSeries()
-        self.verdicts = Counter("relay_verdicts_total", "Judgements on upstream events",
-                                ["kind", "reason"], registry=r)
-        self.events_out = Counter("relay_events_sequenced_total", "Events sequenced and published",
-                                  ["type"], registry=r)
-        self.current_seq = Gauge("relay_current_seq", "Highest sequence number assigned", registry=r)
-        self.lag = Histogram("relay_ingest_to_broadcast_seconds",
-                             "Time from receiving an upstream frame to publishing it",
-                             buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
-                             registry=r)
+        # Counted per upstream event: plain counters read at scrape time (``TallyCounter``...).
+        self.verdicts = TallyCounter("relay_verdicts_total", "Judgements on upstream events",
+                                     ["kind", "reason"], registry=r)
+        self.events_out = TallyCounter("relay_events_sequenced_total", "Events sequenced and published",
+                                       ["type"], registry=r)
+        self.current_seq = TallyGauge("relay_current_seq", "Highest sequence number assigned", registry=r)
+        self.lag = TallyHistogram("relay_ingest_to_broadcast_seconds",
+                                  "Time from receiving an upstream frame to publishing it",
+                                  buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+                                  registry=r)
         self.consumers = Gauge("relay_consumers", "Connected subscribeRepos consumers", registry=r)
         self.mst_compiled = Gauge("relay_mst_compiled",
                                   "1 if commit verification runs on the compiled mst build (mst.native), else 0",
@@ -89,8 +91,8 @@ class RelayMetrics:
         self.since_sequenced = Gauge("relay_last_sequenced_age_seconds",
                                      "Seconds since the sequencer last committed a batch", registry=r)
         self.resyncs = Counter("relay_resyncs_total", "Finished resyncs", ["result"], registry=r)
-        self.identity_cache = Counter("relay_identity_cache_total", "Identity cache lookups",
-                                      ["result"], registry=r)
+        self.identity_cache = TallyCounter("relay_identity_cache_total", "Identity cache lookups",
+                                           ["result"], registry=r)
         self.identity_resolutions = Counter("relay_identity_resolutions_total",
                                             "DID resolutions against PLC / did:web", ["result"], registry=r)
         self.handle_checks = Counter("relay_handle_checks_total",
@@ -208,6 +210,120 @@ class RelayMetrics:
         """Text exposition of this relay's registry plus the process default registry. Safe in a
         worker thread (see the module docstring)."""
         return generate_latest(self.registry) + self.host_series.render().encode() + generate_latest(REGISTRY)
+
+
+class Tally:
+    """One series of a :class:`TallyCounter`: ``inc`` adds to a plain int (no lock: the event loop
+    is its only writer; a scrape in another thread reads the int, which is atomic under the GIL).
+    ``_value.get()`` reads it, as on a ``prometheus_client`` child."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def inc(self, amount: int = 1) -> None:
+        """Add ``amount`` (≥ 0) to the count."""
+        self.value += amount
+
+    @property
+    def _value(self) -> Tally:
+        return self
+
+    def get(self) -> int:
+        """The count now."""
+        return self.value
+
+
+class TallyCounter:
+    """A labelled counter for the per-event paths, exported exactly as a ``prometheus_client``
+    ``Counter`` of the same name and labels (``<name>_total``, no ``_created``): each series is a
+    :class:`Tally`, and the family is built from them at scrape time. ``labels()`` (positional or
+    by name) returns the series, kept once per label tuple. Only the event loop's thread may
+    count; a scrape may run in any thread."""
+
+    def __init__(self, name: str, documentation: str, labelnames: list[str], *,
+                 registry: CollectorRegistry) -> None:
+        self.name = name.removesuffix("_total")
+        self.documentation = documentation
+        self.labelnames = tuple(labelnames)
+        self._series: dict[tuple[str, ...], Tally] = {}
+        registry.register(self)
+
+    def labels(self, *values: str, **named: str) -> Tally:
+        """The series of these label values (created at zero on first use)."""
+        if named:
+            values = tuple(named[n] for n in self.labelnames)
+        key = tuple(str(v) for v in values)
+        if len(key) != len(self.labelnames):
+            raise ValueError(f"{self.name}: expected labels {self.labelnames}, got {key}")
+        found = self._series.get(key)
+        if found is None:
+            found = self._series[key] = Tally()
+        return found
+
+    def describe(self) -> list[CounterMetricFamily]:
+        return [CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)]
+
+    def collect(self) -> list[CounterMetricFamily]:
+        family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for key, tally in self._series.copy().items():  # copied at once: the loop may add a series
+            family.add_metric(key, tally.value)
+        return [family]
+
+
+class TallyGauge:
+    """An unlabelled gauge set on the per-event path: ``set`` stores a plain number, exported
+    at scrape time exactly as a ``prometheus_client`` ``Gauge`` of the same name."""
+
+    def __init__(self, name: str, documentation: str, *, registry: CollectorRegistry) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.value: float = 0
+        registry.register(self)
+
+    def set(self, value: float) -> None:
+        """The gauge's value from now on."""
+        self.value = value
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        return [GaugeMetricFamily(self.name, self.documentation)]
+
+    def collect(self) -> list[GaugeMetricFamily]:
+        return [GaugeMetricFamily(self.name, self.documentation, value=self.value)]
+
+
+class TallyHistogram:
+    """An unlabelled histogram observed on the per-event path, exported exactly as a
+    ``prometheus_client`` ``Histogram`` with the same name and buckets: ``observe`` adds one to a
+    plain list of per-bucket counts (found by bisection) and to the sum; the cumulative buckets
+    are built at scrape time. A scrape in another thread may see the sum one observation ahead
+    of the buckets (as the counts of a ``Histogram`` are read one by one too)."""
+
+    def __init__(self, name: str, documentation: str, *, buckets: tuple[float, ...],
+                 registry: CollectorRegistry) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.bounds = tuple(float(b) for b in buckets)
+        self.counts = [0] * (len(self.bounds) + 1)  # the last: above every bound (+Inf only)
+        self.sum = 0.0
+        registry.register(self)
+
+    def observe(self, value: float) -> None:
+        """Count one observation of ``value``."""
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def describe(self) -> list[HistogramMetricFamily]:
+        return [HistogramMetricFamily(self.name, self.documentation)]
+
+    def collect(self) -> list[HistogramMetricFamily]:
+        counts, total, running = list(self.counts), self.sum, 0
+        buckets: list[tuple[str, float]] = []
+        for bound, n in zip((*self.bounds, float("inf")), counts, strict=True):
+            running += n
+            buckets.append((floatToGoString(bound), running))  # type: ignore[no-untyped-call]
+        return [HistogramMetricFamily(self.name, self.documentation, buckets=buckets, sum_value=total)]
 
 
 class _BroadcastCollector:

@@ -5,7 +5,7 @@ The handlers live beside their subject (``relay.app`` for the public XRPC method
 console, ``firehose.serve_asgi`` and ``relay.jetstream_server`` for the streams); this module only
 says which path reaches which handler. Two apps are built from it:
 
-* ``build_app(service)`` — the full surface of a running ``relay.service.RelayService``.
+* ``build_app(service)`` — the full surface of a running ``relay.service.RelayService`` (typed as ``relay.service_view.ServiceView``).
   Fan-out processes leave out requestCrawl and the admin API (the ingest owns them).
 * ``early_app(service)`` — served by ``relay.gate.ServiceGate`` until the service runs: the
   probes, metrics and console (``probe_routes``, the same route objects the full app mounts), and
@@ -37,7 +37,7 @@ from relay.siblings import ServerHeader
 from relay.xrpc import XrpcError
 
 if TYPE_CHECKING:
-    from relay.service import RelayService
+    from relay.service_view import ServiceView
 
 Endpoint = Callable[[Request], Awaitable[Response]]
 #: Methods answered before a WebSocket upgrade (with ``426``-style errors) on a stream's path.
@@ -66,7 +66,7 @@ def probe_routes() -> list[BaseRoute]:
     ]
 
 
-def stream_routes(service: RelayService) -> list[BaseRoute]:
+def stream_routes(service: ServiceView) -> list[BaseRoute]:
     """subscribeRepos (CBOR frames) and the Jetstream-compatible JSON stream, each consumer
     tracked in ``service.consumers``."""
     routes: list[BaseRoute] = [
@@ -130,7 +130,7 @@ def admin_routes() -> list[BaseRoute]:
     ]
 
 
-def routes(service: RelayService) -> list[BaseRoute]:
+def routes(service: ServiceView) -> list[BaseRoute]:
     """The whole surface of a running relay process, in matching order."""
     table: list[BaseRoute] = [Route("/", app.root), *probe_routes(), *stream_routes(service), *public_xrpc_routes()]
     if service.hosts is not None:  # ingest / serve: they manage hosts
@@ -140,20 +140,20 @@ def routes(service: RelayService) -> list[BaseRoute]:
     return table
 
 
-def build_app(service: RelayService) -> Starlette:
+def build_app(service: ServiceView) -> Starlette:
     """The Starlette app over a running ``service`` (XRPC error bodies for every error)."""
     return _app(service, routes(service), {XrpcError: app.xrpc_error, HTTPException: app.http_error,
                                            Exception: app.server_error},
                 [Middleware(ServerHeader), Middleware(RequestGuard)])
 
 
-def early_app(service: RelayService) -> Starlette:
+def early_app(service: ServiceView) -> Starlette:
     """Probes, metrics and console while the service starts; 503 ``NotReady`` for anything else."""
     table = [*probe_routes(), Route("/{rest:path}", app.not_ready, methods=["GET", "HEAD", "POST", "PUT", "DELETE"])]
     return _app(service, table, {XrpcError: app.xrpc_error}, [Middleware(ServerHeader)])
 
 
-def _app(service: RelayService, table: list[BaseRoute],
+def _app(service: ServiceView, table: list[BaseRoute],
          handlers: dict[type[Exception], Callable[[Request, Exception], Awaitable[Response]]],
          middleware: list[Middleware]) -> Starlette:
     built = Starlette(routes=table, exception_handlers=dict(handlers), middleware=middleware)

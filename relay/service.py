@@ -319,7 +319,8 @@ class RelayService:
 
     def _count(self, kind: str, reason: str) -> None:
         self.metrics.child(self.metrics.verdicts, kind, reason).inc()
-        self.host_ledger.count(FRAME_HOST.get(), kind, reason)
+        if kind != "accept":  # (the ledger keeps no accepts: no context look-up for them)
+            self.host_ledger.count(FRAME_HOST.get(), kind, reason)
 
     async def _housekeeping(self, interval: float = 5.0) -> None:
         """Host status watch, retention trim."""

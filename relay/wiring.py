@@ -26,8 +26,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from backfill.backends import open_store
 from backfill.sequencer import Publish, Sequencer
-from backfill.store import Store, open_store
+from backfill.store import Store
 from firehose.broadcast import Broadcaster
 from firehose.bus import InProcessBus, RedisStreamBus, RedisTimeouts, redis_client
 from firehose.pipeline import ValidationPool

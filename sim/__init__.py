@@ -5,8 +5,8 @@ weather, :mod:`sim.weather` for the slow or failing identity services.
 """
 
 from sim.faults import EXPECTED, FAULT_KINDS
-from sim.fleet import SimAccount, SimConfig, SimFleet, TruthEvent
-from sim.host import SimHost
+from sim.fleet import SimConfig, SimFleet, TruthEvent
+from sim.host import SimAccount, SimHost
 from sim.plc import SimPLC
 from sim.weather import Delay, HandleWeather, SimDNS
 

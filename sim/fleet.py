@@ -23,11 +23,11 @@ import asyncio
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from sim.faults import EXPECTED
-from sim.host import LogEntry, SimHost
+from sim.host import LogEntry, SimAccount, SimHost
 from sim.ident import Curve, SigningKey, TidClock, did_document, plc_did
 from sim.plc import SimPLC
 from sim.records import WriteMix, now_iso
@@ -66,19 +66,6 @@ class SimConfig:
     bind: str = "127.0.0.1"
     #: also serve the handles over DNS (``SimFleet.dns``, see ``sim.weather.SimDNS``)
     dns: bool = False
-
-
-@dataclass
-class SimAccount:
-    """A simulated account. ``host`` is the :class:`SimHost` currently serving it."""
-
-    did: str
-    host: SimHost
-    repo: SimRepo
-    key: SigningKey
-    status: str = "active"
-    handle: str = ""
-    history: list[dict[str, Any]] = field(default_factory=list, repr=False)
 
 
 @dataclass

@@ -29,7 +29,8 @@ from sim.faults import check_kind
 from sim.http import is_upgrade, json_response, response, split_request, xrpc_error
 
 if TYPE_CHECKING:
-    from sim.fleet import SimAccount
+    from sim.ident import SigningKey
+    from sim.repo import SimRepo
 
 SUBSCRIBE_PATH = "/xrpc/com.atproto.sync.subscribeRepos"
 GET_REPO_PATH = "/xrpc/com.atproto.sync.getRepo"
@@ -87,6 +88,20 @@ class StreamLog:
         self.base = self.end
         self.entries.clear()
         self.seqs.clear()
+
+
+@dataclass
+class SimAccount:
+    """A simulated account. ``host`` is the :class:`SimHost` currently serving it (kept here, beside
+    ``SimHost``, because each refers to the other)."""
+
+    did: str
+    host: SimHost
+    repo: SimRepo
+    key: SigningKey
+    status: str = "active"
+    handle: str = ""
+    history: list[dict[str, Any]] = field(default_factory=list, repr=False)
 
 
 class SimHost:

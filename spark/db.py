@@ -3,7 +3,7 @@
 Contract: ``connect_db(url) -> JobDB``. ``postgresql://``/``postgres://`` URLs use asyncpg (on a
 private event loop, so callers stay synchronous inside Spark tasks); anything else is a SQLite
 path (``sqlite:///path`` or a bare path), the relay's embedded default. A ``schema=`` query
-parameter on a Postgres URL selects the schema, as for ``backfill.store.open_store``. SQL is written once with
+parameter on a Postgres URL selects the schema, as for ``backfill.backends.open_store``. SQL is written once with
 ``?`` placeholders and rewritten to ``$n`` for PostgreSQL. Rows come back as dicts.
 """
 

@@ -48,7 +48,7 @@ from relay.console.reports import public
 from relay.xrpc import XrpcError, int_param
 
 if TYPE_CHECKING:
-    from relay.service import RelayService
+    from relay.service_view import ServiceView
 
 #: Host table sort keys and how each is read from a row.
 SORTS: dict[str, Callable[[dict[str, Any]], Any]] = {
@@ -65,8 +65,8 @@ SORTS: dict[str, Callable[[dict[str, Any]], Any]] = {
 INDEX_PAGE = 1000
 
 
-def _service(request: Request) -> RelayService:
-    service: RelayService = request.app.state.service
+def _service(request: Request) -> ServiceView:
+    service: ServiceView = request.app.state.service
     return service
 
 
@@ -74,7 +74,7 @@ class HostIndex:
     """Every stored host with its held (throttled) accounts, read at most once per ``ttl``
     seconds however many console requests ask (one read at a time, shared by the waiters)."""
 
-    def __init__(self, service: RelayService, ttl: float = 2.0) -> None:
+    def __init__(self, service: ServiceView, ttl: float = 2.0) -> None:
         self.service = service
         self.ttl = ttl
         self._at = 0.0
@@ -103,7 +103,7 @@ class HostIndex:
         self._at = 0.0
 
 
-def admin_level(request: Request, service: RelayService) -> bool | None:
+def admin_level(request: Request, service: ServiceView) -> bool | None:
     """True with the right admin token, False without one (or with the admin API off), None for
     a wrong one. Raises ``RateLimited`` once the client's failures are spent."""
     if not request.headers.get("authorization"):
@@ -188,7 +188,7 @@ async def hosts(request: Request) -> Response:
                          "hosts": out[offset:offset + limit]}, headers={"cache-control": "no-store"})
 
 
-async def _forward(request: Request, service: RelayService, path: str) -> Response:
+async def _forward(request: Request, service: ServiceView, path: str) -> Response:
     """Answer ``request`` as ``path`` on the ingest (see the module docstring)."""
     base = service.config.console_ingest_url
     if not base:
@@ -209,7 +209,7 @@ async def _forward(request: Request, service: RelayService, path: str) -> Respon
                     media_type=answer.headers.get("content-type", "application/json"))
 
 
-def on_ingest(handler: Callable[[Request, RelayService], Awaitable[Response]], *,
+def on_ingest(handler: Callable[[Request, ServiceView], Awaitable[Response]], *,
               checks_token: bool = False) -> Callable[[Request], Awaitable[Response]]:
     """An admin-only console endpoint: run here on a process with the host manager, else
     authorised here and forwarded to the same path on the ingest (which runs it there).
@@ -228,7 +228,7 @@ def on_ingest(handler: Callable[[Request, RelayService], Awaitable[Response]], *
     return endpoint
 
 
-async def _in_process(request: Request, service: RelayService, path: str) -> Response:
+async def _in_process(request: Request, service: ServiceView, path: str) -> Response:
     """``request`` answered by this process's own app as ``path`` (the admin API or requestCrawl:
     their validation, audit and errors, unchanged)."""
     assert service.app is not None
@@ -248,15 +248,15 @@ def _admin_path(request: Request) -> str:
     return "/admin/" + rest
 
 
-async def admin_call(request: Request, service: RelayService) -> Response:
+async def admin_call(request: Request, service: ServiceView) -> Response:
     return await _in_process(request, service, _admin_path(request))
 
 
-async def request_crawl(request: Request, service: RelayService) -> Response:
+async def request_crawl(request: Request, service: ServiceView) -> Response:
     return await _in_process(request, service, "/xrpc/com.atproto.sync.requestCrawl")
 
 
-async def host_detail(request: Request, service: RelayService) -> Response:
+async def host_detail(request: Request, service: ServiceView) -> Response:
     hostname = request.path_params["hostname"].lower()
     host = await service.store.get_host(hostname)
     if host is None:
@@ -270,7 +270,7 @@ async def host_detail(request: Request, service: RelayService) -> Response:
                         headers={"cache-control": "no-store"})
 
 
-async def accounts(request: Request, service: RelayService) -> Response:
+async def accounts(request: Request, service: ServiceView) -> Response:
     q = (request.query_params.get("q") or "").strip()
     if not q:
         raise XrpcError(400, "InvalidRequest", "q (a DID or a handle) required")

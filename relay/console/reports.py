@@ -34,7 +34,7 @@ from prometheus_client import CollectorRegistry
 
 if TYPE_CHECKING:
     from relay.metrics import RelayMetrics
-    from relay.service import RelayService
+    from relay.service_view import ServiceView
 
 log = logging.getLogger("relay.console")
 
@@ -117,7 +117,7 @@ def replica_id(role: str) -> str:
 class ReplicaReporter:
     """This process's report, published to Redis in scale-out (see the module docstring)."""
 
-    def __init__(self, service: RelayService, *, redis: Callable[[], Any] | None = None,
+    def __init__(self, service: ServiceView, *, redis: Callable[[], Any] | None = None,
                  key: str = "relay:events:console", interval: float = 2.0, stale_after: float = 15.0,
                  clock: Callable[[], float] = time.time) -> None:
         """``redis()``: the process's ``redis.asyncio`` client once it has one (None: one process,

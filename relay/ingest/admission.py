@@ -149,6 +149,13 @@ class Admission:
         ident = await self.identity.resolve(did, fresh=True)
         return ident if await self._speaks(ident, hostname, relay) else None
 
+    def identity_cached(self, did: str, hostname: str) -> Identity | None:
+        """The account's identity when the in-process cache holds a current one naming
+        ``hostname`` as its PDS (``IdentityResolver.cached``), without awaiting; else None, and
+        :meth:`identity_for_host` decides (a relay upstream, a miss, another PDS)."""
+        ident = self.identity.cached(did)
+        return ident if ident is not None and ident.pds_hostname == hostname else None
+
     async def _speaks(self, ident: Identity, hostname: str, relay: bool) -> bool:
         if relay:
             return await self.relay_may_speak(ident.pds_hostname)

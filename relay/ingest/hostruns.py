@@ -380,51 +380,63 @@ class Upstreams:
         return quiet >= settle and time.time() - settle >= observed_at
 
     # -- frames in -----------------------------------------------------------------------------
-    def _on_frame(self, hostname: str, fence: Fence) -> Callable[[UpstreamFrame], Awaitable[None]]:
-        async def on_frame(uf: UpstreamFrame) -> None:
+    def _on_frame(self, hostname: str, fence: Fence) -> Callable[[UpstreamFrame], Awaitable[None] | None]:
+        def on_frame(uf: UpstreamFrame) -> Awaitable[None] | None:
+            """Take the frame at once when its host is under its share and the shared budget has
+            room with nobody in line (the common case: no coroutine, returns None); else return
+            the coroutine that waits for room (``_on_frame_waiting``)."""
             run = self._runs.get(hostname)
             if run is None or run.fence is not fence:  # a replaced subscriber: its frames are read again
-                return
+                return None
             run.last_frame = time.monotonic()
             run.last_read = uf.seq
             if uf.seq in run.done_above:  # read again after a restart, and done before it
                 self.count("ignore", Reason.DUPLICATE_EVENT)
                 run.window.append(_Slot(uf.seq, uf.frame.body.get("time"), 0, done=True))
                 self._advanced(run)
-                return
+                return None
             size = frame_cost(uf)
-            if (run.outstanding and self._full(run, size)) or not self.budget.grants_now(size):
-                # The frame waits for admission: it is the one frame of this host outside the
-                # budgets (counted in ``waiting_bytes``), and nothing more is read from the host
-                # meanwhile (its connection's reads are held; it keeps no whole message ahead).
-                sub = run.subscriber
-                sub.hold_reads()
-                self.waiting_bytes += size
-                try:
-                    while run.outstanding and self._full(run, size):
-                        # Backpressure: over its own share, a host waits for its own frames to finish.
-                        run.room.clear()
-                        await run.room.wait()
-                        if self._runs.get(hostname) is not run or run.fence is not fence:
-                            return
-                    await self.budget.take(size)  # the shared budget: in line with the other hosts
-                finally:
-                    self.waiting_bytes -= size
-                    sub.release_reads()
-            else:
-                await self.budget.take(size)  # granted at once (nothing awaited)
-            if self._runs.get(hostname) is not run or run.fence is not fence:
-                self.budget.give(size)
-                return
-            slot = _Slot(uf.seq, uf.frame.body.get("time"), size)
-            run.window.append(slot)
-            run.outstanding += 1
-            run.outstanding_bytes += size
-            run.idle.clear()
-            work = self.dispatch(hostname, uf, fence)
-            work.judged.add_done_callback(lambda judged: self._judged(run, work, slot, judged))
+            if (run.outstanding and self._full(run, size)) or not self.budget.take_now(size):
+                return self._on_frame_waiting(run, uf, size, fence)
+            self._take(run, uf, size, fence)
+            return None
 
         return on_frame
+
+    async def _on_frame_waiting(self, run: _HostRun, uf: UpstreamFrame, size: int, fence: Fence) -> None:
+        """``on_frame`` of a frame that must wait: for its own host's frames to finish
+        (backpressure: over its own share, a host waits for itself), then in line with the other
+        hosts for the shared budget. Meanwhile the frame is the one frame of this host outside the
+        budgets (counted in :attr:`waiting_bytes`), and nothing more is read from the host (its
+        connection's reads are held; it keeps no whole message ahead)."""
+        hostname = run.hostname
+        sub = run.subscriber
+        sub.hold_reads()
+        self.waiting_bytes += size
+        try:
+            while run.outstanding and self._full(run, size):
+                run.room.clear()
+                await run.room.wait()
+                if self._runs.get(hostname) is not run or run.fence is not fence:
+                    return
+            await self.budget.take(size)
+        finally:
+            self.waiting_bytes -= size
+            sub.release_reads()
+        if self._runs.get(hostname) is not run or run.fence is not fence:
+            self.budget.give(size)
+            return
+        self._take(run, uf, size, fence)
+
+    def _take(self, run: _HostRun, uf: UpstreamFrame, size: int, fence: Fence) -> None:
+        """The frame holds its ``size`` of the budget: it takes its slot and goes to its lane."""
+        slot = _Slot(uf.seq, uf.frame.body.get("time"), size)
+        run.window.append(slot)
+        run.outstanding += 1
+        run.outstanding_bytes += size
+        run.idle.clear()
+        work = self.dispatch(run.hostname, uf, fence)
+        work.judged.add_done_callback(lambda judged: self._judged(run, work, slot, judged))
 
     def _full(self, run: _HostRun, size: int) -> bool:
         return (run.outstanding >= self.max_in_flight_per_host

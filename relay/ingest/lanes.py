@@ -412,7 +412,8 @@ class AccountLanes:
         while True:
             if not work.fence.valid:  # its run is being restarted and re-reads it
                 return None
-            await self._load(lane)
+            if not lane.loaded or lane.stale:  # (``_load``'s test, without a coroutine when loaded)
+                await self._load(lane)
             try:
                 if work.kind in ("#commit", "#sync"):
                     event = await self._repo_event(lane, work)
@@ -452,6 +453,8 @@ class AccountLanes:
         first seen over its host's limit is stored held here)."""
         head = lane.head
         state = None
+        if head is not None and head.host == work.hostname and head.sync_state != "throttled":
+            return head  # (what ``Admission.admit`` answers for an account bound here, without a coroutine)
         if head is None or head.sync_state != "throttled":
             state = await self.admission.admit(work.hostname, work.did, head)
         if state is not None and state.sync_state == "throttled":  # just held
@@ -465,7 +468,9 @@ class AccountLanes:
 
     async def _repo_event(self, lane: _Lane, work: Work) -> PendingEvent | None:
         did = work.did
-        ident = await self.admission.identity_for_host(did, work.hostname, relay=work.relay)
+        ident = None if work.relay else self.admission.identity_cached(did, work.hostname)
+        if ident is None:
+            ident = await self.admission.identity_for_host(did, work.hostname, relay=work.relay)
         if ident is None:
             self.count("reject", _not_speaker(work))
             return None

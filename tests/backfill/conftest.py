@@ -15,7 +15,8 @@ import asyncpg
 import cbrrr
 import pytest
 
-from backfill.store import Store, open_store
+from backfill.backends import open_store
+from backfill.store import Store
 
 BACKENDS = ["sqlite", "postgres"]
 

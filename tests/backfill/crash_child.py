@@ -15,8 +15,9 @@ import asyncio
 import time
 
 from backfill import postgres_store, sqlite_store
+from backfill.backends import open_store
 from backfill.sequencer import Sequencer
-from backfill.store import BatchWrite, open_store
+from backfill.store import BatchWrite
 from firehose.state import SequencedEvent
 from tests.backfill.helpers import commit_event
 

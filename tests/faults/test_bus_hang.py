@@ -17,8 +17,8 @@ import httpx
 import pytest
 import redis.exceptions
 
+from backfill.backends import open_store
 from backfill.sequencer import Sequencer
-from backfill.store import open_store
 from firehose.broadcast import Broadcaster
 from firehose.bus import RedisStreamBus, RedisTimeouts, redis_client
 from firehose.publisher import BusPublisher, batch_bytes

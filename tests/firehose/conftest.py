@@ -13,7 +13,8 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from backfill.store import BatchWrite, Store, open_store
+from backfill.backends import open_store
+from backfill.store import BatchWrite, Store
 from firehose.bus import EventBus, InProcessBus
 from firehose.frames import encode_frame
 from firehose.state import SequencedEvent

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import random
 
-from backfill.store import open_store
+from backfill.backends import open_store
 from backfill.types import HostState
 from relay.config import RelayConfig
 from relay.hosts import HostPolicy

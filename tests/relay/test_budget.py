@@ -47,3 +47,18 @@ async def test_a_cancelled_taker_leaves_the_line_and_lets_the_next_one_through()
     await asyncio.gather(first, return_exceptions=True)
     await asyncio.wait_for(second, 5)  # 90 + 5 fits once the head of the line is gone
     assert budget.used == 95 and budget.waiting == 0
+
+
+async def test_take_now_takes_only_what_fits_with_nobody_in_line() -> None:
+    budget = ByteBudget(100)
+    assert budget.take_now(60) and budget.used == 60
+    assert not budget.take_now(50) and budget.used == 60  # does not fit: nothing taken
+    waiting = asyncio.create_task(budget.take(50))
+    await asyncio.sleep(0)  # (one turn of the loop: the take joins the line)
+    assert budget.waiting == 1
+    assert not budget.take_now(10) and budget.used == 60  # would fit, but "waiting" is first in line
+    budget.give(60)
+    await waiting
+    assert budget.take_now(50) and budget.used == 100
+    budget.give(100)
+    assert budget.take_now(500) and budget.used == 500  # alone: granted, as ``take`` grants it

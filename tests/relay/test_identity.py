@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 import redis.asyncio as aioredis
@@ -299,3 +300,49 @@ async def test_handle_verified_by_dns_txt_first_then_https() -> None:
         transport.close()
         await resolver.aclose()
         await safe.aclose()
+
+
+async def test_the_synchronous_cache_read_answers_only_what_resolve_would_from_memory() -> None:
+    """``IdentityResolver.cached`` (the per-commit read) sees every purge, a cache entry's expiry
+    and the age limit, counts a hit, and answers nothing for a Redis-shared cache (whose answer
+    another process may have changed: ``resolve`` asks Redis)."""
+    now = [1000.0]
+    metrics = RelayMetrics()
+    safe = SafeClient(AddressGuard())
+    cache = MemoryIdentityCache(ttl=60.0, clock=lambda: now[0])
+    resolver = IdentityResolver(plc_url="http://127.0.0.1:9", safe_client=safe, cache=cache, metrics=metrics,
+                                stale_after=30.0, clock=lambda: now[0])
+    try:
+        ident = Identity(DID, "did:key:zabc", "https://pds.example.com", fetched_at=now[0])
+        assert resolver.cached(DID) is None
+        await cache.put(ident)
+        assert resolver.cached(DID) == ident == await resolver.resolve(DID)
+        assert metrics.identity_cache.labels(result="hit")._value.get() == 2
+        await resolver.purge(DID)  # an #identity, a did_not_found
+        assert resolver.cached(DID) is None
+        await cache.put(ident)
+        now[0] += 31.0  # older than stale_after: resolve would fetch it again
+        assert resolver.cached(DID) is None
+        await cache.put(dataclasses.replace(ident, fetched_at=now[0]))
+        now[0] += 61.0  # past the cache entry's lifetime
+        assert resolver.cached(DID) is None
+        shared = RedisIdentityCache(aioredis.from_url("redis://127.0.0.1:1/15"))
+        await shared.local.put(dataclasses.replace(ident, fetched_at=now[0]))
+        assert IdentityResolver(plc_url="http://127.0.0.1:9", safe_client=safe, cache=shared,
+                                clock=lambda: now[0]).cached(DID) is None
+        await shared.redis.aclose()
+    finally:
+        await resolver.aclose()
+        await safe.aclose()
+
+
+async def test_a_redis_cache_keeps_the_local_cache_it_was_given_even_when_empty() -> None:
+    """An empty ``MemoryIdentityCache`` is falsy (``__len__``): the Redis cache must still use it,
+    not replace it with a new one the caller cannot see."""
+    local = MemoryIdentityCache(ttl=5.0)
+    client = aioredis.from_url("redis://127.0.0.1:1/15")
+    try:
+        shared = RedisIdentityCache(client, local=local)
+        assert shared.local is local
+    finally:
+        await client.aclose()

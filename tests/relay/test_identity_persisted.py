@@ -12,7 +12,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from backfill.store import Store, open_store
+from backfill.backends import open_store
+from backfill.store import Store
 from relay.identity import IdentityError, IdentityResolver, MemoryIdentityCache
 from relay.identity_store import PersistedIdentities
 from relay.metrics import RelayMetrics

@@ -7,8 +7,8 @@ from __future__ import annotations
 import random
 import time
 
+from backfill.backends import open_store
 from backfill.identities import Identity
-from backfill.store import open_store
 from sim import SimConfig, SimFleet
 from sim.ident import SigningKey, did_document
 from tests.relay.conftest import RelayFactory, RunningRelay

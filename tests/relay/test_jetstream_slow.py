@@ -23,7 +23,8 @@ from starlette.applications import Starlette
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
-from backfill.store import BatchWrite, Store, open_store
+from backfill.backends import open_store
+from backfill.store import BatchWrite, Store
 from firehose.broadcast import Broadcaster
 from firehose.bus import InProcessBus
 from firehose.frames import encode_frame

@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from backfill.store import Store, open_store
+from backfill.backends import open_store
+from backfill.store import Store
 from backfill.types import HostState
 from sim import SimConfig, SimFleet
 from tests.backfill.helpers import Faults, with_faults

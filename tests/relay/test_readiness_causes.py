@@ -13,8 +13,9 @@ from typing import Any
 
 import httpx
 
+from backfill.backends import open_store
 from backfill.sqlite_store import SqliteStore
-from backfill.store import Store, open_store
+from backfill.store import Store
 from sim import SimConfig, SimFleet
 from tests.relay.e2e import Consumer, check_stream, crawl
 from tests.waiting import until, until_async

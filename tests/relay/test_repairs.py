@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from backfill.store import open_store
+from backfill.backends import open_store
 from mst.car import read_car, write_car
 from mst.cid import cid_str
 from sim import SimConfig, SimFleet

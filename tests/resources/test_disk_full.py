@@ -28,9 +28,10 @@ from typing import Any
 import httpx
 import pytest
 
+from backfill.backends import open_store
 from backfill.sequencer import Sequencer
 from backfill.sqlite_store import SqliteStore
-from backfill.store import Store, open_store
+from backfill.store import Store
 from firehose.state import PendingEvent
 from sim import SimConfig, SimFleet, TruthEvent
 from tests.faults.observe import RecordingConsumer

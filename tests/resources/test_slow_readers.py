@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from websockets.asyncio.client import ClientConnection, connect
 
-from backfill.store import open_store
+from backfill.backends import open_store
 from firehose.broadcast import Broadcaster
 from firehose.bus import InProcessBus
 from tests.firehose.conftest import Ingest

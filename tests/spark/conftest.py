@@ -12,7 +12,7 @@ from typing import Any
 import asyncpg
 import pytest
 
-from backfill.store import open_store
+from backfill.backends import open_store
 from tests.spark.helpers import FleetThread
 
 

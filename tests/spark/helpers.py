@@ -9,7 +9,7 @@ import uuid
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from backfill.store import open_store
+from backfill.backends import open_store
 from firehose.state import AccountState
 from mst.car import read_car
 from mst.cid import cid_str

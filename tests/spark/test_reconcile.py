@@ -120,7 +120,7 @@ def test_compare_entry_rejects_malformed_listing_entries() -> None:
 
 def _collections_view(url: str, collections: list[str]) -> tuple[dict[str, dict[str, int]], dict[str, list[str]]]:
     """(did → stored counts, collection → listReposByCollection's DIDs) as the relay serves them."""
-    from backfill.store import open_store
+    from backfill.backends import open_store
 
     async def read() -> tuple[dict[str, dict[str, int]], dict[str, list[str]]]:
         store = await open_store(url)
@@ -137,7 +137,8 @@ def _collections_view(url: str, collections: list[str]) -> tuple[dict[str, dict[
 
 def _sequence_deltas(url: str, deltas: list[tuple[str, str, int, int]]) -> None:
     """What the sequencer writes for ops it saw (``(collection, did, delta, floor)``)."""
-    from backfill.store import BatchWrite, open_store
+    from backfill.backends import open_store
+    from backfill.store import BatchWrite
 
     async def write() -> None:
         store = await open_store(url)

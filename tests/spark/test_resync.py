@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from backfill.store import open_store
+from backfill.backends import open_store
 from mst.car import read_car
 from mst.cbor import decode, decode_prefix
 from mst.cid import cid_str

@@ -6,7 +6,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from backfill.store import open_store
+from backfill.backends import open_store
 from mst.cid import cid_str
 from spark.db import connect_db
 from spark.relaydb import AccountFilter

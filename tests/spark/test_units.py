@@ -225,7 +225,7 @@ def test_did_boundaries_split_evenly(tmp_path: Path) -> None:
 async def test_reconcile_skips_relay_upstreams(tmp_path: Path) -> None:
     """Reconcile lists PDSes, not relays (migration 0085 ``is_relay``): a relay is authoritative
     for no account, and listing a whole network through it would be the costliest host of all."""
-    from backfill.store import open_store
+    from backfill.backends import open_store
     from backfill.types import HostState
     from spark.db import connect_db
     from spark.reconcile import relay_hosts

@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 
 from sim import SimConfig, SimFleet, TruthEvent
-from sim.fleet import SimAccount
+from sim.host import SimAccount
 from tests.relay.e2e import Consumer, check_stream, crawl, parse
 from tests.relay.helpers import RunningRelay, running_relay
 from tests.waiting import until, until_async
