@@ -61,7 +61,7 @@ import time
 from collections import deque
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from firehose.backoff import Backoff
 from firehose.budget import ByteBudget
@@ -167,6 +167,10 @@ class ReplayBudget(ByteBudget):
             self._add(real - taken)
         else:
             self.give(taken - real)
+
+
+#: One replay read: its events (or their frames), first and last seq (0: none), bytes, limit.
+_Read = tuple[list[Any], int, int, int, int]
 
 
 class ConsumerSession:
@@ -293,11 +297,12 @@ class ConsumerSession:
         """Yield the frames to send, in order, as non-empty lists: during replay one list per
         store read (bounded by ``replay_batch`` / ``replay_bytes``), live whatever is queued
         (at most ``replay_batch`` frames / ``replay_bytes`` bytes per list). Ends after an
-        error frame or on close. The session counts a list as sent when it is yielded."""
-        batches = self.event_batches()
+        error frame or on close. The session counts a list as sent when it is yielded. Replayed
+        events are kept as their frames alone from the moment they are read (see :meth:`_replay`)."""
+        batches = self._batches(frames=True)
         try:
             async for batch in batches:
-                yield [ev.frame for ev in batch]
+                yield batch
         finally:
             await batches.aclose()
 
@@ -306,18 +311,28 @@ class ConsumerSession:
         derived from each event, e.g. the JSON stream). The session's own messages (``#info``
         OutdatedCursor, the ``#error`` that ends it) are events of kind :data:`INFO_KIND` /
         :data:`ERROR_KIND` with seq 0 and the encoded frame."""
+        batches = self._batches(frames=False)
+        try:
+            async for batch in batches:
+                yield batch
+        finally:
+            await batches.aclose()
+
+    async def _batches(self, *, frames: bool) -> AsyncGenerator[list[Any], None]:
+        """The body of :meth:`frame_batches` (``frames``: lists of frames) and
+        :meth:`event_batches` (lists of events)."""
         b = self._b
         b.register(self)
         try:
             if self.cursor is not None:
-                replay = self._replay()
+                replay = self._replay(frames=frames)
                 try:
-                    async for batch in replay:
-                        yield batch
+                    async for items in replay:
+                        yield items
                 finally:
                     await replay.aclose()  # closed mid-replay: cancels the read ahead now
                 if self.close_frame is not None:
-                    yield [_control(ERROR_KIND, self.close_frame)]
+                    yield [self.close_frame] if frames else [_control(ERROR_KIND, self.close_frame)]
                     return
             while True:
                 while not self._queue:
@@ -331,7 +346,7 @@ class ConsumerSession:
                     break
                 batch = self._take_queued()
                 if batch:
-                    yield batch
+                    yield [ev.frame for ev in batch] if frames else batch
             # ConsumerTooSlow is sent by ``pump`` (the transport may be stalled mid-send).
         finally:
             b.unregister(self)
@@ -384,7 +399,12 @@ class ConsumerSession:
             if pause > 0:
                 await b.sleep(pause)  # probes are paced; writes meanwhile keep their deadline
 
-    async def _replay(self) -> AsyncGenerator[list[SequencedEvent], None]:
+    async def _replay(self, *, frames: bool) -> AsyncGenerator[list[Any], None]:
+        """The replay: lists of events, or of their frames alone (``frames``: each store read is
+        turned into its frames at once, so the small objects of a read (an event, its seq, DID,
+        kind and time) live only while it is converted, not while it waits in the budget: a
+        replay crowd then leaves far fewer small-object arenas behind, which CPython's allocator
+        cannot give back while any block in them lives)."""
         b = self._b
         cursor = self.cursor
         assert cursor is not None
@@ -402,7 +422,8 @@ class ConsumerSession:
             last = latest
         elif oldest is None or cursor < oldest - 1:
             b.stats.outdated_cursor += 1
-            yield [_control(INFO_KIND, encode_info_frame(OUTDATED_CURSOR, "cursor is older than the backfill window"))]
+            info = encode_info_frame(OUTDATED_CURSOR, "cursor is older than the backfill window")
+            yield [info] if frames else [_control(INFO_KIND, info)]
             last = 0
         else:
             last = cursor  # every stored event with seq > cursor
@@ -410,33 +431,33 @@ class ConsumerSession:
         # held: the one handed to the connection and the one read ahead), each read taken from the
         # replay budget first and given back once its batch is handed over.
         b.replaying += 1
-        read: asyncio.Future[tuple[list[SequencedEvent], int, int]] | None = None
+        read: asyncio.Future[_Read] | None = None
         try:
-            read = asyncio.ensure_future(self._read_after(last, None, ahead=False))
+            read = asyncio.ensure_future(self._read_after(last, None, ahead=False, frames=frames))
             while True:
                 assert read is not None
-                events, size, read_limit = await read
+                events, first, final, size, read_limit = await read
                 read = None
-                out: list[SequencedEvent] = []
-                if events and last > 0 and events[0].seq > last + 1:
+                out: list[Any] = []
+                if events and last > 0 and first > last + 1:
                     # Retention trimmed the window past this (slow) consumer: say so, never a
                     # silent gap (the same #info a too-old cursor gets at connection time). The
                     # jump itself is the proof: seqs are dense (``number_batch`` numbers every
                     # stored event, one more than the last) and ``trim`` deletes a prefix.
                     b.stats.outdated_cursor += 1
-                    out.append(_control(INFO_KIND, encode_info_frame(OUTDATED_CURSOR,
-                                                                     "events were trimmed while replaying")))
+                    info = encode_info_frame(OUTDATED_CURSOR, "events were trimmed while replaying")
+                    out.append(info if frames else _control(INFO_KIND, info))
                 avg: int | None = None
                 if events:  # ascending, all past ``last`` (``read_after``'s contract)
                     avg = b.frame_estimate = max(1, size // len(events))
-                    last = events[-1].seq
+                    last = final
                     out.extend(events)
                     self.last_seq = last
                     self.sent += len(events)
                     self.bytes_sent += size
                 full = len(events) >= read_limit
                 if full:
-                    read = asyncio.ensure_future(self._read_after(last, avg, ahead=size > 0))
+                    read = asyncio.ensure_future(self._read_after(last, avg, ahead=size > 0, frames=frames))
                 if out:
                     self._handed_at = b.clock()
                     yield out
@@ -448,7 +469,7 @@ class ConsumerSession:
                 # Caught up. No await between this check and the switch to live.
                 if self._replay_overflow:
                     self._replay_overflow = False
-                    read = asyncio.ensure_future(self._read_after(last, avg, ahead=False))
+                    read = asyncio.ensure_future(self._read_after(last, avg, ahead=False, frames=frames))
                     continue
                 self._live = True  # what is queued and was replayed is skipped by _take_queued
                 return
@@ -461,11 +482,11 @@ class ConsumerSession:
                 read.exception()  # retrieved, so a failed read ahead is not reported as lost
             self._give_replay(self._replay_held)
 
-    async def _read_after(self, after: int, avg: int | None, *, ahead: bool) -> tuple[list[SequencedEvent], int, int]:
+    async def _read_after(self, after: int, avg: int | None, *, ahead: bool, frames: bool) -> _Read:
         """One replay store read of about :meth:`Broadcaster.read_share` bytes (frames estimated
         at ``avg`` bytes, this session's last read, else the broadcaster's), taken from the replay
-        budget first; returns the events, their bytes (held by this session until given back) and
-        the read's limit."""
+        budget first; returns the events (``frames``: their frames alone), the first and last seq
+        read (0 if none), their bytes (held by this session until given back) and the read's limit."""
         b = self._b
         frame = avg or b.frame_estimate or max(1, b.replay_bytes // b.replay_batch)
         limit = max(1, min(b.replay_batch, b.read_share() // frame))
@@ -476,10 +497,14 @@ class ConsumerSession:
         except BaseException:
             b.replay_budget.give(taken)
             raise
-        size = sum(len(e.frame) for e in events)
+        first = events[0].seq if events else 0
+        final = events[-1].seq if events else 0
+        items: list[Any] = [e.frame for e in events] if frames else events
+        del events
+        size = sum(map(len, items)) if frames else sum(len(e.frame) for e in items)
         b.replay_budget.settle(taken, size)
         self._replay_held += size
-        return events, size, limit
+        return items, first, final, size, limit
 
     def _give_replay(self, n: int) -> None:
         if n:

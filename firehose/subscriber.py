@@ -44,9 +44,12 @@ Contract:
   ``max_message_bytes`` are delivered so validation rejects them (``frame_too_large``).
 * Rate limits are token buckets awaited before ``on_frame``: backpressure, never drops
   (``SubscriberConfig.for_host(per_second, per_hour, per_day)`` maps a host's stored limits).
-* Read-ahead is bounded: while ``on_frame`` is awaited (the owner's backpressure), the
-  connection keeps at most ``read_ahead_frames`` + 1 whole messages and one partly received,
-  then stops reading the socket (the upstream host's sends then wait in TCP).
+* Read-ahead is bounded: the connection stops reading the socket (the upstream host's sends
+  then wait in TCP) once more than ``read_ahead_frames`` whole messages (default 0) wait for the
+  subscriber, and while the owner holds the reads (:meth:`HostSubscriber.hold_reads`: it is
+  about to wait before admitting the frame in hand to its byte budget). So a host whose frame
+  waits for admission has that frame in hand and at most the rest of one socket read (up to
+  256 KiB, usually part of the next message) outside the owner's budget, not whole messages.
 * Reconnects use capped exponential backoff with jitter; WebSocket pings keep the link alive.
 * Unknown ``op``/``t`` are skipped and counted; ``#info`` is counted.
 * Every count goes to ``counters`` (by :class:`Reason` value) and, when the owner passes
@@ -96,11 +99,11 @@ class SubscriberConfig:
     max_message_bytes: int = 16_000_000
     #: Whole messages the connection may hold read ahead of the subscriber (``websockets``'
     #: ``max_queue`` high-water mark; reading resumes once the subscriber has taken them all).
-    #: The ingest budget counts a frame only once it is dispatched, so this read-ahead is outside
-    #: it: with 1, a host whose frames wait for the budget holds at most the frame in hand, two
-    #: queued messages and one being received (4 x ``max_message_bytes`` in the worst case,
-    #: giant frames), not the 17 and more of ``websockets``' default.
-    read_ahead_frames: int = 1
+    #: The ingest budget counts a frame only once it is admitted, so this read-ahead is outside
+    #: it: with 0 (and the owner's :meth:`HostSubscriber.hold_reads` while it waits to admit a
+    #: frame) a waiting host holds the frame in hand and at most the rest of one socket read;
+    #: with n, up to n + 1 more whole messages (``max_message_bytes`` each in the worst case).
+    read_ahead_frames: int = 0
     #: Decode with the full DRISL rules here too. Off by default: the subscriber only routes
     #: frames, and validation decodes every frame strictly (a non-strict frame becomes a typed
     #: per-frame rejection instead of a dropped connection), at a third of the parent's cost.
@@ -200,6 +203,32 @@ class HostSubscriber:
         #: the cursor the next connection asks for instead of the durable one (a message over
         #: the transport cap is being skipped); used once
         self._skip_to: int | None = None
+        #: the owner holds the current connection's reads (:meth:`hold_reads`)
+        self._held = False
+
+    def hold_reads(self) -> None:
+        """Stop reading the current connection (if any) until :meth:`release_reads`: the owner is
+        about to wait before it admits the frame in hand (its memory budget is full), and nothing
+        more is to be read meanwhile. Synchronous; idempotent."""
+        ws = self._ws
+        if ws is not None and not self._held:
+            self._held = True
+            ws.transport.pause_reading()
+
+    def release_reads(self) -> None:
+        """Read again after :meth:`hold_reads` (unless the connection's own read-ahead bound
+        still holds its reads: it resumes them when the subscriber takes its queued messages)."""
+        if not self._held:
+            return
+        self._held = False
+        ws = self._ws
+        if ws is not None and not ws.recv_messages.paused:
+            ws.transport.resume_reading()
+
+    @property
+    def reads_held(self) -> bool:
+        """The owner holds the current connection's reads (:meth:`hold_reads`)."""
+        return self._held
 
     def _count(self, reason: str) -> None:
         self.counters[reason] += 1
@@ -334,6 +363,7 @@ class HostSubscriber:
             compression=None,
         ) as ws:
             self._ws = ws
+            self._held = False
             self.connections += 1
             self.connected_at = time.monotonic()
             self.connected.set()
@@ -395,5 +425,6 @@ class HostSubscriber:
                     self._delivered = delivered
             finally:
                 self._ws = None
+                self._held = False
                 self.connected.clear()
         return delivered

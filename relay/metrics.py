@@ -168,6 +168,17 @@ class RelayMetrics:
             self.registry.register(collector)
         collector.stats = stats
 
+    def watch_ingest_buffer(self, source: Callable[[], Any]) -> None:
+        """Export ``relay_ingest_buffer_bytes{state}`` read at scrape time from ``source()`` (the
+        host runs, ``relay.ingest.hostruns.Upstreams``, or None): the ingest budget's ``limit``,
+        what frames hold of it now (``used``), and the frames read and waiting for admission
+        (``waiting``: outside the budget, at most one per host). Calling it again replaces the source."""
+        collector = getattr(self, "_ingest_buffer_collector", None)
+        if collector is None:
+            collector = self._ingest_buffer_collector = _IngestBufferCollector(source)
+            self.registry.register(collector)
+        collector.source = source
+
     async def render_off_loop(self) -> bytes:
         """:meth:`render` in a worker thread, one at a time (concurrent scrapes queue here): the
         event loop keeps serving while a large exposition is built."""
@@ -335,6 +346,23 @@ class _BroadcastCollector:
             budget.add_metric([state], getattr(stats, f"replay_budget_{state}", 0) if stats is not None else 0)
         yield budget
 
+
+
+class _IngestBufferCollector:
+    """``relay_ingest_buffer_bytes{state}``: see :meth:`RelayMetrics.watch_ingest_buffer`."""
+
+    def __init__(self, source: Callable[[], Any]) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        runs = self.source()
+        family = GaugeMetricFamily("relay_ingest_buffer_bytes", "The ingest budget: its limit, what frames read from "
+                                   "upstream hosts hold of it now, and frames waiting for admission (outside it)",
+                                   labels=["state"])
+        family.add_metric(["limit"], runs.budget.limit if runs is not None else 0)
+        family.add_metric(["used"], runs.budget.used if runs is not None else 0)
+        family.add_metric(["waiting"], runs.waiting_bytes if runs is not None else 0)
+        yield family
 
 
 class _PublisherCollector:

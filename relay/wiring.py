@@ -214,6 +214,7 @@ async def open_ingest(stack: contextlib.AsyncExitStack, config: RelayConfig, cor
                           max_in_flight_bytes=buffer, max_in_flight_bytes_per_host=max(1, buffer // 8),
                           board=board)
     stack.push_async_callback(upstreams.close)
+    metrics.watch_ingest_buffer(lambda: upstreams)
     hosts = HostManager(store=core.store, config=config, metrics=metrics, guard=guard, safe=safe,
                         policy=policy, start_host=upstreams.start_host, stop_host=upstreams.stop_host,
                         limit_raised=limit_raised, board=board)

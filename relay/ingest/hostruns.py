@@ -23,7 +23,8 @@ store does not hold.
 
 Memory: a run's outstanding frames are bounded in count and bytes per host, and in bytes across
 all hosts; a run at its bound stops reading its socket until its own frames finish
-(backpressure, never reading and discarding). While the store is unavailable nothing finishes,
+(backpressure, never reading and discarding): the frame it waits to admit is all it holds
+outside the budgets (``Upstreams.waiting_bytes``), as its connection reads no message ahead. While the store is unavailable nothing finishes,
 the windows fill, and every subscriber stops reading.
 """
 
@@ -170,6 +171,9 @@ class Upstreams:
         granted in arrival order: ``relay.ingest.budget``): a run over its own bounds stops
         reading its socket until its own frames finish (a run with nothing outstanding may always
         take one frame, however large); a run that does not fit the shared budget waits its turn.
+        While a run's frame waits for either, the run's connection is not read (the frame in hand,
+        counted in :attr:`waiting_bytes`, is all the run holds outside the budgets, with at most
+        the rest of one socket read).
         ``board``: the host rows' statuses in memory (``relay.hosts.HostBoard``), shared with the
         host manager; host statuses change through it."""
         self.store = store
@@ -186,6 +190,9 @@ class Upstreams:
         self.max_in_flight_bytes_per_host = max_in_flight_bytes_per_host
         #: bytes of every run's outstanding frames, taken in arrival order across hosts
         self.budget = ByteBudget(max_in_flight_bytes)
+        #: bytes (as ``frame_cost`` counts them) of frames read and waiting for admission to the
+        #: budgets: at most one per host, whose reads are held meanwhile (``HostSubscriber.hold_reads``)
+        self.waiting_bytes = 0
         #: first reconnect delay (seconds); doubles per failure up to 30 s
         self.backoff_base = backoff_base
         self._runs: dict[str, _HostRun] = {}
@@ -404,14 +411,23 @@ class Upstreams:
     async def _on_frame_waiting(self, run: _HostRun, uf: UpstreamFrame, size: int, fence: Fence) -> None:
         """``on_frame`` of a frame that must wait: for its own host's frames to finish
         (backpressure: over its own share, a host waits for itself), then in line with the other
-        hosts for the shared budget."""
+        hosts for the shared budget. Meanwhile the frame is the one frame of this host outside the
+        budgets (counted in :attr:`waiting_bytes`), and nothing more is read from the host (its
+        connection's reads are held; it keeps no whole message ahead)."""
         hostname = run.hostname
-        while run.outstanding and self._full(run, size):
-            run.room.clear()
-            await run.room.wait()
-            if self._runs.get(hostname) is not run or run.fence is not fence:
-                return
-        await self.budget.take(size)
+        sub = run.subscriber
+        sub.hold_reads()
+        self.waiting_bytes += size
+        try:
+            while run.outstanding and self._full(run, size):
+                run.room.clear()
+                await run.room.wait()
+                if self._runs.get(hostname) is not run or run.fence is not fence:
+                    return
+            await self.budget.take(size)
+        finally:
+            self.waiting_bytes -= size
+            sub.release_reads()
         if self._runs.get(hostname) is not run or run.fence is not fence:
             self.budget.give(size)
             return

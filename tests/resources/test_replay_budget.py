@@ -12,6 +12,7 @@ its real size and the bound is exact.
 from __future__ import annotations
 
 import asyncio
+import gc
 import socket
 import time
 
@@ -120,5 +121,34 @@ async def test_a_stalled_replayer_is_cut_so_the_others_replay(store: Store) -> N
             assert all(seqs == list(range(1, events + 1)) for seqs in got)
             assert b.stats.replay_stalled == 1 and b.stats.too_slow == 1
         assert b.stats.replay_budget_peak <= limit
+    finally:
+        await b.close()
+
+
+async def test_a_replaying_session_holds_its_reads_as_frames_alone(store: Store) -> None:
+    """While a subscribeRepos consumer's replay batch is with its connection and its next read is
+    done (the whole budget held), the session holds those reads as their frames alone: no event
+    object of them is alive. (Each event's small objects, held for as long as a read waits, are
+    what a replay crowd left behind in CPython's small-object arenas, which are never given back
+    while any block in them lives.)"""
+    frame, events = 32 * 1024, 200
+    limit = 4 * frame
+    await write_window(store, events, frame)
+    b = Broadcaster(store, InProcessBus(), replay_batch=2, replay_bytes=2 * frame, replay_budget_bytes=limit,
+                    max_lag=60.0)
+    await b.start()
+    try:
+        async with serve(b, "asgi-batch") as hp:
+            host, port = hp.split(":")
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect((host, int(port)))
+            async with connect(ws_url(hp, 0), sock=sock, max_queue=1, max_size=None) as stalled:
+                stalled.transport.pause_reading()
+                await until(lambda: b.replay_budget.used == limit and any(
+                    s.replay_stalled_since is not None for s in b.sessions), "a replayer holding the budget")
+                gc.collect()
+                alive = sum(1 for o in gc.get_objects() if isinstance(o, SequencedEvent))
+                assert alive == 0, f"{alive} replayed events held as objects"
     finally:
         await b.close()
