@@ -7,6 +7,8 @@ screenshot is written to ``$RELAY_TEST_ARTIFACTS`` (default ``test-artifacts/``)
 
 from __future__ import annotations
 
+import time
+
 import httpx
 from playwright.async_api import Page
 
@@ -49,7 +51,17 @@ async def test_dashboard_matches_metrics_in_chromium(relay_factory: RelayFactory
                 return metric_value(text, "relay_events_sequenced_total") >= accepted
 
             await until_async(all_sequenced, "every accepted event to be sequenced")
+            read_at = time.time()
             metrics = (await http.get("/metrics")).text  # traffic has stopped: these numbers hold
+
+            async def report_after_metrics() -> bool:
+                """The console shows this process's report of every ``interval`` (2 s): wait for
+                one collected after the metrics were read (on a fast machine the whole run takes
+                less than an interval, and the page would show the report made while starting)."""
+                writer = (await http.get("/dashboard/data")).json().get("writer")
+                return writer is not None and float(writer["time"]) > read_at
+
+            await until_async(report_after_metrics, "a console report collected after the metrics were read")
 
             async with console(relay.url) as page:
                 await settled_polls(page, 3)
