@@ -12,9 +12,11 @@ its real size and the bound is exact.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import socket
 import time
+from collections.abc import AsyncIterator
 
 import pytest
 from websockets.asyncio.client import connect
@@ -95,6 +97,21 @@ async def test_a_replay_crowd_shares_the_budget_and_never_holds_more(store: Stor
         await b.close()
 
 
+@contextlib.asynccontextmanager
+async def stalled_replayer(b: Broadcaster, hp: str, limit: int) -> AsyncIterator[None]:
+    """A consumer replaying from cursor 0 that stops reading: a small receive buffer, reads paused.
+    Entered once it is stuck, its batch with the connection and its read ahead done: it holds the
+    whole replay budget (``limit``)."""
+    host, port = hp.split(":")
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((host, int(port)))
+    async with connect(ws_url(hp, 0), sock=sock, max_queue=1, max_size=None) as stalled:
+        stalled.transport.pause_reading()
+        await until(lambda: b.replay_budget.used == limit and any(
+            s.replay_stalled_since is not None for s in b.sessions), "a stalled replayer holding the budget")
+        yield
+
 async def test_a_stalled_replayer_is_cut_so_the_others_replay(store: Store) -> None:
     """A consumer replays, then stops reading: it holds the whole budget (its batch and its read
     ahead). Consumers that come after wait in line until it has taken nothing for ``max_lag``; then
@@ -107,15 +124,7 @@ async def test_a_stalled_replayer_is_cut_so_the_others_replay(store: Store) -> N
     await b.start()
     try:
         async with serve(b, "asgi-batch") as hp:
-            host, port = hp.split(":")
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            sock.connect((host, int(port)))
-            async with connect(ws_url(hp, 0), sock=sock, max_queue=1, max_size=None) as stalled:
-                stalled.transport.pause_reading()
-                # stuck: its batch is with the connection and its read ahead is done (the whole budget)
-                await until(lambda: b.replay_budget.used == limit and any(
-                    s.replay_stalled_since is not None for s in b.sessions), "the stalled replayer holding the budget")
+            async with stalled_replayer(b, hp, limit):
                 healthy = [asyncio.create_task(collect(ws_url(hp, 0), until_seq=events)) for _ in range(2)]
                 got = await asyncio.wait_for(asyncio.gather(*healthy), 60)
             assert all(seqs == list(range(1, events + 1)) for seqs in got)
@@ -143,14 +152,7 @@ async def test_a_replaying_session_holds_its_reads_as_frames_alone(store: Store)
     await b.start()
     try:
         async with serve(b, "asgi-batch") as hp:
-            host, port = hp.split(":")
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            sock.connect((host, int(port)))
-            async with connect(ws_url(hp, 0), sock=sock, max_queue=1, max_size=None) as stalled:
-                stalled.transport.pause_reading()
-                await until(lambda: b.replay_budget.used == limit and any(
-                    s.replay_stalled_since is not None for s in b.sessions), "a replayer holding the budget")
+            async with stalled_replayer(b, hp, limit):
                 gc.collect()
                 alive = sum(1 for o in gc.get_objects() if isinstance(o, SequencedEvent) and id(o) not in earlier_ids)
                 assert alive == 0, f"{alive} replayed events held as objects"
