@@ -38,6 +38,12 @@ async def registered(b: Broadcaster, session: ConsumerSession) -> tuple[AsyncGen
     return batches, first
 
 
+async def read_up_to(batches: AsyncGenerator[list[SequencedEvent], None], got: list[int], n: int) -> None:
+    """Append the seqs of the session's next batches to ``got`` until it holds ``n`` (10 s a batch)."""
+    while len(got) < n:
+        got += [e.seq for e in await asyncio.wait_for(anext(batches), 10)]
+
+
 async def ended(batches: AsyncGenerator[list[SequencedEvent], None], pending: asyncio.Future[list[SequencedEvent]]
                 | None = None) -> None:
     """The session's batches end (no further list)."""
@@ -187,7 +193,8 @@ class LossyBus(InProcessBus):
 
 
 class ReadLog:
-    """The real store, recording each ``read_after`` as ``(after, limit)``."""
+    """The real store, read through, recording each ``read_after`` as ``(after, limit)`` (what a
+    gap fill or a time cursor costs)."""
 
     def __init__(self, store: Store) -> None:
         self.store = store
@@ -200,7 +207,7 @@ class ReadLog:
     async def oldest_seq(self) -> int | None:
         return await self.store.oldest_seq()
 
-    async def latest_seq(self) -> int | None:
+    async def latest_seq(self) -> int:
         return await self.store.latest_seq()
 
 
@@ -224,8 +231,7 @@ async def test_a_hole_longer_than_a_store_read_is_filled_in_order(ingest: Ingest
     try:
         await ingest.add(12, batch=12)
         got = [e.seq for e in await asyncio.wait_for(first, 10)]
-        while len(got) < 12:
-            got += [e.seq for e in await asyncio.wait_for(anext(batches), 10)]
+        await read_up_to(batches, got, 12)
         assert got == list(range(1, 13))
         assert b.stats.bus_gaps_filled == 1 and b.stats.bus_errors == 0
         assert store.reads and {limit for _, limit in store.reads} == {replay_batch}
@@ -247,12 +253,10 @@ async def test_each_hole_is_counted(ingest: Ingest) -> None:
     try:
         await ingest.add(6, batch=6)
         got = [e.seq for e in await asyncio.wait_for(first, 10)]
-        while len(got) < 6:
-            got += [e.seq for e in await asyncio.wait_for(anext(batches), 10)]
+        await read_up_to(batches, got, 6)
         assert b.stats.bus_gaps_filled == 1
         await ingest.add(6, batch=6)
-        while len(got) < 12:
-            got += [e.seq for e in await asyncio.wait_for(anext(batches), 10)]
+        await read_up_to(batches, got, 12)
         assert got == list(range(1, 13)) and b.stats.bus_gaps_filled == 2
     finally:
         await batches.aclose()
@@ -298,8 +302,7 @@ async def test_a_failed_bus_read_is_counted_and_the_fan_out_goes_on(ingest: Inge
         got = [e.seq for e in await asyncio.wait_for(first, 10)]
         assert got == [1, 2, 3] and b.stats.bus_errors == 1
         await ingest.add(2)
-        while len(got) < 5:
-            got += [e.seq for e in await asyncio.wait_for(anext(batches), 10)]
+        await read_up_to(batches, got, 5)
         assert got == [1, 2, 3, 4, 5]
         assert b.stats.bus_errors == 1 and b.stats.bus_gaps_filled == 0
     finally:

@@ -15,13 +15,13 @@ from typing import Any
 
 import pytest
 
-from backfill.store import Store
 from firehose.broadcast import ERROR_KIND, Broadcaster
 from firehose.frames import decode_frame, encode_frame
 from firehose.jetstream import JetstreamConverter, ZstdCodec, convert, parse_options, select, seq_for_time
 from firehose.state import SequencedEvent
 from mst.cid import CID
 from mst.repo import Write
+from tests.firehose.test_broadcast_live import ReadLog
 from tests.relay import jetstream_oracle as oracle
 
 from .commits import commit_body, new_repo, posts, sync_body
@@ -170,25 +170,7 @@ def test_an_undecodable_stored_frame_is_counted_logged_and_sends_nothing(caplog:
     assert all(f["error"].startswith("FrameError(") for _, f in logged), logged
 
 
-class CountedReads:
-    """A real store, read through: counts the single-event reads a time cursor costs."""
-
-    def __init__(self, store: Store) -> None:
-        self.store = store
-        self.reads: list[tuple[int, int]] = []
-
-    async def read_after(self, seq: int, limit: int = 1000) -> list[SequencedEvent]:
-        self.reads.append((seq, limit))
-        return await self.store.read_after(seq, limit)
-
-    async def oldest_seq(self) -> int | None:
-        return await self.store.oldest_seq()
-
-    async def latest_seq(self) -> int:
-        return await self.store.latest_seq()
-
-
-class TrimmedMidway(CountedReads):
+class TrimmedMidway(ReadLog):
     """A trim that runs while a time cursor is looked up: everything stored goes just after the
     window's start is read."""
 
@@ -213,7 +195,7 @@ async def test_a_time_cursor_is_the_seq_before_the_first_event_at_or_after_it(in
              40 * s: 5, 50 * s: 6, 50 * s + 1: 7, 99 * s: 7}
     assert {at: await seq_for_time(store, at) for at in cases} == cases
     for at in cases:  # a binary search over whole seqs: at most 1 + log2(7) reads, each of a seq
-        counted = CountedReads(store)
+        counted = ReadLog(store)
         assert type(await seq_for_time(counted, at)) is int
         assert len(counted.reads) <= 3 and all(type(seq) is int and limit == 1 for seq, limit in counted.reads)
     await store.trim(older_than_seconds=0, now=25)  # seqs 1..4 gone
