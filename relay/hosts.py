@@ -260,13 +260,14 @@ class HostManager:
 
     def __init__(self, *, store: Store, config: RelayConfig, metrics: RelayMetrics, guard: AddressGuard,
                  safe: SafeClient, start_host: StartHost | None = None, stop_host: StopHost | None = None,
-                 limit_raised: LimitRaised | None = None, policy: HostPolicy | None = None,
-                 board: HostBoard | None = None) -> None:
+                 limit_raised: LimitRaised | None = None, board: HostBoard) -> None:
+        """``board``: the host rows' statuses and account counts in memory, shared with the ingest
+        side (``Admission``, ``Upstreams``): one board per process; its policy is this manager's."""
         self.store = store
         self.config = config
-        self.policy = policy or HostPolicy(config)
+        self.policy = board.policy
         #: the host rows' statuses and account counts in memory (shared with the ingest side)
-        self.board = board or HostBoard(store, self.policy)
+        self.board = board
         self.metrics = metrics
         self.guard = guard
         self.safe = safe

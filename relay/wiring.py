@@ -216,7 +216,7 @@ async def open_ingest(stack: contextlib.AsyncExitStack, config: RelayConfig, cor
     stack.push_async_callback(upstreams.close)
     metrics.watch_ingest_buffer(lambda: upstreams)
     hosts = HostManager(store=core.store, config=config, metrics=metrics, guard=guard, safe=safe,
-                        policy=policy, start_host=upstreams.start_host, stop_host=upstreams.stop_host,
+                        start_host=upstreams.start_host, stop_host=upstreams.stop_host,
                         limit_raised=limit_raised, board=board)
     await hosts.load_settings()
     siblings = SiblingForwarder(config.sibling_relays, metrics=metrics)

@@ -85,11 +85,11 @@ class Admission:
 
     def __init__(self, *, store: Store, identity: IdentityResolver, policy: HostPolicy,
                  default_account_limit: int | None, host_ttl: float = HOST_TTL,
-                 clock: Callable[[], float] = time.monotonic, board: HostBoard | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, board: HostBoard) -> None:
         """``board``: the host rows' statuses in memory, shared with the host manager; a host
         throttled here changes status through it."""
         self.store = store
-        self.board = board or HostBoard(store, policy)
+        self.board = board
         self.identity = identity
         self.policy = policy
         self.default_account_limit = default_account_limit

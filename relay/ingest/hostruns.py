@@ -164,7 +164,7 @@ class Upstreams:
                  policy: HostPolicy, guard: AddressGuard, metrics: RelayMetrics, config: RelayConfig, count: Count,
                  max_in_flight_per_host: int = 512, max_in_flight_bytes_per_host: int = 16 * 1024 * 1024,
                  max_in_flight_bytes: int = 128 * 1024 * 1024, backoff_base: float = 1.0,
-                 board: HostBoard | None = None) -> None:
+                 board: HostBoard) -> None:
         """``admission`` is told whenever a host starts or stops (its cached host settings).
         Frames read and not yet finished are bounded per host (``max_in_flight_per_host`` frames,
         ``max_in_flight_bytes_per_host`` bytes) and across all hosts (``max_in_flight_bytes``,
@@ -177,7 +177,7 @@ class Upstreams:
         ``board``: the host rows' statuses in memory (``relay.hosts.HostBoard``), shared with the
         host manager; host statuses change through it."""
         self.store = store
-        self.board = board or HostBoard(store, policy)
+        self.board = board
         self.sequencer = sequencer
         self.lanes = lanes
         self.admission = admission

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
+from collections.abc import Callable
 
 from backfill.backends import open_store
+from backfill.store import Store
 from backfill.types import HostState
 from relay.config import RelayConfig
-from relay.hosts import HostPolicy
+from relay.hosts import HostBoard, HostPolicy
 from relay.identity import IdentityResolver, MemoryIdentityCache
 from relay.ingest.admission import HOST_TTL, Admission
 from relay.ssrf import AddressGuard, SafeClient
@@ -19,6 +22,14 @@ from sim.ident import SigningKey, did_document, plc_did
 from sim.plc import SimPLC
 
 HOST = "pds.example.com"
+
+
+def _admission(store: Store, resolver: IdentityResolver, default_account_limit: int | None,
+               clock: Callable[[], float] = time.monotonic) -> Admission:
+    """An admission with a host board of its own (the relay shares one with its host manager)."""
+    policy = HostPolicy(RelayConfig())
+    return Admission(store=store, identity=resolver, policy=policy, default_account_limit=default_account_limit,
+                     clock=clock, board=HostBoard(store, policy))
 
 
 async def test_host_rows_reused_within_ttl_and_forgotten_on_demand(database_url: str) -> None:
@@ -29,8 +40,7 @@ async def test_host_rows_reused_within_ttl_and_forgotten_on_demand(database_url:
     try:
         await store.migrate()
         await store.upsert_host(HostState(hostname=HOST, status="active", account_limit=10))
-        admission = Admission(store=store, identity=resolver, policy=HostPolicy(RelayConfig()),
-                              default_account_limit=100, clock=lambda: now[0])
+        admission = _admission(store, resolver, 100, lambda: now[0])
         assert (await admission.admit(HOST, "did:plc:a", None)).sync_state == "synced"  # type: ignore[union-attr]
         await store.upsert_host(HostState(hostname=HOST, status="active", account_limit=1))  # lowered elsewhere
         # the row read for "a" still serves
@@ -66,8 +76,7 @@ async def test_a_burst_of_first_seen_accounts_reads_the_host_count_once(database
     try:
         await store.migrate()
         await store.upsert_host(HostState(hostname=HOST, status="active", account_limit=30))
-        admission = Admission(store=store, identity=resolver, policy=HostPolicy(RelayConfig()),
-                              default_account_limit=100)
+        admission = _admission(store, resolver, 100)
         states = await asyncio.gather(*(admission.admit(HOST, f"did:plc:{i}", None) for i in range(50)))
         assert counted == [HOST]
         assert sum(1 for st in states if st is not None and st.sync_state == "synced") == 30
@@ -92,8 +101,7 @@ async def test_identity_for_host_rechecks_a_disagreeing_answer_once(database_url
                                 burst=10_000)
     try:
         await store.migrate()
-        admission = Admission(store=store, identity=resolver, policy=HostPolicy(RelayConfig()),
-                              default_account_limit=None, clock=lambda: 0.0)
+        admission = _admission(store, resolver, None, lambda: 0.0)
         ident = await admission.identity_for_host(did, "old.example.com")
         assert ident is not None and (ident.did, ident.pds_hostname) == (did, "old.example.com")
         assert await admission.identity_for_host(did, "old.example.com") == ident
@@ -119,8 +127,7 @@ async def test_identity_for_host_rechecks_a_disagreeing_answer_once(database_url
         assert plc.requests == requests  # the cached document passes the relay rule: not resolved again
         assert await admission.identity_for_host(did, "relay.example.org", fresh=True, relay=True) is not None
         await store.add_domain_ban("new.example.com")
-        banned = Admission(store=store, identity=resolver, policy=HostPolicy(RelayConfig()),
-                           default_account_limit=None, clock=lambda: 0.0)
+        banned = _admission(store, resolver, None, lambda: 0.0)
         assert await banned.identity_for_host(did, "relay.example.org", relay=True) is None
         assert await banned.identity_for_host(did, "relay.example.org", fresh=True, relay=True) is None
         assert await banned.identity_for_host(did, "new.example.com") is not None  # the PDS itself still speaks

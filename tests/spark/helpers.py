@@ -109,7 +109,7 @@ async def apply_outbox(url: str, plc_url: str) -> tuple[Any, list[Any]]:
     from backfill.sequencer import Sequencer
     from firehose.pipeline import ValidationPool
     from relay.config import RelayConfig
-    from relay.hosts import HostPolicy
+    from relay.hosts import HostBoard, HostPolicy
     from relay.identity import IdentityResolver
     from relay.ingest.admission import Admission
     from relay.ingest.lanes import AccountLanes
@@ -123,13 +123,14 @@ async def apply_outbox(url: str, plc_url: str) -> tuple[Any, list[Any]]:
     try:
         before = await store.latest_seq()
         config = RelayConfig(allow_insecure_hosts=True, plc_url=plc_url)
+        policy = HostPolicy(config)
         identity = IdentityResolver(plc_url=plc_url, safe_client=SafeClient(AddressGuard(allow_insecure=True)))
         pool = ValidationPool(0)
         await pool.start()
         async with Sequencer(store, publish) as sequencer:
             lanes = AccountLanes(store=store, sequencer=sequencer, pool=pool,
-                                 admission=Admission(store=store, identity=identity, policy=HostPolicy(config),
-                                                     default_account_limit=None),
+                                 admission=Admission(store=store, identity=identity, policy=policy,
+                                                     default_account_limit=None, board=HostBoard(store, policy)),
                                  identity=identity, resync=ResyncQueue(), count=lambda kind, reason: None)
             result = await drain_repair_outbox(store, lanes.apply_repair)
         await pool.close()
