@@ -20,7 +20,7 @@ import asyncpg
 from backfill.errors import MigrationError, SequencerConflictError, SequencerLockedError
 from backfill.identities import FRESHER_ONLY, IDENTITY_COLS, IdentityWrite, identity_row
 from backfill.migrations import discover
-from backfill.sql_store import ACCOUNT_COLS, UPSERT_ACCOUNT_SQL, SqlStore
+from backfill.sql_store import ACCOUNT_COLS, UPSERT_ACCOUNT_SQL, SqlStore, keep_head_sql
 from backfill.store import (
     BatchWrite,
     WriterLease,
@@ -59,8 +59,8 @@ CREATE TEMPORARY TABLE IF NOT EXISTS {_STAGE} (
 """
 # Sent without parameters (simple protocol), so each is planned with the staged row count known.
 _SQL_UPDATE_ACCOUNTS = f"""
-UPDATE accounts a SET host = s.host, upstream_status = s.upstream_status, local_status = s.local_status, rev = s.rev,
-    commit_cid = s.commit_cid, data_cid = s.data_cid, sync_state = s.sync_state, updated_at = s.updated_at
+UPDATE accounts a SET host = s.host, upstream_status = s.upstream_status, local_status = s.local_status,
+    {keep_head_sql("s", "a")}, sync_state = s.sync_state, updated_at = s.updated_at
 FROM pg_temp.{_STAGE} s
 WHERE a.did = s.did
 """
@@ -70,8 +70,7 @@ SELECT {ACCOUNT_COLS} FROM pg_temp.{_STAGE} s
 WHERE NOT EXISTS (SELECT 1 FROM accounts a WHERE a.did = s.did)
 ON CONFLICT (did) DO UPDATE SET
     host = EXCLUDED.host, upstream_status = EXCLUDED.upstream_status, local_status = EXCLUDED.local_status,
-    rev = EXCLUDED.rev, commit_cid = EXCLUDED.commit_cid, data_cid = EXCLUDED.data_cid,
-    sync_state = EXCLUDED.sync_state, updated_at = EXCLUDED.updated_at
+    {keep_head_sql("EXCLUDED", "accounts")}, sync_state = EXCLUDED.sync_state, updated_at = EXCLUDED.updated_at
 """
 
 _SQL_UPDATE_HOSTS = """

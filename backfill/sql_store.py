@@ -29,12 +29,23 @@ HOST_COLS = (
     "hostname, status, upstream_cursor, account_limit, trusted, rate_limit_per_second, "
     "rate_limit_per_hour, rate_limit_per_day, last_seen, account_count, created_at, is_relay, lenient_sync"
 )
+
+
+def keep_head_sql(new: str, old: str) -> str:
+    """The SET of an account row's head (``rev``, ``commit_cid``, ``data_cid``) from the row ``new``
+    over the stored row ``old``: a new row without a rev keeps the stored head (the lanes never
+    write one over a rev; were one written, the stored rev must not become NULL)."""
+    return (f"rev = COALESCE({new}.rev, {old}.rev), "
+            f"commit_cid = CASE WHEN {new}.rev IS NULL THEN {old}.commit_cid ELSE {new}.commit_cid END, "
+            f"data_cid = CASE WHEN {new}.rev IS NULL THEN {old}.data_cid ELSE {new}.data_cid END")
+
+
 #: An account row as both backends write it (``ACCOUNT_COLS`` order; ``excluded`` = the new row).
 UPSERT_ACCOUNT_SQL = (
     f"INSERT INTO accounts ({ACCOUNT_COLS}) VALUES (?,?,?,?,?,?,?,?,?) "
     "ON CONFLICT (did) DO UPDATE SET host = excluded.host, upstream_status = excluded.upstream_status, "
-    "local_status = excluded.local_status, rev = excluded.rev, commit_cid = excluded.commit_cid, "
-    "data_cid = excluded.data_cid, sync_state = excluded.sync_state, updated_at = excluded.updated_at"
+    f"local_status = excluded.local_status, {keep_head_sql('excluded', 'accounts')}, "
+    "sync_state = excluded.sync_state, updated_at = excluded.updated_at"
 )
 _UPSERT_HOST_SQL = (
     f"INSERT INTO hosts ({HOST_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?) "

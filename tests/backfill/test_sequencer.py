@@ -540,6 +540,37 @@ async def test_account_rows_are_written_whole_with_their_event_or_alone(store: S
     assert [e.did for e in await store.read_after(0)] == ["did:plc:t", "did:plc:t"]  # no event for the write
 
 
+async def test_a_state_without_a_rev_keeps_the_stored_head(target: StoreTarget, store: Store) -> None:
+    """The lanes never write an account state without a rev over one with a rev; were one written
+    (alone or with its event), the stored head (rev, commit and data CIDs) stays, the rest of the
+    row is the new state's, and a re-delivery is still recognised after a restart."""
+    did = "did:plc:head"
+    async with Sequencer(store, Collector()) as seq:
+        assert await seq.submit(commit_event(1, did=did)) is not None
+        await seq.write_account(AccountState(did, host="pds.example", sync_state="desynchronized"))
+        got = await store.get_account(did)
+        assert got is not None
+        assert (got.rev, got.commit_cid, got.data_cid, got.sync_state) == (
+            rev_for(1), "bafycommit1", "bafydata1", "desynchronized")
+        taken = AccountState(did, host="pds.example", local_status="takendown")
+        assert await seq.submit(PendingEvent("#account", did, {"did": did, "active": False, "status": "takendown"},
+                                             account=taken)) is not None
+        got = await store.get_account(did)
+        assert got is not None
+        assert (got.rev, got.commit_cid, got.data_cid, got.local_status, got.sync_state) == (
+            rev_for(1), "bafycommit1", "bafydata1", "takendown", "synced")
+    await store.close()
+    reopened = await target.open()
+    try:
+        async with Sequencer(reopened, Collector()) as seq:  # heads read from the store alone
+            assert await seq.submit(commit_event(1, did=did)) is None
+            assert await seq.submit(commit_event(2, did=did)) is not None
+        got = await reopened.get_account(did)
+        assert got is not None and (got.rev, got.commit_cid) == (rev_for(2), "bafycommit2")
+    finally:
+        await reopened.close()
+
+
 async def test_closed_sequencer_refuses(store: Store) -> None:
     seq = Sequencer(store, Collector())
     await seq.submit(commit_event(1))

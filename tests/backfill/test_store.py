@@ -22,16 +22,21 @@ async def test_account_roundtrip_and_replace(store: Store) -> None:
     state2 = acct(
         "did:plc:a", upstream_status="deactivated", local_status="takendown", sync_state="desynchronized"
     )
-    await store.upsert_account(state2)
+    await store.upsert_account(state2)  # no rev: the stored head (rev, commit, data) stays
     got = await store.get_account("did:plc:a")
     assert got is not None
-    assert (got.upstream_status, got.local_status, got.sync_state, got.rev) == (
+    assert (got.upstream_status, got.local_status, got.sync_state, got.rev, got.commit_cid, got.data_cid) == (
         "deactivated",
         "takendown",
         "desynchronized",
-        None,
+        "3kaaaaaaaaaa2",
+        "bafyc",
+        "bafyd",
     )
     assert got.updated_at > 0  # filled in when the caller left it at 0
+    await store.upsert_account(acct("did:plc:a", rev="3kaaaaaaaaab2", commit_cid="bafyc2"))  # a rev: all replaced
+    got = await store.get_account("did:plc:a")
+    assert got is not None and (got.rev, got.commit_cid, got.data_cid) == ("3kaaaaaaaaab2", "bafyc2", None)
 
 
 async def test_get_accounts_many(store: Store) -> None:
