@@ -238,7 +238,8 @@ class Store(ABC):
 
     @abstractmethod
     async def upsert_account(self, state: AccountState) -> None:
-        """Insert or fully replace one account (admin/resync path; keeps host account counts)."""
+        """Insert or replace one account (admin/resync path; keeps host account counts); a state
+        without a rev keeps the stored head (rev, commit and data CIDs)."""
 
     @abstractmethod
     async def list_accounts(self, after_did: str | None = None, limit: int = 500) -> list[AccountState]:
