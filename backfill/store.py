@@ -57,6 +57,8 @@ class BatchWrite:
     at 0 removed) keep ``repo_collections`` (``backfill.collections``); written after the accounts.
     ``upstream_done`` rows ``(host, upstream seq)``: frames stored above the cursor their event
     carried, which a re-read must skip (migration 0010; ``Store.upstream_done_above``).
+    ``accounts`` replace their rows, except that a state without a rev keeps the stored head
+    (rev, commit and data CIDs: ``backfill.sql_store.keep_head_sql``).
     """
 
     expected_high_water: int
