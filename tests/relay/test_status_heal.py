@@ -8,7 +8,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from relay.status_heal import LAST_SWEEP_KEY, StatusHealer
+from relay.status_heal import LAST_SWEEP_KEY, HealPace, StatusHealer
+from relay.status_suspects import SuspectQueue
 from sim import SimConfig, SimFleet
 from tests.relay.e2e import Consumer, crawl, settle
 from tests.waiting import until
@@ -160,5 +161,66 @@ async def test_a_drift_while_the_relay_is_disconnected_is_healed_after_the_recon
             assert [(b["active"], b.get("status")) for b in events[acct.did]] == [(False, "takendown")]
             await until(lambda: healer.sweeps.get(host.hostname) == 1, "the sweep the reconnect started to finish")
             assert relay.service.metrics.heal_repairs.labels("takendown", "applied")._value.get() == 1
+    finally:
+        await fleet.stop()
+
+
+async def test_a_reconnect_between_two_passes_is_found_by_the_connection_count(relay_factory: Any) -> None:
+    """The full sweep is an hour away. The host goes down and comes back between two passes of the
+    healer, which therefore never sees it disconnected; a drift made during the gap is healed all
+    the same, because the run's connection count went up: the next pass schedules a sweep
+    ``settle`` later, which lists the host and heals the drift. Passes without a reconnect schedule
+    nothing, not even after the re-sweep gap has gone by. (The healer is driven pass by pass on a
+    clock of the test's: the relay's own healing is off.)"""
+    fleet = SimFleet(SimConfig(hosts=1, accounts_per_host=3, seed=14))
+    await fleet.start()
+    settings = {"allow_insecure_hosts": True, "plc_url": fleet.plc_url, "validation_workers": 0,
+                "status_heal_interval": "0", "repair_settle": "0.2s"}
+    host = fleet.hosts[0]
+    try:
+        async with relay_factory(**settings) as relay, Consumer(relay.ws_url, cursor=0) as consumer:
+            service = relay.service
+            assert service.healer is None
+            upstreams = service.upstreams
+            pace = HealPace(interval=3600.0, suspect_delay=1.0, timeout=5.0, settle=0.2)
+            now = [time.time()]
+            healer = StatusHealer(store=service.store, lanes=service.lanes, upstreams=upstreams, safe=service.safe,
+                                  identity=service.identity, metrics=service.metrics, pace=pace,
+                                  suspects=SuspectQueue(pace.suspect_delay), insecure=True, clock=lambda: now[0])
+            await swept_just_now(relay, host.hostname)
+            await crawl(relay.url, host.hostname)
+            await fleet.generate(6)
+            await settle(fleet, consumer)
+            await until(lambda: upstreams.connected(host.hostname), "the relay to follow the host")
+            await healer.step()
+            assert healer.seen_connected.get(host.hostname) is True and healer.sweeps == {}
+            connections = upstreams.connections(host.hostname)
+            mark = consumer.events[-1].seq
+            port = int(host.hostname.rsplit(":", 1)[1])
+            await host.stop()
+            await until(lambda: not upstreams.connected(host.hostname), "the relay to lose the host")
+            acct = fleet.accounts[1]
+            fleet.drift_status(acct, "takendown")
+            await host.start("127.0.0.1", port)
+            await until(lambda: upstreams.connected(host.hostname)
+                        and upstreams.connections(host.hostname) > connections, "the relay to reconnect")
+            assert healer.seen_connected[host.hostname] is True  # the gap fell between two passes
+            await healer.step()  # the count went up: a sweep is due `settle` from now
+            assert healer.sweeps == {}
+            now[0] += pace.settle
+            await healer.step()
+            assert healer.sweeps == {host.hostname: 1}
+            await consumer.wait_for(lambda evs: any(e.t == "#account" and e.seq > mark for e in evs), timeout=30)
+            events = account_events(consumer, mark)
+            assert list(events) == [acct.did]
+            assert [(b["active"], b.get("status")) for b in events[acct.did]] == [(False, "takendown")]
+            state = await service.store.get_account(acct.did)
+            assert state is not None and state.upstream_status == "takendown"
+            # no reconnect since: passes after the re-sweep gap still leave the host an interval away
+            now[0] += pace.resweep_gap + pace.settle
+            await healer.step()
+            now[0] += pace.settle
+            await healer.step()
+            assert healer.sweeps == {host.hostname: 1}
     finally:
         await fleet.stop()
