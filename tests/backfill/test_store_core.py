@@ -5,12 +5,16 @@ rows (SQLite keeps them as integers)."""
 from __future__ import annotations
 
 import sqlite3
+import uuid
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 
-from backfill.store import Store
+from backfill.backends import open_store
+from backfill.store import BatchWrite, Store
 from backfill.types import HostState
+from firehose.state import AccountState
 from tests.backfill.conftest import StoreTarget
 
 
@@ -95,3 +99,34 @@ async def test_a_consumed_repair_keeps_its_seq_and_outcome(store: Store, target:
     assert await _rows(target, "SELECT did, consumed_at, seq, outcome FROM spark_repair_outbox ORDER BY id") == [
         ("did:plc:r1", 9.5, 42, "applied"), ("did:plc:r2", 10.5, None, "stale")]
     assert await store.pending_repairs() == []
+
+
+
+async def test_first_pages_start_below_every_did_under_a_linguistic_collation(pg_dsn: str) -> None:
+    """PostgreSQL orders text by the database's collation. Under a linguistic one (``en_US``, the
+    default of many installs; here ICU's ``en``) ``did:…`` sorts before upper-case text, so a
+    first page (no ``after_did``) must start below every string."""
+    name = f"t_icu_{uuid.uuid4().hex[:12]}"
+    admin = await asyncpg.connect(pg_dsn)
+    try:
+        await admin.execute(f'CREATE DATABASE "{name}" TEMPLATE template0 ENCODING UTF8 '
+                            "LOCALE_PROVIDER icu ICU_LOCALE 'en' LOCALE 'C.UTF-8'")
+        store = await open_store(urlunsplit(urlsplit(pg_dsn)._replace(path=f"/{name}")))
+        try:
+            await store.migrate()
+            await store.upsert_account(AccountState("did:plc:a", sync_state="desynchronized"))
+            await store.upsert_account(AccountState("did:web:b.example"))
+            assert [a.did for a in await store.list_accounts()] == ["did:plc:a", "did:web:b.example"]
+            assert [a.did for a in await store.accounts_by_sync_state("desynchronized")] == ["did:plc:a"]
+            lease = await store.acquire_writer(wait=True, timeout=10)
+            try:
+                hw = await lease.high_water()
+                await lease.commit_batch(BatchWrite(hw, hw, collection_resets={"did:plc:a": {"app.bsky.feed.post": 1}}))
+            finally:
+                await lease.release()
+            assert await store.list_repos_by_collection("app.bsky.feed.post") == ["did:plc:a"]
+        finally:
+            await store.close()
+    finally:
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        await admin.close()
