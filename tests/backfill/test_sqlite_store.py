@@ -3,11 +3,15 @@ parameter chunking of its ``IN`` lookups and its single-writer lease file."""
 
 from __future__ import annotations
 
+import asyncio
+import os
 import sqlite3
+import stat
 from pathlib import Path
 
 import pytest
 
+from backfill.errors import SequencerLockedError
 from backfill.sqlite_store import SqliteStore
 from backfill.store import writer_identity
 
@@ -75,6 +79,15 @@ async def test_the_lease_file_names_its_holder_while_it_is_held(tmp_path: Path) 
         lease = await holder.acquire_writer()
         lock_file = Path(path + ".writer.lock")
         try:
+            # readable by everyone, so a standby running as another user can name the holder
+            umask = os.umask(0)
+            os.umask(umask)
+            assert stat.S_IMODE(lock_file.stat().st_mode) == 0o644 & ~umask
+            # taken: refused at once by default, after the timeout when waiting
+            with pytest.raises(SequencerLockedError, match="another sequencer holds the write lock on "):
+                await asyncio.wait_for(waiter.acquire_writer(), 30)
+            with pytest.raises(SequencerLockedError):
+                await asyncio.wait_for(waiter.acquire_writer(wait=True, timeout=0.3), 30)
             assert await waiter.writer_holder() == writer_identity()
             assert await holder.writer_holder() == writer_identity()  # asked through another descriptor
             # what the holder wrote, as text: trimmed, at most 512 bytes, undecodable bytes replaced
