@@ -13,7 +13,8 @@ import pytest
 
 from backfill.errors import SequencerLockedError
 from backfill.sqlite_store import SqliteStore
-from backfill.store import writer_identity
+from backfill.store import BatchWrite, writer_identity
+from firehose.state import AccountState
 
 
 def _error_of(action: str, tmp_path: Path) -> sqlite3.OperationalError:
@@ -108,3 +109,33 @@ async def test_the_lease_file_names_its_holder_while_it_is_held(tmp_path: Path) 
     finally:
         await holder.close()
         await waiter.close()
+
+
+async def test_lookups_of_many_keys_find_every_stored_one(tmp_path: Path) -> None:
+    """``IN`` lookups go in chunks of bound parameters: every key of every chunk is looked up."""
+    store = await SqliteStore.open(str(tmp_path / "relay.sqlite"))
+    try:
+        await store.migrate()
+        dids = [f"did:plc:{i:05d}" for i in range(1200)]
+        lease = await store.acquire_writer()
+        try:
+            await lease.commit_batch(BatchWrite(0, 0, accounts=[
+                AccountState(did=d, host="pds.example", rev=f"rev{i}") for i, d in enumerate(dids)]))
+        finally:
+            await lease.release()
+        asked = dids + [f"did:plc:missing{i}" for i in range(300)]
+        assert sorted(await store.get_accounts(asked)) == dids
+        assert await store.account_heads(asked) == {d: ("pds.example", f"rev{i}") for i, d in enumerate(dids)}
+    finally:
+        await store.close()
+
+
+async def test_a_store_opens_in_a_new_directory_and_closes_its_connections(tmp_path: Path) -> None:
+    path = tmp_path / "new" / "dirs" / "relay.sqlite"
+    store = await SqliteStore.open(str(path))
+    await store.migrate()
+    wal = Path(f"{path}-wal")
+    assert wal.exists()  # WAL mode: the log lives while connections are open
+    await store.close()
+    assert not wal.exists()  # the last connection closed checkpoints and removes it
+    await store.close()  # idempotent
