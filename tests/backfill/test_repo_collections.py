@@ -187,3 +187,13 @@ async def test_an_account_with_exact_counts_leaves_a_collection_with_its_last_re
     await commit(store, deltas=[(COLL, "did:plc:b", 1, 1)])
     await commit(store, deltas=[(COLL, "did:plc:b", -1, 0)])
     assert await listed(store) == []
+
+
+async def test_a_record_created_and_deleted_in_one_batch_leaves_no_row(store: Store) -> None:
+    """A batch that creates and deletes the same record folds to a delta of 0 with a floor of 0:
+    the account holds nothing there, so it gets no row, exact counts or not."""
+    await commit(store, accounts=[acct("did:plc:a"), acct("did:plc:b")], resets={"did:plc:a": {}})
+    await commit(store, deltas=[(COLL, "did:plc:a", 0, 0), (COLL, "did:plc:b", 0, 0)])
+    assert await store.collection_counts("did:plc:a") == {}
+    assert await store.collection_counts("did:plc:b") == {}
+    assert await listed(store) == []

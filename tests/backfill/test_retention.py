@@ -55,7 +55,8 @@ async def test_trim_by_size(store: Store) -> None:
     deleted = await store.trim(max_bytes=limit, batch=5)
     assert deleted == 13
     assert [e.seq for e in await store.read_after(0, 100)] == list(range(14, 21))
-    assert await store.events_bytes() <= limit
+    assert await store.events_bytes() == limit
+    assert await store.trim(max_bytes=limit) == 0  # exactly at the limit: nothing is over it
     assert await store.trim(older_than_seconds=None, max_bytes=None) == 0
 
 
