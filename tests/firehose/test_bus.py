@@ -7,13 +7,14 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import pytest
 
 from firehose.broadcast import Broadcaster
 from firehose.bus import BusClosed, InProcessBus, RedisStreamBus, RedisTimeouts, redis_client
 from firehose.state import SequencedEvent
-from tests.waiting import until
+from tests.waiting import until, until_async
 
 from .conftest import Ingest, commit_frame
 
@@ -282,13 +283,14 @@ async def test_redis_clients_take_the_timeouts_and_decoding_asked_for(redis_url:
                 timeouts
         finally:
             await client.aclose()
-    for approximate in (True, False):
+    for approximate in (None, True, False):  # None: the default, approximate
         stream = f"test:fh:{uuid.uuid4().hex}"
-        bus = RedisStreamBus(redis_url, stream, maxlen=5, approximate_trim=approximate)
+        bus = (RedisStreamBus(redis_url, stream, maxlen=5) if approximate is None
+               else RedisStreamBus(redis_url, stream, maxlen=5, approximate_trim=approximate))
         try:
             await bus.publish([ev(seq) for seq in range(1, 301)])
             length = await bus.redis.xlen(stream)
-            assert (length > 5) if approximate else (length == 5)
+            assert (length == 5) if approximate is False else (length > 5)
             assert await bus.head() == 300
         finally:
             await bus.redis.delete(stream)
@@ -307,3 +309,80 @@ async def test_an_in_process_subscription_holds_1024_batches_by_default() -> Non
     assert [e.seq for e in await sub.next_batch()] == [1]
     await asyncio.wait_for(blocked, 5)
     await bus.close()
+
+
+
+def _xread_clients(clients: list[dict[str, Any]], db: int) -> list[dict[str, Any]]:
+    """The clients of database ``db`` whose last command is an ``XREAD``. Redis runs one command at
+    a time, so a client listed there has either finished its read or is blocked in it (flag ``b``)."""
+    return [c for c in clients if c.get("cmd") == "xread" and int(c.get("db", -1)) == db]
+
+
+async def test_a_redis_subscription_reads_a_backlog_read_count_entries_at_a_time(
+        redis_bus: RedisStreamBus, redis_url: str) -> None:
+    """A backlog larger than one read comes in reads of ``read_count`` entries: 512 by default."""
+    await redis_bus.publish([ev(seq) for seq in range(1, 601)])
+    sub = redis_bus.subscribe(after_seq=0)
+    assert [e.seq for e in await asyncio.wait_for(sub.next_batch(), 5)] == list(range(1, 513))
+    assert [e.seq for e in await asyncio.wait_for(sub.next_batch(), 5)] == list(range(513, 601))
+    await sub.close()
+    three = RedisStreamBus(redis_url, redis_bus.stream, read_count=3)
+    try:
+        sub = three.subscribe(after_seq=595)
+        assert [e.seq for e in await asyncio.wait_for(sub.next_batch(), 5)] == [596, 597, 598]
+        assert [e.seq for e in await asyncio.wait_for(sub.next_batch(), 5)] == [599, 600]
+        await sub.close()
+    finally:
+        await three.close()
+
+
+async def test_a_redis_subscription_waits_blocked_in_its_read(redis_url: str) -> None:
+    """On an idle stream a subscription waits inside a blocking ``XREAD`` (Redis lists it blocked),
+    not in a loop of reads that return at once; a publish then wakes it."""
+    stream = f"test:fh:{uuid.uuid4().hex}"
+    bus = RedisStreamBus(redis_url, stream, block_ms=10_000, timeouts=RedisTimeouts(socket=30.0))
+    probe = redis_client(redis_url, decode_responses=True)
+    db = int(bus.redis.connection_pool.connection_kwargs["db"])
+    try:
+        sub = bus.subscribe(after_seq=0)
+        waiting = asyncio.create_task(sub.next_batch())
+        reading: list[dict[str, Any]] = []
+
+        async def a_read_listed() -> bool:
+            reading[:] = _xread_clients(await probe.client_list(), db)
+            return bool(reading) or waiting.done()
+
+        await until_async(a_read_listed, "the subscription's XREAD", interval=0.01)
+        assert not waiting.done()
+        assert len(reading) == 1 and "b" in reading[0]["flags"], reading
+        await bus.publish([ev(1)])
+        assert [e.seq for e in await asyncio.wait_for(waiting, 5)] == [1]
+        await sub.close()
+    finally:
+        await bus.redis.delete(stream)
+        await probe.aclose()
+        await bus.close()
+
+
+async def test_a_redis_subscription_reads_again_after_an_empty_read(redis_url: str) -> None:
+    """A blocking read that ends empty (its ``block_ms`` passed) is followed by another read: the
+    subscription returns only when there are events."""
+    stream = f"test:fh:{uuid.uuid4().hex}"
+    bus = RedisStreamBus(redis_url, stream, block_ms=1)
+    probe = redis_client(redis_url, decode_responses=True)
+    db = int(bus.redis.connection_pool.connection_kwargs["db"])
+    try:
+        sub = bus.subscribe(after_seq=0)
+        waiting = asyncio.create_task(sub.next_batch())
+
+        async def an_empty_read_done() -> bool:  # listed, not blocked: a read of the empty stream ended
+            return any("b" not in c["flags"] for c in _xread_clients(await probe.client_list(), db))
+
+        await until_async(an_empty_read_done, "an XREAD that ended empty", interval=0.01)
+        await bus.publish([ev(1)])
+        assert [e.seq for e in await asyncio.wait_for(waiting, 5)] == [1]
+        await sub.close()
+    finally:
+        await bus.redis.delete(stream)
+        await probe.aclose()
+        await bus.close()
