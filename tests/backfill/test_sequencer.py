@@ -1032,6 +1032,24 @@ async def test_number_batch_records_the_frames_above_their_batchs_cursor() -> No
     assert out.upstream_done == [("h1", 5), ("h1", 6), ("h3", 1)]
 
 
+async def test_number_batch_writes_accounts_without_an_event() -> None:
+    """An ``AccountWrite`` takes no seq: its state is kept for the batch (stamped with ``now`` when
+    it has no time) and its submitter is answered with no event; the items after it are numbered."""
+    from backfill.numbering import AccountWrite, number_batch
+
+    loop = asyncio.get_running_loop()
+    unstamped = AccountState("did:plc:u", host="h1", sync_state="desynchronized")
+    stamped = AccountState("did:plc:s", host="h1", sync_state="throttled", updated_at=7.0)
+    futures = [loop.create_future() for _ in range(3)]
+    items = [AccountWrite(unstamped), AccountWrite(stamped), PendingEvent("#identity", "did:plc:e", {})]
+    out = await number_batch(list(zip(items, futures, strict=True)), {}, base=10, now=20.5, encode=encode_frame)
+    assert out.accounts == {"did:plc:u": unstamped, "did:plc:s": stamped}
+    assert (unstamped.updated_at, stamped.updated_at) == (20.5, 7.0)
+    assert [(f, None if e is None else e.seq) for f, e in out.results] == [
+        (futures[0], None), (futures[1], None), (futures[2], 11)]
+    assert out.seq == 11 and [r[0] for r in out.rows] == [11]
+
+
 async def test_number_batch_yields_while_encoding_a_long_batch() -> None:
     """Every 128 items the batch lets other tasks run (the commit in flight keeps streaming)."""
     from backfill.numbering import number_batch
