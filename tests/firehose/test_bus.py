@@ -386,3 +386,27 @@ async def test_a_redis_subscription_reads_again_after_an_empty_read(redis_url: s
         await bus.redis.delete(stream)
         await probe.aclose()
         await bus.close()
+
+
+async def test_the_head_and_a_position_from_now_read_one_entry(redis_bus: RedisStreamBus) -> None:
+    """``head()`` and a subscription "from now" ask Redis for the newest entry only (one entry in
+    the reply), however long the stream is."""
+    await redis_bus.publish([ev(seq) for seq in range(1, 4)])
+    replies: list[int] = []
+    xrevrange = redis_bus.redis.xrevrange
+
+    async def logged_xrevrange(*args: Any, **kwargs: Any) -> Any:
+        reply = await xrevrange(*args, **kwargs)
+        replies.append(len(reply))
+        return reply
+
+    redis_bus.redis.xrevrange = logged_xrevrange
+    assert await redis_bus.head() == 3
+    live = redis_bus.subscribe()
+    first = asyncio.create_task(live.next_batch())
+    await until(lambda: live._last_id is not None, "the subscription's position taken")
+    assert live._last_id == "3-0"
+    assert replies == [1, 1]
+    await redis_bus.publish([ev(4)])
+    assert [e.seq for e in await asyncio.wait_for(first, 5)] == [4]
+    await live.close()
