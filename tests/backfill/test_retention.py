@@ -4,9 +4,11 @@ write, on both backends."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 
 from backfill.sequencer import Sequencer
 from backfill.store import Store, retention_prefix
+from firehose.state import SequencedEvent
 from tests.backfill.helpers import Collector, commit_event
 from tests.waiting import until
 
@@ -26,6 +28,8 @@ def test_retention_prefix() -> None:
     assert retention_prefix(rows, 10.5, 250) == (3, 300)
     assert retention_prefix(rows, 0.0, 0) == (0, 0)
     assert retention_prefix([], 99.0, 99) == (0, 0)
+    assert retention_prefix(rows, 11.0, 0) == (1, 100)  # a row exactly at the cutoff is not older: kept
+    assert retention_prefix(rows, None, 200) == (2, 200)  # the bytes stop once the excess is freed
 
 
 async def test_trim_by_age_keeps_window_and_high_water(store: Store) -> None:
@@ -150,3 +154,34 @@ async def test_follow_replays_then_tails(store: Store) -> None:
         await asyncio.wait_for(task, 10)
     assert got == [3, 4, 5, 6, 7, 8]
     assert await store.count_events() == 8
+
+
+async def test_follow_reads_pages_of_the_size_asked_and_waits_only_after_a_short_one(store: Store) -> None:
+    """Each read asks for ``page`` events (1000 by default); a full page is followed at once by the
+    next read, only a short one by the poll interval (here an hour: reaching event 5 proves no
+    wait came after the full page 3–4)."""
+    async with Sequencer(store, Collector()) as seq:
+        for n in range(1, 6):
+            await seq.submit(commit_event(n))
+    reads: list[tuple[int, int]] = []
+    read_after = store.read_after
+
+    async def logged_read(cursor: int, limit: int = 1000) -> list[SequencedEvent]:
+        reads.append((cursor, limit))
+        return await read_after(cursor, limit)
+
+    store.read_after = logged_read  # type: ignore[method-assign]
+
+    async def take(n: int, tail: AsyncIterator[SequencedEvent]) -> list[int]:
+        got = []
+        async for event in tail:
+            got.append(event.seq)
+            if len(got) == n:
+                break
+        return got
+
+    assert await asyncio.wait_for(take(3, store.follow(2, page=2, poll_interval=3600)), 10) == [3, 4, 5]
+    assert reads == [(2, 2), (4, 2)]
+    reads.clear()
+    assert await asyncio.wait_for(take(5, store.follow(0, poll_interval=3600)), 10) == [1, 2, 3, 4, 5]
+    assert reads == [(0, 1000)]

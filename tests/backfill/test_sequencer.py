@@ -1026,6 +1026,61 @@ async def test_number_batch_stops_below_the_seq_limit_and_with_nothing_numbered(
     assert last.seq == SEQ_LIMIT - 1 and len(last.rows) == 1  # the last seq there is
 
 
+async def test_number_batch_records_the_frames_above_their_batchs_cursor() -> None:
+    """``upstream_done`` holds ``(host, frame seq)`` of the numbered ``#identity``/``#account``
+    events whose frame is above the cursor the batch stores for their host (strictly: a frame at
+    the cursor is covered by it; a host without a cursor in the batch counts from 0); not a
+    commit's (its rev tells a re-read), nor one without a host or a frame seq, nor one not
+    numbered (fenced off, refused by the encoder)."""
+    from backfill.numbering import number_batch
+    from firehose.state import Fence
+
+    loop = asyncio.get_running_loop()
+    revoked = Fence()
+    revoked.revoke("earlier event lost")
+    items = [
+        PendingEvent("#identity", "did:plc:a", {}, host="h1", upstream_seq=3, frame_seq=5),  # above: kept
+        PendingEvent("#account", "did:plc:b", {}, host="h1", upstream_seq=4, frame_seq=6),  # above: kept
+        PendingEvent("#account", "did:plc:c", {}, host="h2", upstream_seq=8, frame_seq=8),  # at the cursor
+        PendingEvent("#identity", "did:plc:d", {}, host="h2", upstream_seq=2, frame_seq=7),  # below h2's 8
+        PendingEvent("#commit", "did:plc:e", {}, rev="3e", host="h1", upstream_seq=3, frame_seq=9),  # a commit
+        PendingEvent("#identity", "did:plc:f", {}, frame_seq=9),  # no host
+        PendingEvent("#identity", "did:plc:g", {}, host="h1", upstream_seq=3),  # no frame seq
+        PendingEvent("#identity", "did:plc:h", {}, host="h3", frame_seq=1),  # no cursor for h3: above 0
+        PendingEvent("#account", "did:plc:i", {}, host="h4", frame_seq=0),  # no cursor for h4: at 0
+        PendingEvent("#identity", "did:plc:j", {}, host="h1", frame_seq=10, fence=revoked),  # fenced off
+        PendingEvent("#identity", "did:plc:k", {"poison": True}, host="h1", frame_seq=11),  # refused
+    ]
+
+    def encode(kind: str, body: dict) -> bytes:
+        if body.get("poison"):
+            raise ValueError("cannot encode")
+        return encode_frame(kind, body)
+
+    out = await number_batch([(item, loop.create_future()) for item in items], {}, base=0, now=1.0, encode=encode)
+    assert out.seq == 9
+    assert out.cursors == {"h1": 4, "h2": 8}
+    assert out.upstream_done == [("h1", 5), ("h1", 6), ("h3", 1)]
+
+
+async def test_number_batch_writes_accounts_without_an_event() -> None:
+    """An ``AccountWrite`` takes no seq: its state is kept for the batch (stamped with ``now`` when
+    it has no time) and its submitter is answered with no event; the items after it are numbered."""
+    from backfill.numbering import AccountWrite, number_batch
+
+    loop = asyncio.get_running_loop()
+    unstamped = AccountState("did:plc:u", host="h1", sync_state="desynchronized")
+    stamped = AccountState("did:plc:s", host="h1", sync_state="throttled", updated_at=7.0)
+    futures = [loop.create_future() for _ in range(3)]
+    items = [AccountWrite(unstamped), AccountWrite(stamped), PendingEvent("#identity", "did:plc:e", {})]
+    out = await number_batch(list(zip(items, futures, strict=True)), {}, base=10, now=20.5, encode=encode_frame)
+    assert out.accounts == {"did:plc:u": unstamped, "did:plc:s": stamped}
+    assert (unstamped.updated_at, stamped.updated_at) == (20.5, 7.0)
+    assert [(f, None if e is None else e.seq) for f, e in out.results] == [
+        (futures[0], None), (futures[1], None), (futures[2], 11)]
+    assert out.seq == 11 and [r[0] for r in out.rows] == [11]
+
+
 async def test_number_batch_yields_while_encoding_a_long_batch() -> None:
     """Every 128 items the batch lets other tasks run (the commit in flight keeps streaming)."""
     from backfill.numbering import number_batch

@@ -3,8 +3,20 @@
 from __future__ import annotations
 
 import json
+import os
+import socket
+import sqlite3
 
-from backfill.store import Store, sqlite_path_from_url
+from backfill.store import (
+    BatchWrite,
+    Store,
+    audit_entry,
+    host_count_deltas,
+    is_postgres_url,
+    split_schema,
+    sqlite_path_from_url,
+    writer_identity,
+)
 from backfill.types import HostState
 from firehose.state import AccountState
 from tests.backfill.conftest import StoreTarget
@@ -184,9 +196,60 @@ async def test_empty_window(store: Store) -> None:
 
 def test_sqlite_url_forms() -> None:
     assert sqlite_path_from_url(None) == "./data/relay.sqlite"
+    assert sqlite_path_from_url("") == "./data/relay.sqlite"
     assert sqlite_path_from_url("sqlite:///tmp/x.db") == "/tmp/x.db"
+    assert sqlite_path_from_url("sqlite://rel/x.db") == "rel/x.db"
     assert sqlite_path_from_url("sqlite:rel/x.db") == "rel/x.db"
     assert sqlite_path_from_url("/abs/x.db") == "/abs/x.db"
+    assert sqlite_path_from_url("rel/sqlite:x.db") == "rel/sqlite:x.db"
+
+
+def test_which_urls_are_postgres_and_their_schema() -> None:
+    for url in ("postgresql://u@h/db", "postgres://u@h:5432/db?schema=s"):
+        assert is_postgres_url(url)
+    for url in (None, "", "sqlite:///tmp/x.db", "/abs/x.db", "postgresqlx://h/db", "mysql://h/postgres:x"):
+        assert not is_postgres_url(url)
+    assert split_schema("postgresql://u@h:5432/db?schema=s1&sslmode=disable") == (
+        "postgresql://u@h:5432/db?sslmode=disable", "s1")
+    assert split_schema("postgresql://u@h/db?a=&schema=&b=2") == ("postgresql://u@h/db?a=&b=2", None)
+    assert split_schema("postgresql://u@h/db") == ("postgresql://u@h/db", None)
+
+
+def test_host_count_deltas() -> None:
+    """An account's move between hosts: -1 on the host it left (if it existed there), +1 on its new one."""
+    assert host_count_deltas(True, "a", "a") == {}
+    assert host_count_deltas(True, "a", "b") == {"a": -1, "b": 1}
+    assert host_count_deltas(True, "a", None) == {"a": -1}
+    assert host_count_deltas(True, None, "b") == {"b": 1}
+    assert host_count_deltas(True, None, None) == {}
+    assert host_count_deltas(False, None, "b") == {"b": 1}
+    assert host_count_deltas(False, "a", "a") == {"a": 1}  # new: the old host is not read
+    assert host_count_deltas(False, "a", None) == {}
+
+
+def test_helpers_of_the_store_core() -> None:
+    """A batch's frame bytes; an audit row as the API shows it; the writer's name."""
+    assert BatchWrite(0, 0).frame_bytes == 0
+    assert BatchWrite(0, 2, events=[(1, "d", "#commit", 1.0, b"abc"), (2, "d", "#sync", 1.0, b"de")]).frame_bytes == 5
+    assert audit_entry(1.5, "ban", "x.example", '{"by": "op"}') == {
+        "time": 1.5, "action": "ban", "target": "x.example", "detail": {"by": "op"}}
+    assert audit_entry(2.0, "note", "t", "not json") == {"time": 2.0, "action": "note", "target": "t",
+                                                         "detail": "not json"}
+    assert writer_identity() == f"{socket.gethostname()} pid {os.getpid()}"
+
+
+async def test_a_store_closes_at_the_end_of_its_block_and_classifies_failures(target: StoreTarget) -> None:
+    """``async with`` gives the store itself and closes it; an unreachable database (``OSError``,
+    ``TimeoutError``, ``ConnectionError``) is transient, a wrong write is not."""
+    opened = await target.open()
+    async with opened as store:
+        assert store is opened
+        assert await store.migrate() != []
+    assert opened._closed  # type: ignore[attr-defined]
+    for exc in (OSError("refused"), TimeoutError(), ConnectionResetError()):
+        assert opened.is_transient(exc)
+    for wrong in (ValueError("bad"), KeyError("k"), sqlite3.IntegrityError("unique")):
+        assert not opened.is_transient(wrong)
 
 
 async def test_batch_host_cursor_never_moves_backwards(store: Store) -> None:

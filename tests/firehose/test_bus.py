@@ -7,13 +7,14 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import pytest
 
 from firehose.broadcast import Broadcaster
 from firehose.bus import BusClosed, InProcessBus, RedisStreamBus, RedisTimeouts, redis_client
 from firehose.state import SequencedEvent
-from tests.waiting import until
+from tests.waiting import until, until_async
 
 from .conftest import Ingest, commit_frame
 
@@ -282,13 +283,14 @@ async def test_redis_clients_take_the_timeouts_and_decoding_asked_for(redis_url:
                 timeouts
         finally:
             await client.aclose()
-    for approximate in (True, False):
+    for approximate in (None, True, False):  # None: the default, approximate
         stream = f"test:fh:{uuid.uuid4().hex}"
-        bus = RedisStreamBus(redis_url, stream, maxlen=5, approximate_trim=approximate)
+        bus = (RedisStreamBus(redis_url, stream, maxlen=5) if approximate is None
+               else RedisStreamBus(redis_url, stream, maxlen=5, approximate_trim=approximate))
         try:
             await bus.publish([ev(seq) for seq in range(1, 301)])
             length = await bus.redis.xlen(stream)
-            assert (length > 5) if approximate else (length == 5)
+            assert (length == 5) if approximate is False else (length > 5)
             assert await bus.head() == 300
         finally:
             await bus.redis.delete(stream)
@@ -307,3 +309,111 @@ async def test_an_in_process_subscription_holds_1024_batches_by_default() -> Non
     assert [e.seq for e in await sub.next_batch()] == [1]
     await asyncio.wait_for(blocked, 5)
     await bus.close()
+
+
+
+async def _xread_state(probe: Any, client_id: int) -> dict[str, Any] | None:
+    """Redis's entry for connection ``client_id`` once its last command is an ``XREAD``. Redis runs
+    one command at a time, so such a connection has either finished its read or is blocked in it
+    (flag ``b``)."""
+    for c in await probe.client_list():
+        if int(c["id"]) == client_id and c.get("cmd") == "xread":
+            return dict(c)
+    return None
+
+
+async def test_a_redis_subscription_reads_a_backlog_read_count_entries_at_a_time(
+        redis_bus: RedisStreamBus, redis_url: str) -> None:
+    """A backlog larger than one read comes in reads of ``read_count`` entries: 512 by default."""
+    await redis_bus.publish([ev(seq) for seq in range(1, 601)])
+    sub = redis_bus.subscribe(after_seq=0)
+    assert [e.seq for e in await asyncio.wait_for(sub.next_batch(), 5)] == list(range(1, 513))
+    assert [e.seq for e in await asyncio.wait_for(sub.next_batch(), 5)] == list(range(513, 601))
+    await sub.close()
+    three = RedisStreamBus(redis_url, redis_bus.stream, read_count=3)
+    try:
+        sub = three.subscribe(after_seq=595)
+        assert [e.seq for e in await asyncio.wait_for(sub.next_batch(), 5)] == [596, 597, 598]
+        assert [e.seq for e in await asyncio.wait_for(sub.next_batch(), 5)] == [599, 600]
+        await sub.close()
+    finally:
+        await three.close()
+
+
+async def test_a_redis_subscription_waits_blocked_in_its_read(redis_url: str) -> None:
+    """On an idle stream a subscription waits inside a blocking ``XREAD`` (Redis lists it blocked),
+    not in a loop of reads that return at once; a publish then wakes it."""
+    stream = f"test:fh:{uuid.uuid4().hex}"
+    bus = RedisStreamBus(redis_url, stream, block_ms=10_000, timeouts=RedisTimeouts(socket=30.0))
+    probe = redis_client(redis_url, decode_responses=True)
+    try:
+        # the bus's one pooled connection, which the subscription's reads then use
+        client_id = await bus.redis.client_id()
+        sub = bus.subscribe(after_seq=0)
+        waiting = asyncio.create_task(sub.next_batch())
+        reading: list[dict[str, Any]] = []
+
+        async def a_read_listed() -> bool:
+            state = await _xread_state(probe, client_id)
+            reading[:] = [] if state is None else [state]
+            return state is not None or waiting.done()
+
+        await until_async(a_read_listed, "the subscription's XREAD", interval=0.01)
+        assert not waiting.done()
+        assert "b" in reading[0]["flags"], reading
+        await bus.publish([ev(1)])
+        assert [e.seq for e in await asyncio.wait_for(waiting, 5)] == [1]
+        await sub.close()
+    finally:
+        await bus.redis.delete(stream)
+        await probe.aclose()
+        await bus.close()
+
+
+async def test_a_redis_subscription_reads_again_after_an_empty_read(redis_url: str) -> None:
+    """A blocking read that ends empty (its ``block_ms`` passed) is followed by another read: the
+    subscription returns only when there are events."""
+    stream = f"test:fh:{uuid.uuid4().hex}"
+    bus = RedisStreamBus(redis_url, stream, block_ms=1)
+    probe = redis_client(redis_url, decode_responses=True)
+    try:
+        client_id = await bus.redis.client_id()  # the bus's one pooled connection
+        sub = bus.subscribe(after_seq=0)
+        waiting = asyncio.create_task(sub.next_batch())
+
+        async def an_empty_read_done() -> bool:  # listed, not blocked: a read of the empty stream ended
+            state = await _xread_state(probe, client_id)
+            return state is not None and "b" not in state["flags"]
+
+        await until_async(an_empty_read_done, "an XREAD that ended empty", interval=0.01)
+        await bus.publish([ev(1)])
+        assert [e.seq for e in await asyncio.wait_for(waiting, 5)] == [1]
+        await sub.close()
+    finally:
+        await bus.redis.delete(stream)
+        await probe.aclose()
+        await bus.close()
+
+
+async def test_the_head_and_a_position_from_now_read_one_entry(redis_bus: RedisStreamBus) -> None:
+    """``head()`` and a subscription "from now" ask Redis for the newest entry only (one entry in
+    the reply), however long the stream is."""
+    await redis_bus.publish([ev(seq) for seq in range(1, 4)])
+    replies: list[int] = []
+    xrevrange = redis_bus.redis.xrevrange
+
+    async def logged_xrevrange(*args: Any, **kwargs: Any) -> Any:
+        reply = await xrevrange(*args, **kwargs)
+        replies.append(len(reply))
+        return reply
+
+    redis_bus.redis.xrevrange = logged_xrevrange
+    assert await redis_bus.head() == 3
+    live = redis_bus.subscribe()
+    first = asyncio.create_task(live.next_batch())
+    await until(lambda: live._last_id is not None, "the subscription's position taken")
+    assert live._last_id == "3-0"
+    assert replies == [1, 1]
+    await redis_bus.publish([ev(4)])
+    assert [e.seq for e in await asyncio.wait_for(first, 5)] == [4]
+    await live.close()
