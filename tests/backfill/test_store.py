@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 
-from backfill.store import Store, sqlite_path_from_url
+import asyncpg
+
+from backfill.postgres_store import _PgLease
+from backfill.store import Store, sqlite_path_from_url, writer_identity
 from backfill.types import HostState
 from firehose.state import AccountState
 from tests.backfill.conftest import StoreTarget
@@ -271,3 +274,43 @@ async def test_pending_repairs_come_as_named_columns_in_queue_order(store: Store
     later = await store.pending_repairs(after_id=0)
     assert [r["did"] for r in later] == ["did:plc:r2", "did:plc:r3"]
     assert [r["did"] for r in await store.pending_repairs(after_id=later[0]["id"])] == ["did:plc:r3"]
+
+
+async def test_postgres_writer_holder_names_the_backend_holding_the_lease(pg_target: StoreTarget) -> None:
+    """A standby shows who holds the writer lease (``waitingFor``): the holder's
+    ``writer_identity()``, its backend pid and its client address (none over a Unix socket), or
+    "unnamed client" for a connection without an application name; None while nobody holds it."""
+    store = await pg_target.open()
+    await store.migrate()
+    standby = await pg_target.open()
+    try:
+        assert await standby.writer_holder() is None
+        lease = await store.acquire_writer()
+        assert isinstance(lease, _PgLease)
+        try:
+            pid = lease._conn.get_server_pid()
+            addr = await lease._conn.fetchval("SELECT host(inet_client_addr())")
+            name = f"relay-writer {writer_identity()}"[:63].removeprefix("relay-writer ")
+            assert await standby.writer_holder() == f"{name} (PostgreSQL backend {pid}, from {addr})"
+        finally:
+            await lease.release()
+
+        # a client of the same database over the server's Unix socket, without an application name
+        probe = await asyncpg.connect(pg_target.url)
+        try:
+            socket_dir = (await probe.fetchval("SHOW unix_socket_directories")).split(",")[0].strip()
+            port, user, database = await probe.fetchrow(
+                "SELECT current_setting('port')::int, current_user, current_database()")
+        finally:
+            await probe.close()
+        other = await asyncpg.connect(host=socket_dir, port=port, user=user, database=database,
+                                      server_settings={"application_name": ""})
+        try:
+            await other.execute("SELECT pg_advisory_lock(hashtextextended($1, 0))",
+                                f"relay.sequencer/{pg_target.schema}")
+            assert await standby.writer_holder() == f"unnamed client (PostgreSQL backend {other.get_server_pid()})"
+        finally:
+            await other.close()
+    finally:
+        await standby.close()
+        await store.close()
