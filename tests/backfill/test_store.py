@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 
 import asyncpg
+import pytest
 
-from backfill.postgres_store import _PgLease
+from backfill.backends import open_store
+from backfill.postgres_store import PostgresStore, _PgLease
 from backfill.store import Store, sqlite_path_from_url, writer_identity
 from backfill.types import HostState
 from firehose.state import AccountState
@@ -313,4 +315,31 @@ async def test_postgres_writer_holder_names_the_backend_holding_the_lease(pg_tar
             await other.close()
     finally:
         await standby.close()
+        await store.close()
+
+
+async def test_postgres_connect_checks_the_schema_and_sets_up_each_connection(pg_target: StoreTarget) -> None:
+    """A schema name that is not a plain lower-case identifier is refused before connecting; the
+    pool has the size asked for, and each of its connections (and the dedicated ones) is named
+    ``relay`` and looks in the store's schema first, or in the server's default path without one."""
+    for bad in ("Upper", "has-dash", "1digit", "x" * 64, 'q"uote'):
+        with pytest.raises(ValueError) as refused:
+            await open_store(pg_target.url, schema=bad)
+        assert str(refused.value) == f"invalid schema name: {bad!r}"
+    store = await open_store(pg_target.url, schema=pg_target.schema, pool_size=3)
+    default = await open_store(pg_target.url, pool_size=2)
+    try:
+        assert isinstance(store, PostgresStore) and isinstance(default, PostgresStore)
+        assert (store._pool.get_max_size(), default._pool.get_max_size()) == (3, 2)
+        setting = "SELECT current_setting('application_name'), current_setting('search_path')"
+        assert tuple(await store._pool.fetchrow(setting)) == ("relay", pg_target.schema)
+        server_default = await default._pool.fetchval("SELECT reset_val FROM pg_settings WHERE name = 'search_path'")
+        assert tuple(await default._pool.fetchrow(setting)) == ("relay", server_default)
+        dedicated = await store._connect_dedicated()
+        try:
+            assert tuple(await dedicated.fetchrow(setting)) == ("relay", pg_target.schema)
+        finally:
+            await dedicated.close()
+    finally:
+        await default.close()
         await store.close()
