@@ -8,6 +8,7 @@ import asyncpg
 import pytest
 
 from backfill.backends import open_store
+from backfill.errors import SequencerLockedError
 from backfill.postgres_store import PostgresStore, _PgLease
 from backfill.store import Store, sqlite_path_from_url, writer_identity
 from backfill.types import HostState
@@ -343,3 +344,20 @@ async def test_postgres_connect_checks_the_schema_and_sets_up_each_connection(pg
     finally:
         await default.close()
         await store.close()
+
+
+async def test_postgres_a_store_without_a_schema_shares_the_lease_of_the_public_schema(pg_dsn: str) -> None:
+    """Without a schema a store writes the server's default (``public``) tables, so it takes the
+    same writer lease as a store opened on ``public`` by name: only one of them may write."""
+    default = await open_store(pg_dsn)
+    public = await open_store(pg_dsn, schema="public")
+    try:
+        lease = await default.acquire_writer()
+        try:
+            with pytest.raises(SequencerLockedError):
+                await public.acquire_writer()
+        finally:
+            await lease.release()
+    finally:
+        await public.close()
+        await default.close()
