@@ -14,6 +14,7 @@ from backfill.store import Store, sqlite_path_from_url, writer_identity
 from backfill.types import HostState
 from firehose.state import AccountState
 from tests.backfill.conftest import StoreTarget
+from tests.waiting import until_async
 
 
 def acct(did: str, host: str | None = "pds.example", **kw: object) -> AccountState:
@@ -361,3 +362,24 @@ async def test_postgres_a_store_without_a_schema_shares_the_lease_of_the_public_
     finally:
         await public.close()
         await default.close()
+
+
+async def test_postgres_close_gives_the_connections_back(pg_target: StoreTarget) -> None:
+    """``close`` ends the pool's connections (the server sees them go); a closed store refuses
+    queries, and closing it again is harmless."""
+    store = await pg_target.open()
+    await store.migrate()
+    assert isinstance(store, PostgresStore)
+    pid = await store._pool.fetchval("SELECT pg_backend_pid()")
+    await store.close()
+    with pytest.raises(asyncpg.InterfaceError):
+        await store.latest_seq()
+    await store.close()
+    probe = await asyncpg.connect(pg_target.url)
+    try:
+        async def gone() -> bool:
+            return not await probe.fetchval("SELECT count(*) FROM pg_stat_activity WHERE pid = $1", pid)
+
+        await until_async(gone, "the closed pool's backend to end")
+    finally:
+        await probe.close()
