@@ -280,6 +280,11 @@ async def test_pending_repairs_come_as_named_columns_in_queue_order(store: Store
     assert [r["did"] for r in await store.pending_repairs(after_id=later[0]["id"])] == ["did:plc:r3"]
 
 
+def locked_message(schema: str | None) -> str:
+    return (f"another sequencer holds the write lock on schema {schema!r}: only one relay ingest process "
+            "may write to a database; stop the other one or point this one elsewhere")
+
+
 async def test_postgres_writer_holder_names_the_backend_holding_the_lease(pg_target: StoreTarget) -> None:
     """A standby shows who holds the writer lease (``waitingFor``): the holder's
     ``writer_identity()``, its backend pid and its client address (none over a Unix socket), or
@@ -296,6 +301,9 @@ async def test_postgres_writer_holder_names_the_backend_holding_the_lease(pg_tar
             addr = await lease._conn.fetchval("SELECT host(inet_client_addr())")
             name = f"relay-writer {writer_identity()}"[:63].removeprefix("relay-writer ")
             assert await standby.writer_holder() == f"{name} (PostgreSQL backend {pid}, from {addr})"
+            with pytest.raises(SequencerLockedError) as refused:
+                await standby.acquire_writer()
+            assert str(refused.value) == locked_message(pg_target.schema)
         finally:
             await lease.release()
 
@@ -349,14 +357,16 @@ async def test_postgres_connect_checks_the_schema_and_sets_up_each_connection(pg
 
 async def test_postgres_a_store_without_a_schema_shares_the_lease_of_the_public_schema(pg_dsn: str) -> None:
     """Without a schema a store writes the server's default (``public``) tables, so it takes the
-    same writer lease as a store opened on ``public`` by name: only one of them may write."""
+    same writer lease as a store opened on ``public`` by name: only one of them may write, and the
+    refusal names the schema."""
     default = await open_store(pg_dsn)
     public = await open_store(pg_dsn, schema="public")
     try:
-        lease = await default.acquire_writer()
+        lease = await public.acquire_writer()
         try:
-            with pytest.raises(SequencerLockedError):
-                await public.acquire_writer()
+            with pytest.raises(SequencerLockedError) as refused:
+                await default.acquire_writer()
+            assert str(refused.value) == locked_message("public")
         finally:
             await lease.release()
     finally:
