@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import pytest
 
+from backfill.postgres_store import _PgLease
 from backfill.sequencer import SequencerConflictError
 from backfill.store import BatchWrite, Store
 from firehose.state import AccountState
+from tests.backfill.conftest import StoreTarget
 
 DID_A, DID_B = "did:plc:batcha", "did:plc:batchb"
 
@@ -106,3 +108,32 @@ async def test_a_released_lease_writes_nothing(store: Store) -> None:
         assert await again.high_water() == 1
     finally:
         await again.release()
+
+
+async def test_postgres_stages_accounts_once_per_lease_and_inserts_only_new_ones(pg_target: StoreTarget) -> None:
+    """Postgres writes a batch's accounts through a temporary staging table made once per lease
+    connection, one UPDATE for those that exist and an INSERT only when some are new."""
+    store = await pg_target.open()
+    await store.migrate()
+    lease = await store.acquire_writer(wait=True, timeout=10)
+    assert isinstance(lease, _PgLease)
+    statements: list[str] = []
+    lease._conn.add_query_logger(lambda q: statements.append(q.query.split()[0].upper()))
+
+    async def batch(*accounts: AccountState) -> list[str]:
+        statements.clear()
+        await lease.commit_batch(BatchWrite(0, 0, accounts=list(accounts)))
+        return [s for s in statements if s in ("CREATE", "UPDATE", "INSERT")]
+
+    try:
+        assert await batch(AccountState(did=DID_A, host="pds.a", rev="r1"),
+                           AccountState(did=DID_B, host="pds.a", rev="r1")) == ["UPDATE", "CREATE", "UPDATE", "INSERT"]
+        assert await batch(AccountState(did=DID_A, host="pds.b", rev="r2"),
+                           AccountState(did=DID_B, host="pds.b", rev="r2")) == ["UPDATE", "UPDATE"]
+        assert await batch(AccountState(did=DID_B, host="pds.c", rev="r3"),
+                           AccountState(did="did:plc:batchc", host="pds.c", rev="r3")) == ["UPDATE", "UPDATE", "INSERT"]
+        assert await store.account_heads([DID_A, DID_B, "did:plc:batchc"]) == {
+            DID_A: ("pds.b", "r2"), DID_B: ("pds.c", "r3"), "did:plc:batchc": ("pds.c", "r3")}
+    finally:
+        await lease.release()
+        await store.close()

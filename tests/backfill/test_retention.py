@@ -7,6 +7,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from backfill.sequencer import Sequencer
+from backfill.sql_store import SqlStore
 from backfill.store import Store, retention_prefix
 from firehose.state import SequencedEvent
 from tests.backfill.helpers import Collector, commit_event
@@ -62,6 +63,19 @@ async def test_trim_by_size(store: Store) -> None:
     assert await store.events_bytes() == limit
     assert await store.trim(max_bytes=limit) == 0  # exactly at the limit: nothing is over it
     assert await store.trim(older_than_seconds=None, max_bytes=None) == 0
+
+
+async def test_a_trim_step_takes_at_most_a_batch_of_the_oldest(store: Store) -> None:
+    """One step of ``trim`` is one short transaction over the oldest ``batch`` events only, even
+    when more of them are due; the byte counter drops by exactly what it deleted."""
+    assert isinstance(store, SqlStore)
+    async with Sequencer(store, Collector()) as seq:
+        for n in range(1, 6):
+            await seq.submit(commit_event(n))
+    assert await store._trim_step(2, cutoff=1e12, max_bytes=None) == 2  # all five are older than the cutoff
+    left = await store.read_after(0, 100)
+    assert [e.seq for e in left] == [3, 4, 5]
+    assert await store.events_bytes() == sum(len(e.frame) for e in left)
 
 
 async def test_trim_resets_byte_counter_when_window_emptied_externally(target, store: Store) -> None:

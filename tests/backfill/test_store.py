@@ -7,6 +7,12 @@ import os
 import socket
 import sqlite3
 
+import asyncpg
+import pytest
+
+from backfill.backends import open_store
+from backfill.errors import SequencerLockedError
+from backfill.postgres_store import PostgresStore, _PgLease
 from backfill.store import (
     BatchWrite,
     Store,
@@ -20,6 +26,7 @@ from backfill.store import (
 from backfill.types import HostState
 from firehose.state import AccountState
 from tests.backfill.conftest import StoreTarget
+from tests.waiting import until_async
 
 
 def acct(did: str, host: str | None = "pds.example", **kw: object) -> AccountState:
@@ -339,3 +346,118 @@ async def test_pending_repairs_come_as_named_columns_in_queue_order(store: Store
     later = await store.pending_repairs(after_id=0)
     assert [r["did"] for r in later] == ["did:plc:r2", "did:plc:r3"]
     assert [r["did"] for r in await store.pending_repairs(after_id=later[0]["id"])] == ["did:plc:r3"]
+
+
+def locked_message(schema: str | None) -> str:
+    return (f"another sequencer holds the write lock on schema {schema!r}: only one relay ingest process "
+            "may write to a database; stop the other one or point this one elsewhere")
+
+
+async def test_postgres_writer_holder_names_the_backend_holding_the_lease(pg_target: StoreTarget) -> None:
+    """A standby shows who holds the writer lease (``waitingFor``): the holder's
+    ``writer_identity()``, its backend pid and its client address (none over a Unix socket), or
+    "unnamed client" for a connection without an application name; None while nobody holds it."""
+    store = await pg_target.open()
+    await store.migrate()
+    standby = await pg_target.open()
+    try:
+        assert await standby.writer_holder() is None
+        lease = await store.acquire_writer()
+        assert isinstance(lease, _PgLease)
+        try:
+            pid = lease._conn.get_server_pid()
+            addr = await lease._conn.fetchval("SELECT host(inet_client_addr())")
+            name = f"relay-writer {writer_identity()}"[:63].removeprefix("relay-writer ")
+            assert await standby.writer_holder() == f"{name} (PostgreSQL backend {pid}, from {addr})"
+            with pytest.raises(SequencerLockedError) as refused:
+                await standby.acquire_writer()
+            assert str(refused.value) == locked_message(pg_target.schema)
+        finally:
+            await lease.release()
+
+        # a client of the same database over the server's Unix socket, without an application name
+        probe = await asyncpg.connect(pg_target.url)
+        try:
+            socket_dir = (await probe.fetchval("SHOW unix_socket_directories")).split(",")[0].strip()
+            port, user, database = await probe.fetchrow(
+                "SELECT current_setting('port')::int, current_user, current_database()")
+        finally:
+            await probe.close()
+        other = await asyncpg.connect(host=socket_dir, port=port, user=user, database=database,
+                                      server_settings={"application_name": ""})
+        try:
+            await other.execute("SELECT pg_advisory_lock(hashtextextended($1, 0))",
+                                f"relay.sequencer/{pg_target.schema}")
+            assert await standby.writer_holder() == f"unnamed client (PostgreSQL backend {other.get_server_pid()})"
+        finally:
+            await other.close()
+    finally:
+        await standby.close()
+        await store.close()
+
+
+async def test_postgres_connect_checks_the_schema_and_sets_up_each_connection(pg_target: StoreTarget) -> None:
+    """A schema name that is not a plain lower-case identifier is refused before connecting; the
+    pool has the size asked for, and each of its connections (and the dedicated ones) is named
+    ``relay`` and looks in the store's schema first, or in the server's default path without one."""
+    for bad in ("Upper", "has-dash", "1digit", "x" * 64, 'q"uote'):
+        with pytest.raises(ValueError) as refused:
+            await open_store(pg_target.url, schema=bad)
+        assert str(refused.value) == f"invalid schema name: {bad!r}"
+    store = await open_store(pg_target.url, schema=pg_target.schema, pool_size=3)
+    default = await open_store(pg_target.url, pool_size=2)
+    try:
+        assert isinstance(store, PostgresStore) and isinstance(default, PostgresStore)
+        assert (store._pool.get_max_size(), default._pool.get_max_size()) == (3, 2)
+        setting = "SELECT current_setting('application_name'), current_setting('search_path')"
+        assert tuple(await store._pool.fetchrow(setting)) == ("relay", pg_target.schema)
+        server_default = await default._pool.fetchval("SELECT reset_val FROM pg_settings WHERE name = 'search_path'")
+        assert tuple(await default._pool.fetchrow(setting)) == ("relay", server_default)
+        dedicated = await store._connect_dedicated()
+        try:
+            assert tuple(await dedicated.fetchrow(setting)) == ("relay", pg_target.schema)
+        finally:
+            await dedicated.close()
+    finally:
+        await default.close()
+        await store.close()
+
+
+async def test_postgres_a_store_without_a_schema_shares_the_lease_of_the_public_schema(pg_dsn: str) -> None:
+    """Without a schema a store writes the server's default (``public``) tables, so it takes the
+    same writer lease as a store opened on ``public`` by name: only one of them may write, and the
+    refusal names the schema."""
+    default = await open_store(pg_dsn)
+    public = await open_store(pg_dsn, schema="public")
+    try:
+        lease = await public.acquire_writer()
+        try:
+            with pytest.raises(SequencerLockedError) as refused:
+                await default.acquire_writer()
+            assert str(refused.value) == locked_message("public")
+        finally:
+            await lease.release()
+    finally:
+        await public.close()
+        await default.close()
+
+
+async def test_postgres_close_gives_the_connections_back(pg_target: StoreTarget) -> None:
+    """``close`` ends the pool's connections (the server sees them go); a closed store refuses
+    queries, and closing it again is harmless."""
+    store = await pg_target.open()
+    await store.migrate()
+    assert isinstance(store, PostgresStore)
+    pid = await store._pool.fetchval("SELECT pg_backend_pid()")
+    await store.close()
+    with pytest.raises(asyncpg.InterfaceError):
+        await store.latest_seq()
+    await store.close()
+    probe = await asyncpg.connect(pg_target.url)
+    try:
+        async def gone() -> bool:
+            return not await probe.fetchval("SELECT count(*) FROM pg_stat_activity WHERE pid = $1", pid)
+
+        await until_async(gone, "the closed pool's backend to end")
+    finally:
+        await probe.close()
