@@ -44,6 +44,12 @@ differences between the first and the last are printed to stderr.
 
     .venv/bin/python bench/soak.py                    # one hour, 200 commits/s
     .venv/bin/python bench/soak.py --minutes 10       # what BENCHMARKS.md reports on a loaded machine
+
+On a shared machine ``nice`` on everything else does not give the soak the CPU: with the kernel's
+autogroup scheduling (``/proc/sys/kernel/sched_autogroup_enabled`` = 1) niceness counts only
+within a session, and each session gets an equal share; raise the soak's own session instead
+(``echo -10 > /proc/$PID/autogroup``, which covers the relay it starts) or the commit rate offered
+is not reached (``soak_commit_rate`` says what was).
 """
 
 from __future__ import annotations
