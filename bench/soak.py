@@ -31,7 +31,9 @@ Printed as ``RESULT soak_<name>=<value>``:
 * ``duplicates``: frames received twice (same seq) plus commits received under two seqs;
 * ``delay_p50_s`` / ``delay_p99_s``: from the simulator sending a valid commit to the follower
   receiving it (every commit of the run, the fault-delayed ones included);
-* the crowd's ``joins``, ``cut_too_slow`` (closed by the relay) and the relay's own counters.
+* the crowd's ``joins``, ``cut_too_slow`` (closed by the relay) and the relay's own counters;
+* ``harness_rss_peak_mb``: the largest RSS of this process (simulator, follower, crowd), sampled
+  with the relay's; each host keeps ``LOG_BYTES_PER_HOST`` of its stream for backfill.
 
 With ``--diagnose DIR`` every relay process (main and validation workers) loads
 ``bench/_diagnose/sitecustomize.py`` and, when the warm-up ends, every ``--dump-every`` minutes
@@ -42,6 +44,12 @@ differences between the first and the last are printed to stderr.
 
     .venv/bin/python bench/soak.py                    # one hour, 200 commits/s
     .venv/bin/python bench/soak.py --minutes 10       # what BENCHMARKS.md reports on a loaded machine
+
+On a shared machine ``nice`` on everything else does not give the soak the CPU: with the kernel's
+autogroup scheduling (``/proc/sys/kernel/sched_autogroup_enabled`` = 1) niceness counts only
+within a session, and each session gets an equal share; raise the soak's own session instead
+(``echo -10 > /proc/$PID/autogroup``, which covers the relay it starts) or the commit rate offered
+is not reached (``soak_commit_rate`` says what was).
 """
 
 from __future__ import annotations
@@ -81,6 +89,9 @@ FAULTS: dict[str, float] = {
     "key_rotation": 0.001, "deactivate": 0.001, "migration": 0.0005,
 }
 SAMPLE_EVERY = 5.0
+#: each simulated host's backfill window, in frame bytes: minutes of its stream, far more than the
+#: relay's reconnections need, and the harness's own memory stays bounded however long the run
+LOG_BYTES_PER_HOST = 16 << 20
 CROWD_KINDS = ("live", "replay", "slow", "stalled")
 
 
@@ -269,13 +280,15 @@ def parse_faults(text: str) -> dict[str, float]:
 async def run(a: argparse.Namespace) -> None:
     rng = random.Random(a.seed)
     per_host = max(1, a.accounts // a.hosts)
-    fleet = SimFleet(SimConfig(hosts=a.hosts, accounts_per_host=per_host, seed=a.seed, log_limit=200_000))
+    fleet = SimFleet(SimConfig(hosts=a.hosts, accounts_per_host=per_host, seed=a.seed, log_limit=200_000,
+                                 log_bytes=LOG_BYTES_PER_HOST))
     await fleet.start()
     faults = parse_faults(a.faults) if a.faults is not None else FAULTS
     seconds = a.minutes * 60
     warmup = 60 * (a.warmup if a.warmup is not None else min(10.0, a.minutes / 4))
     database_url = f"{PG_DSN}?schema=bench_soak_{int(time.time())}" if a.db == "postgres" else None
     samples: list[tuple[float, float]] = []
+    harness_peak = rss_bytes([os.getpid()]) / 1e6  # this process: simulator, follower and crowd
     main_samples: list[tuple[float, float]] = []  # the main process alone (the rest: validation workers)
     env: dict[str, str] = {}
     if a.diagnose:
@@ -303,12 +316,14 @@ async def run(a: argparse.Namespace) -> None:
                 t = time.monotonic() - t0
                 samples.append((t, r.rss() / 1e6))
                 main_samples.append((t, rss_bytes([r.proc.pid]) / 1e6))
+                harness_peak = max(harness_peak, rss_bytes([os.getpid()]) / 1e6)
                 if a.diagnose and t >= next_dump:
                     diagnose(r.refresh_pids(), Path(a.diagnose), f"at {t / 60:.1f} min")
                     next_dump += 60 * a.dump_every
                 if t >= next_note:
                     next_note += 60.0
-                    note(f"soak: {t / 60:.0f} min rss {samples[-1][1]:.0f} MB, follower at seq "
+                    note(f"soak: {t / 60:.0f} min rss {samples[-1][1]:.0f} MB (harness "
+                         f"{rss_bytes([os.getpid()]) / 1e6:.0f} MB), follower at seq "
                          f"{follower.last_seq}, crowd {len(crowd.on)}, load {load_average():.1f}")
                 await asyncio.sleep(SAMPLE_EVERY)
             made = await producer
@@ -353,6 +368,8 @@ async def run(a: argparse.Namespace) -> None:
     result("soak_rss_peak_mb", round(max([v for _, v in samples] + [rss_end]), 1))
     main_pid = min(per_process)
     result("soak_rss_main_process_mb", round(per_process[main_pid], 1))
+    harness_peak = max(harness_peak, rss_bytes([os.getpid()]) / 1e6)
+    result("soak_harness_rss_peak_mb", round(harness_peak, 1))
     result("soak_rss_workers_mb", round(sum(v for pid, v in per_process.items() if pid != main_pid), 1))
     result("soak_commits_expected", sum(1 for tr in fleet.ground_truth if tr.kind == "#commit" and tr.verdict == "accept"))
     result("soak_lost", len(lost))

@@ -55,8 +55,9 @@ class SimConfig:
     announce_accounts: bool = True
     #: records each account holds before the fleet starts (not emitted on the stream)
     initial_records: int = 0
-    #: backfill window per host, in frames
+    #: backfill window per host, in frames, and in frame bytes (None: no byte bound)
     log_limit: int = 500_000
+    log_bytes: int | None = None
     #: delay of a ``slow`` frame and length of a ``stall``, seconds
     slow_delay: float = 0.05
     stall_seconds: float = 2.0
@@ -68,7 +69,7 @@ class SimConfig:
     dns: bool = False
 
 
-@dataclass
+@dataclass(slots=True)
 class TruthEvent:
     """What a correct relay must do with one emitted event.
 
@@ -104,8 +105,8 @@ class SimFleet:
         self.config = config or SimConfig()
         self.rng = random.Random(self.config.seed)
         self.hosts: list[SimHost] = [
-            SimHost(i, log_limit=self.config.log_limit, slow_delay=self.config.slow_delay,
-                    stall_seconds=self.config.stall_seconds)
+            SimHost(i, log_limit=self.config.log_limit, log_bytes=self.config.log_bytes,
+                    slow_delay=self.config.slow_delay, stall_seconds=self.config.stall_seconds)
             for i in range(self.config.hosts)
         ]
         self.domains = HandleDomains(rng=random.Random(self.config.seed + 1))

@@ -58,12 +58,18 @@ class LogEntry:
 
 @dataclass
 class StreamLog:
-    """Bounded in-memory backfill window; ``base`` is the absolute index of ``entries[0]``."""
+    """Bounded in-memory backfill window; ``base`` is the absolute index of ``entries[0]``.
+
+    At most ``limit`` frames and, when ``byte_limit`` is set, at most that many frame bytes are
+    kept (either bound is overshot by a quarter before the oldest frames go, so trims are rare);
+    ``size`` is the frame bytes held now."""
 
     limit: int = 500_000
+    byte_limit: int | None = None
     entries: list[LogEntry] = field(default_factory=list)
     seqs: list[int] = field(default_factory=list)
     base: int = 0
+    size: int = 0
 
     @property
     def end(self) -> int:
@@ -72,8 +78,21 @@ class StreamLog:
     def append(self, entry: LogEntry) -> None:
         self.entries.append(entry)
         self.seqs.append(entry.seq)
+        self.size += len(entry.frame)
+        cut = 0
         if len(self.entries) > self.limit + self.limit // 4:
             cut = len(self.entries) - self.limit
+        byte_limit = self.byte_limit
+        if byte_limit is not None and self.size > byte_limit + byte_limit // 4:
+            size, by_bytes = self.size, 0
+            for old in self.entries[:-1]:  # the newest frame stays, however large
+                if size <= byte_limit:
+                    break
+                size -= len(old.frame)
+                by_bytes += 1
+            cut = max(cut, by_bytes)
+        if cut:
+            self.size -= sum(len(old.frame) for old in self.entries[:cut])
             del self.entries[:cut], self.seqs[:cut]
             self.base += cut
 
@@ -88,6 +107,7 @@ class StreamLog:
         self.base = self.end
         self.entries.clear()
         self.seqs.clear()
+        self.size = 0
 
 
 @dataclass
@@ -107,13 +127,13 @@ class SimAccount:
 class SimHost:
     """A PDS-like server on 127.0.0.1: ``subscribeRepos`` plus the sync endpoints a relay uses."""
 
-    def __init__(self, index: int, *, log_limit: int = 500_000, slow_delay: float = 0.05,
-                 stall_seconds: float = 2.0) -> None:
+    def __init__(self, index: int, *, log_limit: int = 500_000, log_bytes: int | None = None,
+                 slow_delay: float = 0.05, stall_seconds: float = 2.0) -> None:
         self.index = index
         self.url = ""
         self.hostname = ""
         self.accounts: dict[str, SimAccount] = {}
-        self.log = StreamLog(limit=log_limit)
+        self.log = StreamLog(limit=log_limit, byte_limit=log_bytes)
         self.seq = 0
         self.published_seq = 0
         self.faults: dict[str, float] = {}

@@ -83,11 +83,15 @@ class MSTBuilder:
     """Deterministic MST over a sorted key list, with a node memo shared across versions."""
 
     def __init__(self) -> None:
-        self._memo: dict[tuple[int, tuple[bytes, ...], tuple[bytes, ...]], Node] = {}  # (layer, keys, values)
+        #: (layer, number of keys, digest of the keys and values) → node. A digest rather than the
+        #: key and value tuples themselves: those make each entry as large as its range, so the memo
+        #: of a repository of n keys would hold O(n²) bytes before its next clearing.
+        self._memo: dict[tuple[int, int, bytes], Node] = {}
 
     def build(self, keys: list[bytes], values: list[CID]) -> Node:
         """Root node of the tree holding ``keys[i] -> values[i]`` (``keys`` sorted, unique)."""
-        if len(self._memo) > 8 * len(keys) + 64:
+        # a tree of n keys has about n/3 nodes: past n entries the memo holds mostly old versions
+        if len(self._memo) > len(keys) + 64:
             self._memo.clear()
         if not keys:
             return Node(None, [])
@@ -102,7 +106,9 @@ class MSTBuilder:
     ) -> Node | None:
         if lo >= hi:
             return None
-        memo_key = (layer, tuple(keys[lo:hi]), tuple(self._vbytes[lo:hi]))
+        # record paths hold no NUL byte and CIDs have one fixed length: the joins are unambiguous
+        digest = hashlib.blake2b(b"\0".join(keys[lo:hi]) + b"\1" + b"".join(self._vbytes[lo:hi]), digest_size=20)
+        memo_key = (layer, hi - lo, digest.digest())
         node = self._memo.get(memo_key)
         if node is not None:
             return node

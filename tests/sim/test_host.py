@@ -9,6 +9,7 @@ import httpx
 from firehose.frames import decode_frame
 from mst.verify import verify_repo_car
 from sim import SimConfig, SimFleet
+from sim.host import LogEntry, StreamLog
 from sim.ident import SigningKey
 from tests.sim.harness import read_frames
 
@@ -164,3 +165,17 @@ async def test_plc_keeps_connections_alive_and_refuses_bad_requests() -> None:
         writer.close()
         async with httpx.AsyncClient(base_url=fleet.plc_url) as http:
             assert (await http.get(f"/{fleet.accounts[1].did}")).status_code == 200
+
+
+def test_stream_log_byte_bound_keeps_the_newest_frames() -> None:
+    log = StreamLog(limit=1000, byte_limit=1000)
+    for seq in range(1, 101):
+        log.append(LogEntry(seq, bytes(100)))
+        assert log.size == sum(len(e.frame) for e in log.entries) <= 1250
+        assert log.seqs == [e.seq for e in log.entries] and log.entries[-1].seq == seq
+    assert 10 <= len(log.entries) <= 12 and log.base == 100 - len(log.entries)
+    assert log.get(log.index_from(95)).seq == 95
+    log.append(LogEntry(101, bytes(5000)))  # larger than the bound: kept alone
+    assert [e.seq for e in log.entries] == [101] and log.size == 5000
+    log.clear()
+    assert log.size == 0 and log.base == 101

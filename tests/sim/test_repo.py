@@ -143,3 +143,23 @@ def test_write_mix_is_realistic() -> None:
         sizes.append(len(res.car))
     assert single_creates > commits * 0.7
     assert min(sizes) < 2_000 and max(sizes) > 10_000
+
+
+def test_mst_memo_gives_the_roots_of_fresh_builds_and_stays_small() -> None:
+    """The node memo shared across versions never changes a root (a fresh builder agrees on every
+    version, also when only a value changes) and holds about one tree's worth of small entries."""
+    rng = random.Random(11)
+    builder = MSTBuilder()
+    tree: dict[bytes, CID] = {}
+    for i in range(400):
+        key = f"app.bsky.feed.post/{rng.randrange(600):06d}".encode()
+        if key in tree and rng.random() < 0.3:
+            del tree[key]
+        else:
+            tree[key] = CID.cidv1_dag_cbor_sha256_32_from(f"record {i}".encode())
+        keys = sorted(tree)
+        values = [tree[k] for k in keys]
+        assert builder.build(keys, values).cid == MSTBuilder().build(keys, values).cid
+        # cleared past n + 64 entries before a build, which adds at most one tree's nodes
+        assert len(builder._memo) <= 2 * len(keys) + 128
+        assert all(isinstance(memo_key[2], bytes) and len(memo_key[2]) <= 32 for memo_key in builder._memo)
