@@ -2,7 +2,8 @@
 
 Signatures are 64-byte compact ``r || s`` with **low-S** only; DER signatures, high-S
 signatures and wrong lengths never verify. K-256 uses ``coincurve`` (libsecp256k1, ~20x faster
-than ``cryptography``); P-256 uses ``cryptography``. Parsed ``did:key`` strings are cached.
+than ``cryptography``); P-256 uses ``cryptography``. Parsed keys are cached in :data:`KEYS`, bounded
+in bytes (:mod:`mst.key_cache`).
 
 ``did:key`` format: ``did:key:z`` + base58btc(multicodec varint + 33-byte compressed point), with
 multicodec 0xe7 (``secp256k1-pub``) or 0x1200 (``p256-pub``). The legacy DID-document form
@@ -16,7 +17,6 @@ Errors: :class:`mst.errors.KeyFormatError` with reasons ``did_key_syntax``, ``ba
 from __future__ import annotations
 
 import hashlib
-from functools import lru_cache
 from typing import Literal
 
 import coincurve
@@ -32,6 +32,7 @@ from cryptography.hazmat.primitives.asymmetric.utils import (
 )
 
 from mst.errors import KeyFormatError
+from mst.key_cache import KeyCache
 
 __all__ = [
     "Curve",
@@ -39,6 +40,7 @@ __all__ = [
     "PublicKey",
     "base58_decode",
     "base58_encode",
+    "KEYS",
     "parse_did_key",
     "parse_multibase_key",
 ]
@@ -177,12 +179,16 @@ def _decode_multikey(multibase: str) -> PublicKey:
     return PublicKey(curve, point)
 
 
-@lru_cache(maxsize=65536)
+#: every parsed key of this process (``did:key`` strings and DID-document keys), bounded in bytes
+KEYS = KeyCache()
+
+
 def parse_did_key(s: str) -> PublicKey:
     """Parse ``did:key:z…`` (K-256 or P-256, compressed point); cached. Raises ``KeyFormatError``."""
     if not isinstance(s, str) or not s.startswith("did:key:"):
         raise KeyFormatError("did_key_syntax", "expected 'did:key:' prefix")
-    return _decode_multikey(s[len("did:key:") :])
+    found = KEYS.lookup(s)
+    return found if found is not None else KEYS.store(s, _decode_multikey(s[len("did:key:") :]))
 
 
 _LEGACY_TYPES: dict[str, Curve] = {
@@ -193,14 +199,18 @@ _LEGACY_TYPES: dict[str, Curve] = {
 }
 
 
-@lru_cache(maxsize=16384)
 def parse_multibase_key(key_type: str, multibase: str) -> PublicKey:
-    """Parse a DID-document ``publicKeyMultibase``.
+    """Parse a DID-document ``publicKeyMultibase``; cached (:data:`KEYS`).
 
     ``key_type`` ``"Multikey"``: multicodec-prefixed compressed point (same as did:key).
     Legacy ``EcdsaSecp256r1VerificationKey2019`` / ``EcdsaSecp256k1VerificationKey2019`` (or
     ``p256``/``k256``): no multicodec, point bytes compressed or uncompressed.
     """
+    found = KEYS.lookup((key_type, multibase))
+    return found if found is not None else KEYS.store((key_type, multibase), _parse_multibase_key(key_type, multibase))
+
+
+def _parse_multibase_key(key_type: str, multibase: str) -> PublicKey:
     if key_type == "Multikey":
         return _decode_multikey(multibase)
     curve = _LEGACY_TYPES.get(key_type)

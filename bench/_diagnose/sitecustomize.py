@@ -107,7 +107,7 @@ def _write_dump() -> None:
             break
     crypto = sys.modules.get("mst.crypto")
     if crypto is not None:
-        doc["did_keys_cached"] = crypto.parse_did_key.cache_info().currsize
+        doc["did_keys_cached"] = len(crypto.KEYS)
     doc["containers"] = _containers()
     tasks = getattr(sys.modules.get("asyncio.tasks"), "_all_tasks", None)
     if tasks is not None:
