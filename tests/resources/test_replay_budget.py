@@ -310,3 +310,16 @@ async def test_stalled_replayers_are_cut_at_max_lag_whenever_a_read_waits(store:
             with contextlib.suppress(Exception):
                 await batches.aclose()
         await b.close()
+
+
+async def test_a_read_asks_for_an_equal_share_of_half_the_budget(store: Store) -> None:
+    """A replay read asks for ``replay_bytes``, or less once the replaying sessions could not each
+    hold two reads: half the budget divided by them (whole bytes, at least one)."""
+    b = Broadcaster(store, InProcessBus(), replay_bytes=5000, replay_budget_bytes=12_000)
+    shares = []
+    for replaying in (0, 1, 2, 3, 5):
+        b.replaying = replaying
+        shares.append(b.read_share())
+    assert shares == [5000, 5000, 3000, 2000, 1200] and all(type(s) is int for s in shares)
+    tiny = Broadcaster(store, InProcessBus(), replay_bytes=5000, replay_budget_bytes=1)
+    assert tiny.read_share() == 1
