@@ -262,6 +262,7 @@ async def test_stalled_replayers_are_cut_at_max_lag_whenever_a_read_waits(store:
     b = Broadcaster(store, InProcessBus(), replay_batch=1, replay_bytes=frame, replay_budget_bytes=4 * frame,
                     max_lag=10.0, clock=t.clock, sleep=t.sleep)
     opened: list[AsyncGenerator[list[SequencedEvent], None]] = []
+    pending: list[asyncio.Future[list[SequencedEvent]]] = []
 
     async def replayer(used: int | None) -> tuple[ConsumerSession, AsyncGenerator[list[SequencedEvent], None],
                                                   asyncio.Future[list[SequencedEvent]]]:
@@ -271,6 +272,7 @@ async def test_stalled_replayers_are_cut_at_max_lag_whenever_a_read_waits(store:
         batches = s.event_batches()
         opened.append(batches)
         first = asyncio.ensure_future(anext(batches))
+        pending.append(first)
         if used is None:
             await until(lambda: b.replay_budget.waiting == 1, "a read waiting", timeout=5)
         else:
@@ -305,6 +307,13 @@ async def test_stalled_replayers_are_cut_at_max_lag_whenever_a_read_waits(store:
         await replayer(None)  # waits: the third, stalled for 10 s, is cut at once
         await until(lambda: three.too_slow.is_set(), "the third cut", timeout=5)
         assert not four.too_slow.is_set() and b.stats.replay_stalled == 3 and b.stats.replay_waits == 2
+        for first in pending:  # every session gone, mid-replay: everything held is given back
+            first.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await first
+        for batches in opened:
+            await batches.aclose()
+        assert b.replay_budget.used == 0 and b.stats.replay_budget_used == 0 and b.replaying == 0
     finally:
         for batches in opened:
             with contextlib.suppress(Exception):
@@ -323,3 +332,25 @@ async def test_a_read_asks_for_an_equal_share_of_half_the_budget(store: Store) -
     assert shares == [5000, 5000, 3000, 2000, 1200] and all(type(s) is int for s in shares)
     tiny = Broadcaster(store, InProcessBus(), replay_bytes=5000, replay_budget_bytes=1)
     assert tiny.read_share() == 1
+
+
+async def test_a_session_closed_mid_replay_gives_back_all_it_held(store: Store) -> None:
+    """A session that replayed a few batches of frames of different sizes, then went away with
+    one batch at its connection and its read ahead done, gives back exactly what it held."""
+    sizes = {seq: 1000 + 150 * seq for seq in range(1, 9)}
+    lease = await store.acquire_writer(wait=True, timeout=10)
+    try:
+        await lease.commit_batch(BatchWrite(expected_high_water=0, new_high_water=8, events=[
+            (s, DID, "#commit", time.time(), frame_of(s, n)) for s, n in sizes.items()]))
+    finally:
+        await lease.release()
+    b = Broadcaster(store, InProcessBus(), replay_batch=1, replay_bytes=4000, replay_budget_bytes=40_000)
+    batches = b.session(0).event_batches()
+    got: list[int] = []
+    for _ in range(3):
+        got += [e.seq for e in await asyncio.wait_for(anext(batches), 10)]
+    assert got == [1, 2, 3]
+    await until(lambda: b.replay_budget.used == sizes[3] + sizes[4], "the read ahead done", timeout=5)
+    await batches.aclose()
+    assert b.replay_budget.used == 0 and b.replaying == 0
+    await b.close()
