@@ -354,3 +354,45 @@ async def test_a_session_closed_mid_replay_gives_back_all_it_held(store: Store) 
     await batches.aclose()
     assert b.replay_budget.used == 0 and b.replaying == 0
     await b.close()
+
+
+async def test_a_first_read_expects_the_frames_last_read(store: Store) -> None:
+    """A session's first read expects frames of the size the broadcaster last read (its limit
+    follows); before any read, ``replay_bytes / replay_batch`` each, at least one byte."""
+    await write_window(store, 20, 1000)
+    b = Broadcaster(store, InProcessBus(), replay_batch=100, replay_bytes=4000)
+    for expected in (list(range(1, 21)), [1, 2, 3, 4]):  # 40-byte frames expected, then 1000
+        batches = b.session(0).event_batches()
+        assert [e.seq for e in await asyncio.wait_for(anext(batches), 10)] == expected
+        await batches.aclose()
+    tiny = Broadcaster(store, InProcessBus(), replay_batch=10, replay_bytes=10)  # 1 byte a frame
+    batches = tiny.session(0).event_batches()
+    assert [e.seq for e in await asyncio.wait_for(anext(batches), 10)] == list(range(1, 11))
+    await batches.aclose()
+
+
+async def test_a_first_read_goes_before_a_read_ahead_that_waited_longer(store: Store) -> None:
+    """The budget holds one read: a session's read ahead waits, then another session's first
+    read; when the budget is given back, the first read goes first."""
+    frame = 1000
+    await write_window(store, 6, frame)
+    b = Broadcaster(store, InProcessBus(), replay_batch=1, replay_bytes=frame, replay_budget_bytes=frame)
+    one, two = b.session(0).event_batches(), b.session(0).event_batches()
+    pending: list[asyncio.Future[list[SequencedEvent]]] = []
+    try:
+        assert [e.seq for e in await asyncio.wait_for(anext(one), 10)] == [1]
+        await until(lambda: b.replay_budget.waiting == 1, "its read ahead in line", timeout=5)
+        first_two = asyncio.ensure_future(anext(two))
+        await until(lambda: b.replay_budget.waiting == 2, "the other's first read in line", timeout=5)
+        next_one = asyncio.ensure_future(anext(one))  # its batch taken: its bytes come back
+        pending += [first_two, next_one]
+        assert [e.seq for e in await asyncio.wait_for(first_two, 5)] == [1]
+        assert not next_one.done()  # its read ahead still waits (now behind the other's)
+    finally:
+        for fut in pending:
+            fut.cancel()
+            with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+                await fut
+        await one.aclose()
+        await two.aclose()
+        await b.close()
