@@ -15,6 +15,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from firehose.broadcast import Broadcaster
 from firehose.frames import Frame, decode_frame
+from firehose.jetstream import JetstreamConverter, ZstdCodec, parse_options, select
 from tests.waiting import until
 
 from .conftest import Ingest
@@ -340,8 +341,11 @@ async def test_window_trimmed_before_the_first_read_is_announced(ingest: Ingest)
     await b.start()
     outdated = b.session(1).event_batches()
     try:
-        assert _seqs_and_infos(await anext(outdated)) == [
+        info = await anext(outdated)
+        assert _seqs_and_infos(info) == [
             ("#info", 0, {"name": "OutdatedCursor", "message": "cursor is older than the backfill window"})]
+        # the JSON stream is handed session messages too: they convert to nothing, without failing
+        assert select(JetstreamConverter(ZstdCodec.default()), info, parse_options([], []), None).messages == []
         assert _seqs_and_infos(await anext(outdated)) == list(range(3, 11))
     finally:
         await outdated.aclose()

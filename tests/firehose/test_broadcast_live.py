@@ -12,7 +12,14 @@ from collections.abc import AsyncGenerator
 import pytest
 
 from backfill.store import Store
-from firehose.broadcast import CONSUMER_TOO_SLOW, ERROR_KIND, FUTURE_CURSOR, Broadcaster, ConsumerSession
+from firehose.broadcast import (
+    CONSUMER_TOO_SLOW,
+    ERROR_KIND,
+    FUTURE_CURSOR,
+    Broadcaster,
+    ConsumerSession,
+    pump,
+)
 from firehose.bus import InProcessBus, Subscription
 from firehose.frames import decode_frame
 from firehose.serve_wire import WireBatch
@@ -326,3 +333,118 @@ async def test_live_frames_reach_a_session_as_stored(ingest: Ingest) -> None:
     finally:
         await batches.aclose()
         await b.close()
+
+
+class Peer:
+    """What ``pump`` writes to: the frames (or events) it is sent, optionally a send that fails or
+    never returns for the ``ConsumerTooSlow`` frame."""
+
+    def __init__(self, *, fail: bool = False, stall_error: bool = False) -> None:
+        self.sent: list[bytes | None] = []
+        self.events: list[SequencedEvent] = []
+        self.fail = fail
+        self.stall_error = stall_error
+
+    async def send(self, frame: bytes) -> None:
+        if self.fail:
+            raise ConnectionError("the peer reset the connection")
+        self.sent.append(frame)
+        if self.stall_error and frame is not None and decode_frame(frame).is_error:
+            await asyncio.Event().wait()
+
+    async def send_events(self, events: list[SequencedEvent]) -> None:
+        self.events += events
+
+
+async def test_pump_sends_each_frame_ends_with_the_session_and_lets_go_of_closed(ingest: Ingest) -> None:
+    """Frame by frame (no ``send_many``), every live frame is sent; when the session's batches end
+    (the broadcaster closes) ``pump`` returns and cancels what it was still waiting on."""
+    b = Broadcaster(ingest.store, ingest.bus)
+    session = b.session(None)
+    peer = Peer()
+    closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    pumping = asyncio.create_task(pump(session, peer.send, closed))
+    await until(lambda: b.consumer_count == 1, "the session registered")
+    b.deliver([ev(1), ev(2, 20)])
+    await until(lambda: len(peer.sent) == 2, "both frames sent")
+    await b.close()
+    await asyncio.wait_for(pumping, 10)
+    assert peer.sent == [ev(1).frame, ev(2, 20).frame] and closed.cancelled()
+
+
+async def test_pump_hands_events_to_send_events(ingest: Ingest) -> None:
+    """With ``send_events``, the events themselves are handed on (``send`` is not used)."""
+    b = Broadcaster(ingest.store, ingest.bus)
+    session = b.session(None)
+    peer = Peer(fail=True)  # ``send`` would raise
+    pumping = asyncio.create_task(pump(session, peer.send, send_events=peer.send_events))
+    await until(lambda: b.consumer_count == 1, "the session registered")
+    b.deliver([ev(1), ev(2)])
+    await until(lambda: len(peer.events) == 2, "both events handed on")
+    await b.close()
+    await asyncio.wait_for(pumping, 10)
+    assert [e.seq for e in peer.events] == [1, 2]
+
+
+async def test_pump_raises_what_a_send_raised(ingest: Ingest) -> None:
+    b = Broadcaster(ingest.store, ingest.bus)
+    session = b.session(None)
+    closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    pumping = asyncio.create_task(pump(session, Peer(fail=True).send, closed))
+    await until(lambda: b.consumer_count == 1, "the session registered")
+    b.deliver([ev(1)])
+    with pytest.raises(ConnectionError):
+        await asyncio.wait_for(pumping, 10)
+    await b.close()
+
+
+async def test_pump_returns_quietly_when_the_peer_goes(ingest: Ingest) -> None:
+    """The peer going away (``closed`` completes, or the lag probe fails) ends ``pump`` without an
+    error and without sending anything more."""
+    b = Broadcaster(ingest.store, ingest.bus)
+    session = b.session(None)
+    peer = Peer()
+    closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    pumping = asyncio.create_task(pump(session, peer.send, closed))
+    await until(lambda: b.consumer_count == 1, "the session registered")
+    closed.set_result(None)
+    await asyncio.wait_for(pumping, 10)
+    assert peer.sent == []
+
+    async def gone() -> None:
+        raise ConnectionError("the peer is gone")
+
+    probed = b.session(None)
+    peer = Peer()
+    pumping = asyncio.create_task(pump(probed, peer.send, asyncio.get_running_loop().create_future(), probe=gone))
+    await until(lambda: b.consumer_count == 1, "the probed session registered")  # the first one is gone
+    b.deliver([ev(3)])
+    await asyncio.wait_for(pumping, 10)
+    assert peer.sent == [ev(3).frame] and not probed.too_slow.is_set()
+    await b.close()
+
+
+async def test_pump_sends_the_too_slow_frame_unless_the_peer_is_gone(ingest: Ingest) -> None:
+    """A cut session's ``ConsumerTooSlow`` frame is sent with ``send`` (``closed`` not given); a
+    send of it that never returns is given up after ``error_send_timeout``; a cut session whose
+    peer is gone already is sent nothing."""
+    b = Broadcaster(ingest.store, ingest.bus, live_queue_max=1)
+    session = b.session(None)
+    peer = Peer()
+    session.stalled_replay()
+    await asyncio.wait_for(pump(session, peer.send), 10)
+    assert peer.sent == [session.close_frame] and session.close_frame is not None
+
+    stalled = b.session(None)
+    peer = Peer(stall_error=True)
+    stalled.stalled_replay()
+    await asyncio.wait_for(pump(stalled, peer.send, error_send_timeout=0.01), 10)
+    assert peer.sent == [stalled.close_frame]
+
+    gone_already = b.session(None)
+    peer = Peer()
+    gone_already.stalled_replay()
+    closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    closed.set_result(None)
+    await asyncio.wait_for(pump(gone_already, peer.send, closed), 10)
+    assert peer.sent == []

@@ -199,3 +199,33 @@ async def test_a_probe_sent_past_its_deadline_cuts_at_once(ingest: Ingest) -> No
     finally:
         watcher.cancel()
         await batches.aclose()
+
+
+async def test_each_lagging_session_is_counted_and_told_its_lag(ingest: Ingest) -> None:
+    """Two live sessions whose probes are never answered: both cut for lag, each counted (in
+    ``lagged`` and ``too_slow``), each told the ``max_lag`` it exceeded."""
+    b = Broadcaster(ingest.store, ingest.bus, max_lag=0.25, clock=lambda: 100.0)  # not started
+
+    async def unanswered() -> None:
+        await asyncio.Event().wait()
+
+    sessions = [b.session(None), b.session(None)]
+    batches = [s.event_batches() for s in sessions]
+    firsts = [asyncio.ensure_future(anext(each)) for each in batches]
+    await until(lambda: b.consumer_count == 2, "both sessions registered")
+    watchers = [asyncio.create_task(s.watch_lag(unanswered)) for s in sessions]
+    try:
+        b.deliver([_event(1)])
+        for first in firsts:
+            assert [e.seq for e in await asyncio.wait_for(first, 10)] == [1]
+        await asyncio.wait_for(asyncio.gather(*watchers), 30)  # each ends with its verdict
+        assert b.stats.lagged == 2 and b.stats.too_slow == 2
+        for s in sessions:
+            assert s.close_frame is not None
+            frame = decode_frame(s.close_frame)
+            assert frame.is_error and frame.body.get("message") == "more than 0.25 s behind live"
+    finally:
+        for w in watchers:
+            w.cancel()
+        for each in batches:
+            await each.aclose()
