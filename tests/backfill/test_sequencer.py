@@ -1065,3 +1065,61 @@ async def test_a_lease_not_taken_again_during_an_outage_loses_no_batch(store: St
     finally:
         faults.down = False
         await seq.close()
+
+
+async def test_a_fatal_stop_fails_everything_behind_it_with_its_cause(store: Store) -> None:
+    """Another writer moves the mark while batch k commits: k's submitter gets that error; the
+    batch numbered behind k and handed to the committer, the one numbered and waiting to be handed
+    over, and the submit still queued all get ``SequencerClosedError`` naming the cause, each
+    with its fence revoked; nothing of them is stored."""
+    faults = Faults(SequencerConflictError("the mark moved"))
+    faults.trigger = lambda batch: True
+    seq = Sequencer(with_faults(store, faults), Collector(), max_batch=1)
+    await seq.start()
+    try:
+        held = await seq.enqueue(commit_event(1))
+        await asyncio.wait_for(faults.reached.wait(), 10)  # batch k held in its commit
+        runs = [Fence() for _ in range(3)]
+        behind = [await seq.enqueue(replace(commit_event(n), fence=run)) for n, run in zip((2, 3, 4), runs, strict=True)]
+        await until(lambda: seq._next_high_water == 3 and len(seq._pending) == 1,
+                    "k+1 handed to the committer, k+2 numbered, k+3 queued")
+        faults.go.set()
+        with pytest.raises(SequencerConflictError, match="^the mark moved$"):
+            await held
+        for fut in behind:
+            with pytest.raises(SequencerClosedError, match="^sequencer stopped: the mark moved$"):
+                await asyncio.wait_for(fut, 10)
+        assert [(run.valid, run.reason) for run in runs] == [(False, "sequencer_closed")] * 3
+        assert seq.state == "failed" and await store.read_after(0, 10) == []
+    finally:
+        faults.go.set()
+        with contextlib.suppress(Exception):
+            await seq.close()
+
+
+async def test_a_submit_collected_as_the_sequencer_stops_is_failed_not_numbered(store: Store) -> None:
+    """A submit taken from the queue just after another writer stopped the sequencer (it arrived
+    while batch k was committing, and k was refused as the writer gathered it into a batch) is
+    failed with the cause, its fence revoked, and the writer ends."""
+    faults = Faults(SequencerConflictError("the mark moved"))
+    faults.trigger = lambda batch: True
+    seq = Sequencer(with_faults(store, faults), Collector())  # max_delay > 0: gathering yields
+    await seq.start()
+    try:
+        held = await seq.enqueue(commit_event(1))
+        await asyncio.wait_for(faults.reached.wait(), 10)  # batch k held in its commit
+        run = Fence()
+        late = seq.enqueue_nowait(replace(commit_event(2), fence=run))
+        faults.go.set()  # the committer stops the sequencer before the writer has gathered `late`
+        with pytest.raises(SequencerConflictError):
+            await held
+        with pytest.raises(SequencerClosedError, match="^sequencer stopped: the mark moved$"):
+            await asyncio.wait_for(late, 10)
+        assert (run.valid, run.reason) == (False, "sequencer_closed")
+        assert seq._next_high_water == 1  # `late` was never numbered
+        await seq.close()
+        assert seq.state == "failed" and await store.read_after(0, 10) == []
+    finally:
+        faults.go.set()
+        with contextlib.suppress(Exception):
+            await seq.close()
