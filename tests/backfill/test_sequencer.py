@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -1123,3 +1124,59 @@ async def test_a_submit_collected_as_the_sequencer_stops_is_failed_not_numbered(
         faults.go.set()
         with contextlib.suppress(Exception):
             await seq.close()
+
+
+async def test_a_standby_follows_the_holder_and_logs_its_wait(target: StoreTarget, store: Store,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """While it waits for the lease a standby asks who holds it every ``wait_log_interval``
+    (here often), names the holder in ``lease_holder`` and in its log records, and once it has
+    the lease logs whom it took over from, with how long it waited."""
+    caplog.set_level("WARNING", logger="backfill.sequencer")
+    other_store = await target.open()
+    holders = ["relay-a"]
+
+    async def named() -> str | None:
+        return holders[-1]
+
+    other_store.writer_holder = named  # type: ignore[method-assign]
+    first = Sequencer(store, Collector())
+    await first.start()
+    waiter = Sequencer(other_store, Collector(), wait_for_lock=True, lock_timeout=30, wait_log_interval=0.01)
+    began = time.monotonic()
+    start = asyncio.create_task(waiter.start())
+    try:
+        await until(lambda: waiter.state == "waiting", "the standby waiting for the lease")
+        assert waiter.lease_holder == "relay-a"
+        holders.append("relay-b")
+        await until(lambda: waiter.lease_holder == "relay-b", "the standby naming the new holder")
+        await first.close()
+        await asyncio.wait_for(start, 30)
+        waited = time.monotonic() - began
+        assert waiter.lease_holder is None and waiter.state == "running"
+        waits = [r for r in caplog.records if r.getMessage() == "sequencer: waiting for the writer lease (standby)"]
+        assert waits[0].__dict__["holder"] == "relay-a" and waits[-1].__dict__["holder"] == "relay-b"
+        seconds = [r.__dict__["waited_seconds"] for r in waits]
+        assert seconds == sorted(seconds) and 0 <= seconds[0] and seconds[-1] <= waited + 0.05
+        [taken] = [r for r in caplog.records if r.getMessage() == "sequencer: writer lease taken"]
+        assert taken.__dict__["previous_holder"] == "relay-b"
+        assert 0 <= taken.__dict__["waited_seconds"] <= waited + 0.05
+    finally:
+        await first.close()
+        await waiter.close()
+        await other_store.close()
+
+
+async def test_event_times_go_on_from_the_last_stored_one_after_a_restart(store: Store) -> None:
+    """The first event takes the clock's time; after a restart whose clock went back, the next
+    event is 1 µs after the last stored one (not after an earlier one, not at the clock's time).
+    ``last_commit_at`` starts at the start."""
+    async with Sequencer(store, Collector(), clock=lambda: 0.5, max_batch=1) as seq:
+        first = [await seq.submit(commit_event(n)) for n in (1, 2, 3)]
+    times = [e.time for e in first if e]
+    assert times[0] == 0.5 and times[-1] == pytest.approx(0.5 + 2e-6, abs=1e-9)
+    before = time.monotonic()
+    async with Sequencer(store, Collector(), clock=lambda: 0.25) as seq:
+        assert before <= seq.last_commit_at <= time.monotonic()
+        later = await seq.submit(commit_event(4))
+    assert later is not None and later.seq == 4
+    assert later.time == pytest.approx(times[-1] + 1e-6, abs=1e-9) and later.time > times[-1]
