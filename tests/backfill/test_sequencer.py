@@ -1180,3 +1180,29 @@ async def test_event_times_go_on_from_the_last_stored_one_after_a_restart(store:
         later = await seq.submit(commit_event(4))
     assert later is not None and later.seq == 4
     assert later.time == pytest.approx(times[-1] + 1e-6, abs=1e-9) and later.time > times[-1]
+
+
+async def test_a_cancelled_standby_stops_waiting_for_the_lease(target: StoreTarget, store: Store) -> None:
+    """Cancelling ``start()`` while it waits for the lease cancels the wait itself: nothing is
+    left trying to take the lease, the state is ``stopped``, and the lease, once free, is there for
+    whoever asks next."""
+    other_store = await target.open()
+    first = Sequencer(store, Collector())
+    await first.start()
+    standby = Sequencer(other_store, Collector(), wait_for_lock=True, lock_timeout=30)
+    start = asyncio.create_task(standby.start())
+    try:
+        await until(lambda: standby.state == "waiting", "the standby waiting for the lease")
+        start.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await start
+        assert standby.state == "stopped"
+        assert not [t for t in asyncio.all_tasks() if not t.done() and "acquire_writer" in repr(t.get_coro())]
+        await first.close()
+        async with Sequencer(other_store, Collector()) as second:
+            event = await second.submit(commit_event(1))
+        assert event is not None and event.seq == 1
+    finally:
+        await first.close()
+        await standby.close()
+        await other_store.close()
