@@ -1208,3 +1208,26 @@ async def test_a_cancelled_standby_stops_waiting_for_the_lease(target: StoreTarg
         await first.close()
         await standby.close()
         await other_store.close()
+
+
+async def test_a_writer_that_ended_refuses_new_submits(store: Store) -> None:
+    """A writer task that ended without ``close()`` or a failure (here: cancelled) leaves the
+    sequencer ``stopped``: submits are refused at once instead of queueing for nobody."""
+    seq = Sequencer(store, Collector())
+    await seq.start()
+    try:
+        assert await seq.submit(commit_event(1)) is not None  # the writer is running
+        assert seq._task is not None
+        seq._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await seq._task
+        assert seq.state == "stopped"
+        with pytest.raises(SequencerClosedError, match="^sequencer not running: stopped$"):
+            seq.enqueue_nowait(commit_event(2))
+        with pytest.raises(SequencerClosedError, match="^sequencer stopped: closed$"):
+            await asyncio.wait_for(seq.enqueue(commit_event(2)), 10)
+        assert not seq._pending
+    finally:
+        with contextlib.suppress(asyncio.CancelledError):
+            await seq.close()
+        await seq.close()
