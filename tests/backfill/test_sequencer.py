@@ -322,12 +322,16 @@ async def test_the_defaults_the_relay_runs_with(store: Store) -> None:
     """The relay builds its sequencer with these (``relay.wiring``): batches of up to 1000 events
     gathered for at most 2 ms, 20,000 submits queued before submitters wait, store retries paced
     from 50 ms up to 2 s, a wait for the lease logged once a minute; frames from the standard encoder.
-    Before it starts it is ``stopped``, with no failure, no outage and no lease holder to name."""
+    Before it starts it is ``stopped``, with no failure, no outage and no lease holder to name;
+    it can be closed without ever starting."""
     seq = Sequencer(store, Collector())
     assert (seq.state, seq.failure, seq.unavailable, seq.lease_holder) == ("stopped", None, None, None)
     assert (seq.max_batch, seq.max_delay, seq.max_pending) == (1000, 0.002, 20000)
     assert (seq.retry_base, seq.retry_max, seq.wait_log_interval) == (0.05, 2.0, 60.0)
     assert seq.frame_encoder("#identity", {"did": "did:plc:a", "seq": 1}) == encode_frame("#identity", {"did": "did:plc:a", "seq": 1})
+    await seq.close()  # closing one never started holds nothing to release
+    with pytest.raises(SequencerClosedError, match="^sequencer is closed$"):
+        await seq.start()
 
 
 async def test_event_times_strictly_increase_by_whole_microseconds(store: Store) -> None:
