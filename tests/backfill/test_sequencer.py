@@ -1235,3 +1235,21 @@ async def test_a_writer_that_ended_refuses_new_submits(store: Store) -> None:
         with contextlib.suppress(asyncio.CancelledError):
             await seq.close()
         await seq.close()
+
+
+async def test_host_account_count_changes_are_reported_after_each_commit(store: Store) -> None:
+    """``on_host_accounts`` gets each committed batch's non-zero account-count changes per host
+    (new accounts, an account moving host); a batch that changes no count is not reported, and
+    the counts reported add up to the stored ones."""
+    reports: list[dict[str, int]] = []
+    async with Sequencer(store, Collector(), max_batch=1) as seq:
+        seq.on_host_accounts = reports.append
+        await seq.submit(commit_event(1, did="did:plc:a"))
+        await seq.submit(commit_event(2, did="did:plc:b"))
+        await seq.submit(commit_event(3, did="did:plc:a"))  # same host: no change
+        await seq.submit(commit_event(4, did="did:plc:a", host="pds.other"))  # moved
+        await seq.advance_cursor("pds.example", 5)  # a cursor alone: no change
+    assert reports == [{"pds.example": 1}, {"pds.example": 1}, {"pds.example": -1, "pds.other": 1}]
+    example, other = await store.get_host("pds.example"), await store.get_host("pds.other")
+    assert example is not None and other is not None
+    assert (example.account_count, other.account_count) == (1, 1)
