@@ -1216,16 +1216,20 @@ async def test_a_cancelled_standby_stops_waiting_for_the_lease(target: StoreTarg
 
 async def test_a_writer_that_ended_refuses_new_submits(store: Store) -> None:
     """A writer task that ended without ``close()`` or a failure (here: cancelled) leaves the
-    sequencer ``stopped``: submits are refused at once instead of queueing for nobody."""
+    sequencer ``stopped``: what was queued is failed, and new submits are refused at once instead
+    of queueing for nobody."""
     seq = Sequencer(store, Collector())
     await seq.start()
     try:
         assert await seq.submit(commit_event(1)) is not None  # the writer is running
         assert seq._task is not None
-        seq._task.cancel()
+        queued = seq.enqueue_nowait(commit_event(2))
+        seq._task.cancel()  # before it takes `queued`
         with contextlib.suppress(asyncio.CancelledError):
             await seq._task
         assert seq.state == "stopped"
+        with pytest.raises(SequencerClosedError, match="^sequencer stopped: sequencer is closed$"):
+            await queued  # failed, not left waiting
         with pytest.raises(SequencerClosedError, match="^sequencer not running: stopped$"):
             seq.enqueue_nowait(commit_event(2))
         with pytest.raises(SequencerClosedError, match="^sequencer stopped: closed$"):
