@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -320,11 +321,17 @@ async def test_collection_counts_and_the_hosts_last_seen_are_written_with_the_ba
 async def test_the_defaults_the_relay_runs_with(store: Store) -> None:
     """The relay builds its sequencer with these (``relay.wiring``): batches of up to 1000 events
     gathered for at most 2 ms, 20,000 submits queued before submitters wait, store retries paced
-    from 50 ms up to 2 s, a wait for the lease logged once a minute; frames from the standard encoder."""
+    from 50 ms up to 2 s, a wait for the lease logged once a minute; frames from the standard encoder.
+    Before it starts it is ``stopped``, with no failure, no outage and no lease holder to name;
+    it can be closed without ever starting."""
     seq = Sequencer(store, Collector())
+    assert (seq.state, seq.failure, seq.unavailable, seq.lease_holder) == ("stopped", None, None, None)
     assert (seq.max_batch, seq.max_delay, seq.max_pending) == (1000, 0.002, 20000)
     assert (seq.retry_base, seq.retry_max, seq.wait_log_interval) == (0.05, 2.0, 60.0)
     assert seq.frame_encoder("#identity", {"did": "did:plc:a", "seq": 1}) == encode_frame("#identity", {"did": "did:plc:a", "seq": 1})
+    await seq.close()  # closing one never started holds nothing to release
+    with pytest.raises(SequencerClosedError, match="^sequencer is closed$"):
+        await seq.start()
 
 
 async def test_event_times_strictly_increase_by_whole_microseconds(store: Store) -> None:
@@ -1151,3 +1158,188 @@ async def test_a_lease_not_taken_again_during_an_outage_loses_no_batch(store: St
     finally:
         faults.down = False
         await seq.close()
+
+
+async def test_a_fatal_stop_fails_everything_behind_it_with_its_cause(store: Store) -> None:
+    """Another writer moves the mark while batch k commits: k's submitter gets that error; the
+    batch numbered behind k and handed to the committer, the one numbered and waiting to be handed
+    over, and the submit still queued all get ``SequencerClosedError`` naming the cause, each
+    with its fence revoked; nothing of them is stored."""
+    faults = Faults(SequencerConflictError("the mark moved"))
+    faults.trigger = lambda batch: True
+    seq = Sequencer(with_faults(store, faults), Collector(), max_batch=1)
+    await seq.start()
+    try:
+        held = await seq.enqueue(commit_event(1))
+        await asyncio.wait_for(faults.reached.wait(), 10)  # batch k held in its commit
+        runs = [Fence() for _ in range(3)]
+        behind = [await seq.enqueue(replace(commit_event(n), fence=run)) for n, run in zip((2, 3, 4), runs, strict=True)]
+        await until(lambda: seq._next_high_water == 3 and len(seq._pending) == 1,
+                    "k+1 handed to the committer, k+2 numbered, k+3 queued")
+        faults.go.set()
+        with pytest.raises(SequencerConflictError, match="^the mark moved$"):
+            await held
+        for fut in behind:
+            with pytest.raises(SequencerClosedError, match="^sequencer stopped: the mark moved$"):
+                await asyncio.wait_for(fut, 10)
+        assert [(run.valid, run.reason) for run in runs] == [(False, "sequencer_closed")] * 3
+        assert seq.state == "failed" and await store.read_after(0, 10) == []
+    finally:
+        faults.go.set()
+        with contextlib.suppress(Exception):
+            await seq.close()
+
+
+async def test_a_submit_collected_as_the_sequencer_stops_is_failed_not_numbered(store: Store) -> None:
+    """A submit taken from the queue just after another writer stopped the sequencer (it arrived
+    while batch k was committing, and k was refused as the writer gathered it into a batch) is
+    failed with the cause, its fence revoked, and the writer ends."""
+    faults = Faults(SequencerConflictError("the mark moved"))
+    faults.trigger = lambda batch: True
+    seq = Sequencer(with_faults(store, faults), Collector())  # max_delay > 0: gathering yields
+    await seq.start()
+    try:
+        held = await seq.enqueue(commit_event(1))
+        await asyncio.wait_for(faults.reached.wait(), 10)  # batch k held in its commit
+        run = Fence()
+        late = seq.enqueue_nowait(replace(commit_event(2), fence=run))
+        faults.go.set()  # the committer stops the sequencer before the writer has gathered `late`
+        with pytest.raises(SequencerConflictError):
+            await held
+        with pytest.raises(SequencerClosedError, match="^sequencer stopped: the mark moved$"):
+            await asyncio.wait_for(late, 10)
+        assert (run.valid, run.reason) == (False, "sequencer_closed")
+        assert seq._next_high_water == 1  # `late` was never numbered
+        await seq.close()
+        assert seq.state == "failed" and await store.read_after(0, 10) == []
+    finally:
+        faults.go.set()
+        with contextlib.suppress(Exception):
+            await seq.close()
+
+
+async def test_a_standby_follows_the_holder_and_logs_its_wait(target: StoreTarget, store: Store,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """While it waits for the lease a standby asks who holds it every ``wait_log_interval``
+    (here often), names the holder in ``lease_holder`` and in its log records, and once it has
+    the lease logs whom it took over from, with how long it waited."""
+    caplog.set_level("WARNING", logger="backfill.sequencer")
+    other_store = await target.open()
+    holders = ["relay-a"]
+
+    async def named() -> str | None:
+        return holders[-1]
+
+    other_store.writer_holder = named  # type: ignore[method-assign]
+    first = Sequencer(store, Collector())
+    await first.start()
+    waiter = Sequencer(other_store, Collector(), wait_for_lock=True, lock_timeout=30, wait_log_interval=0.01)
+    began = time.monotonic()
+    start = asyncio.create_task(waiter.start())
+    try:
+        await until(lambda: waiter.state == "waiting", "the standby waiting for the lease")
+        assert waiter.lease_holder == "relay-a"
+        holders.append("relay-b")
+        await until(lambda: waiter.lease_holder == "relay-b", "the standby naming the new holder")
+        await first.close()
+        await asyncio.wait_for(start, 30)
+        waited = time.monotonic() - began
+        assert waiter.lease_holder is None and waiter.state == "running"
+        waits = [r for r in caplog.records if r.getMessage() == "sequencer: waiting for the writer lease (standby)"]
+        assert waits[0].__dict__["holder"] == "relay-a" and waits[-1].__dict__["holder"] == "relay-b"
+        seconds = [r.__dict__["waited_seconds"] for r in waits]
+        assert seconds == sorted(seconds) and 0 <= seconds[0] and seconds[-1] <= waited + 0.05
+        [taken] = [r for r in caplog.records if r.getMessage() == "sequencer: writer lease taken"]
+        assert taken.__dict__["previous_holder"] == "relay-b"
+        assert 0 <= taken.__dict__["waited_seconds"] <= waited + 0.05
+    finally:
+        await first.close()
+        await waiter.close()
+        await other_store.close()
+
+
+async def test_event_times_go_on_from_the_last_stored_one_after_a_restart(store: Store) -> None:
+    """The first event takes the clock's time; after a restart whose clock went back, the next
+    event is 1 µs after the last stored one (not after an earlier one, not at the clock's time).
+    ``last_commit_at`` starts at the start."""
+    async with Sequencer(store, Collector(), clock=lambda: 0.5, max_batch=1) as seq:
+        first = [await seq.submit(commit_event(n)) for n in (1, 2, 3)]
+    times = [e.time for e in first if e]
+    assert times[0] == 0.5 and times[-1] == pytest.approx(0.5 + 2e-6, abs=1e-9)
+    before = time.monotonic()
+    async with Sequencer(store, Collector(), clock=lambda: 0.25) as seq:
+        assert before <= seq.last_commit_at <= time.monotonic()
+        later = await seq.submit(commit_event(4))
+    assert later is not None and later.seq == 4
+    assert later.time == pytest.approx(times[-1] + 1e-6, abs=1e-9) and later.time > times[-1]
+
+
+async def test_a_cancelled_standby_stops_waiting_for_the_lease(target: StoreTarget, store: Store) -> None:
+    """Cancelling ``start()`` while it waits for the lease cancels the wait itself: nothing is
+    left trying to take the lease, the state is ``stopped``, and the lease, once free, is there for
+    whoever asks next."""
+    other_store = await target.open()
+    first = Sequencer(store, Collector())
+    await first.start()
+    standby = Sequencer(other_store, Collector(), wait_for_lock=True, lock_timeout=30)
+    start = asyncio.create_task(standby.start())
+    try:
+        await until(lambda: standby.state == "waiting", "the standby waiting for the lease")
+        start.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await start
+        assert standby.state == "stopped"
+        assert not [t for t in asyncio.all_tasks() if not t.done() and "acquire_writer" in repr(t.get_coro())]
+        await first.close()
+        async with Sequencer(other_store, Collector()) as second:
+            event = await second.submit(commit_event(1))
+        assert event is not None and event.seq == 1
+    finally:
+        await first.close()
+        await standby.close()
+        await other_store.close()
+
+
+async def test_a_writer_that_ended_refuses_new_submits(store: Store) -> None:
+    """A writer task that ended without ``close()`` or a failure (here: cancelled) leaves the
+    sequencer ``stopped``: what was queued is failed, and new submits are refused at once instead
+    of queueing for nobody."""
+    seq = Sequencer(store, Collector())
+    await seq.start()
+    try:
+        assert await seq.submit(commit_event(1)) is not None  # the writer is running
+        assert seq._task is not None
+        queued = seq.enqueue_nowait(commit_event(2))
+        seq._task.cancel()  # before it takes `queued`
+        with contextlib.suppress(asyncio.CancelledError):
+            await seq._task
+        assert seq.state == "stopped"
+        with pytest.raises(SequencerClosedError, match="^sequencer stopped: sequencer is closed$"):
+            await queued  # failed, not left waiting
+        with pytest.raises(SequencerClosedError, match="^sequencer not running: stopped$"):
+            seq.enqueue_nowait(commit_event(2))
+        with pytest.raises(SequencerClosedError, match="^sequencer stopped: closed$"):
+            await asyncio.wait_for(seq.enqueue(commit_event(2)), 10)
+        assert not seq._pending
+    finally:
+        with contextlib.suppress(asyncio.CancelledError):
+            await seq.close()
+        await seq.close()
+
+
+async def test_host_account_count_changes_are_reported_after_each_commit(store: Store) -> None:
+    """``on_host_accounts`` gets each committed batch's non-zero account-count changes per host
+    (new accounts, an account moving host); a batch that changes no count is not reported, and
+    the counts reported add up to the stored ones."""
+    reports: list[dict[str, int]] = []
+    async with Sequencer(store, Collector(), max_batch=1) as seq:
+        seq.on_host_accounts = reports.append
+        await seq.submit(commit_event(1, did="did:plc:a"))
+        await seq.submit(commit_event(2, did="did:plc:b"))
+        await seq.submit(commit_event(3, did="did:plc:a"))  # same host: no change
+        await seq.submit(commit_event(4, did="did:plc:a", host="pds.other"))  # moved
+        await seq.advance_cursor("pds.example", 5)  # a cursor alone: no change
+    assert reports == [{"pds.example": 1}, {"pds.example": 1}, {"pds.example": -1, "pds.other": 1}]
+    example, other = await store.get_host("pds.example"), await store.get_host("pds.other")
+    assert example is not None and other is not None
+    assert (example.account_count, other.account_count) == (1, 1)
