@@ -825,6 +825,34 @@ async def test_an_unavailable_store_holds_the_batch_until_it_answers(store: Stor
             await seq.close()
 
 
+async def test_a_lease_that_cannot_be_taken_again_keeps_the_sequencer_retrying(
+        store: Store, caplog: pytest.LogCaptureFixture) -> None:
+    """The store goes away under a held batch and its lease is lost with it: while taking the lease
+    again keeps failing, the sequencer stays ``retrying`` (one outage, backing off: one log line,
+    a retry counted per failed attempt), and the batch is written once the lease is back."""
+    caplog.set_level("INFO", logger="backfill.sequencer")
+    faults = Faults(RuntimeError("unused"))
+    seq = Sequencer(with_faults(store, faults), Collector(), retry_base=0.001, retry_max=0.002)
+    await seq.start()
+    try:
+        faults.down, faults.lease_failures, faults.acquire_failures = True, 1, 1000
+        held = asyncio.ensure_future(seq.submit(commit_event(1)))
+        await until(lambda: faults.acquire_failures <= 996, "four failed attempts to take the lease again")
+        assert seq.state == "retrying" and isinstance(seq.unavailable, OSError) and not held.done()
+        assert seq.stats.retries >= 4  # the first refusal and every failed attempt after the lease was lost
+        assert _outage_log(caplog) == [
+            ("store unavailable; holding batches and retrying", "OSError: store unreachable (injected)")]
+        faults.down, faults.acquire_failures = False, 0
+        event = await asyncio.wait_for(held, 10)
+        assert event is not None and event.seq == 1 and seq.state == "running" and seq.unavailable is None
+        assert _outage_log(caplog)[-1] == ("store available again; sequencing resumed", seq.stats.retries)
+        assert [e.seq for e in await store.read_after(0, 10)] == [1]
+    finally:
+        faults.down, faults.acquire_failures = False, 0
+        with contextlib.suppress(Exception):
+            await seq.close()
+
+
 async def test_enqueue_nowait_hands_over_in_order_only_while_running(store: Store) -> None:
     gate = asyncio.Event()
 
