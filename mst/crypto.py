@@ -41,6 +41,8 @@ __all__ = [
     "base58_decode",
     "base58_encode",
     "KEYS",
+    "KEY_CACHE_BYTES",
+    "KEY_ENTRY_BYTES",
     "parse_did_key",
     "parse_multibase_key",
 ]
@@ -179,8 +181,13 @@ def _decode_multikey(multibase: str) -> PublicKey:
     return PublicKey(curve, point)
 
 
+#: what one parsed key holds with its cache entry, by curve (measured with 10,000 keys of each:
+#: 533 and 2,390 bytes of RSS per key; rounded up)
+KEY_ENTRY_BYTES: dict[Curve, int] = {"k256": 640, "p256": 2_560}
+#: the budget of :data:`KEYS`: ~52,000 K-256 or ~13,000 P-256 keys
+KEY_CACHE_BYTES = 32 * 1024 * 1024
 #: every parsed key of this process (``did:key`` strings and DID-document keys), bounded in bytes
-KEYS = KeyCache()
+KEYS: KeyCache[PublicKey] = KeyCache(KEY_CACHE_BYTES, lambda key: KEY_ENTRY_BYTES[key.curve])
 
 
 def parse_did_key(s: str) -> PublicKey:

@@ -6,9 +6,14 @@ from __future__ import annotations
 import pytest
 
 from mst import crypto
+from mst.crypto import KEY_ENTRY_BYTES as ENTRY_BYTES
 from mst.crypto import PrivateKey, PublicKey, parse_did_key, parse_multibase_key
 from mst.errors import KeyFormatError
-from mst.key_cache import ENTRY_BYTES, KeyCache
+from mst.key_cache import KeyCache
+
+
+def _cache(budget: int) -> KeyCache[PublicKey]:
+    return KeyCache(budget, lambda key: ENTRY_BYTES[key.curve])
 
 
 def _keys(curve: crypto.Curve, n: int) -> list[PublicKey]:
@@ -17,7 +22,7 @@ def _keys(curve: crypto.Curve, n: int) -> list[PublicKey]:
 
 
 def test_the_budget_holds_in_bytes_with_each_curve_charged_its_size() -> None:
-    cache = KeyCache(budget_bytes=4 * ENTRY_BYTES["k256"])
+    cache = _cache(4 * ENTRY_BYTES["k256"])
     k256 = _keys("k256", 6)
     for key in k256:
         assert cache.get(key.did_key(), lambda key=key: key) is key
@@ -31,7 +36,7 @@ def test_the_budget_holds_in_bytes_with_each_curve_charged_its_size() -> None:
 
 
 def test_the_least_recently_used_key_goes_first() -> None:
-    cache = KeyCache(budget_bytes=3 * ENTRY_BYTES["k256"])
+    cache = _cache(3 * ENTRY_BYTES["k256"])
     a, b, c, d = _keys("k256", 4)
     parses: list[str] = []
 
@@ -54,14 +59,14 @@ def test_the_least_recently_used_key_goes_first() -> None:
 
 
 def test_a_key_larger_than_the_budget_is_returned_and_not_kept() -> None:
-    cache = KeyCache(budget_bytes=ENTRY_BYTES["k256"])
+    cache = _cache(ENTRY_BYTES["k256"])
     p256 = _keys("p256", 1)[0]
     assert cache.get("x", lambda: p256) is p256
     assert len(cache) == 0 and cache.size_bytes == 0
 
 
 def test_parse_failures_are_not_cached() -> None:
-    cache = KeyCache()
+    cache = _cache(1 << 20)
     calls = 0
 
     def bad() -> PublicKey:
