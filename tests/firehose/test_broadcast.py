@@ -366,6 +366,30 @@ async def test_window_trimmed_before_the_first_read_is_announced(ingest: Ingest)
         await b.close()
 
 
+async def test_window_trimmed_past_cursor_one_is_announced(ingest: Ingest) -> None:
+    """Cursor 1 (inside the window when the session connects) and the window moving to 3..10
+    before its first read: the jump from seq 1 to 3 is announced, counted once."""
+    now = time.time()
+    await ingest.add(2, when=now - 3600)
+    await ingest.add(8)
+    store = RecordingStore(ingest.store, hold_every=True)
+    b = Broadcaster(store, ingest.bus, replay_batch=50)
+    await b.start()
+    batches = b.session(1).event_batches()
+    try:
+        first = asyncio.ensure_future(anext(batches))
+        await until(lambda: len(store.reads) == 1, "the replay's first read, held before it is made")
+        assert await ingest.store.trim(older_than_seconds=60) == 2  # the window is 3..10
+        store.gate.set()
+        assert _seqs_and_infos(await first) == [
+            ("#info", 0, {"name": "OutdatedCursor", "message": "events were trimmed while replaying"}),
+            *range(3, 11)]
+        assert b.stats.outdated_cursor == 1
+    finally:
+        await batches.aclose()
+        await b.close()
+
+
 @pytest.mark.parametrize("cursor", [0, 120])
 async def test_live_events_dropped_while_replaying_are_read_again(ingest: Ingest, cursor: int) -> None:
     """A replaying session whose live queue overflows forgets it (the store has those events)
