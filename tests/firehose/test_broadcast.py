@@ -366,6 +366,30 @@ async def test_window_trimmed_before_the_first_read_is_announced(ingest: Ingest)
         await b.close()
 
 
+async def test_a_replaying_session_is_stalled_only_while_its_batch_waits(ingest: Ingest) -> None:
+    """``replay_stalled_since``: the broadcaster's clock when the replay handed its connection a
+    batch; None once the connection took it and the session waits for its next read."""
+    await ingest.add(10)
+    store = RecordingStore(ingest.store, hold=2)
+    b = Broadcaster(store, ingest.bus, replay_batch=5, clock=lambda: 42.0)
+    await b.start()
+    session = b.session(0)
+    batches = session.event_batches()
+    try:
+        assert [e.seq for e in await anext(batches)] == [1, 2, 3, 4, 5]
+        assert session.replay_stalled_since == 42.0
+        await asyncio.wait_for(store.held.wait(), 10)  # the read ahead took its bytes and is held
+        held = b.replay_budget.used
+        following = asyncio.ensure_future(anext(batches))
+        await until(lambda: b.replay_budget.used < held, "the first batch given back")
+        assert session.replay_stalled_since is None
+        store.gate.set()
+        assert [e.seq for e in await asyncio.wait_for(following, 10)] == [6, 7, 8, 9, 10]
+    finally:
+        await batches.aclose()
+        await b.close()
+
+
 async def test_window_trimmed_past_cursor_one_is_announced(ingest: Ingest) -> None:
     """Cursor 1 (inside the window when the session connects) and the window moving to 3..10
     before its first read: the jump from seq 1 to 3 is announced, counted once."""
