@@ -368,7 +368,8 @@ async def test_window_trimmed_before_the_first_read_is_announced(ingest: Ingest)
 
 async def test_a_replaying_session_is_stalled_only_while_its_batch_waits(ingest: Ingest) -> None:
     """``replay_stalled_since``: the broadcaster's clock when the replay handed its connection a
-    batch; None once the connection took it and the session waits for its next read."""
+    batch; None once the connection took it and the session waits for its next read, and once
+    the replay is over."""
     await ingest.add(10)
     store = RecordingStore(ingest.store, hold=2)
     b = Broadcaster(store, ingest.bus, replay_batch=5, clock=lambda: 42.0)
@@ -385,6 +386,12 @@ async def test_a_replaying_session_is_stalled_only_while_its_batch_waits(ingest:
         assert session.replay_stalled_since is None
         store.gate.set()
         assert [e.seq for e in await asyncio.wait_for(following, 10)] == [6, 7, 8, 9, 10]
+        live = asyncio.ensure_future(anext(batches))
+        await until(lambda: session.live, "caught up: the session is live")
+        assert session.replay_stalled_since is None
+        live.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await live
     finally:
         await batches.aclose()
         await b.close()
