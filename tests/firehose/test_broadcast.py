@@ -367,7 +367,7 @@ async def test_window_trimmed_before_the_first_read_is_announced(ingest: Ingest)
 
 
 async def test_a_replaying_session_is_stalled_only_while_its_batch_waits(ingest: Ingest) -> None:
-    """``replay_stalled_since``: the broadcaster's clock when the replay handed its connection a
+    """``replay_stalled_since``: None before; the broadcaster's clock when the replay handed its connection a
     batch; None once the connection took it and the session waits for its next read, and once
     the replay is over."""
     await ingest.add(10)
@@ -375,6 +375,7 @@ async def test_a_replaying_session_is_stalled_only_while_its_batch_waits(ingest:
     b = Broadcaster(store, ingest.bus, replay_batch=5, clock=lambda: 42.0)
     await b.start()
     session = b.session(0)
+    assert session.replay_stalled_since is None
     batches = session.event_batches()
     try:
         assert [e.seq for e in await anext(batches)] == [1, 2, 3, 4, 5]

@@ -86,6 +86,18 @@ async def test_the_live_queue_holds_live_queue_max_frames_and_not_one_more(inges
     assert b.consumer_count == 0 and b.stats.consumers == 0
 
 
+async def test_the_live_queue_holds_live_queue_bytes_and_not_one_more(ingest: Ingest) -> None:
+    """A live session may have exactly ``live_queue_bytes`` of frames queued; one byte more cuts it."""
+    b = Broadcaster(ingest.store, ingest.bus, live_queue_bytes=30)
+    session = b.session(None)
+    batches, first = await registered(b, session)
+    b.deliver([ev(1), ev(2), ev(3)])  # 30 bytes
+    assert not session.too_slow.is_set()
+    b.deliver([ev(4, 1)])
+    assert session.too_slow.is_set() and b.stats.too_slow == 1
+    await ended(batches, first)
+
+
 async def test_a_session_waiting_for_events_ends_when_cut(ingest: Ingest) -> None:
     """A session waiting on an empty queue ends when one batch overflows it (the overflow clears
     what was queued: nothing of that batch is handed on); two sessions cut count two."""
