@@ -86,6 +86,13 @@ async def test_the_live_queue_holds_live_queue_max_frames_and_not_one_more(inges
     assert b.consumer_count == 0 and b.stats.consumers == 0
 
 
+async def test_max_lag_must_be_positive(ingest: Ingest) -> None:
+    """A broadcaster refuses a ``max_lag`` of zero, and takes any positive one (under a second too)."""
+    with pytest.raises(ValueError, match="^max_lag must be positive$"):
+        Broadcaster(ingest.store, ingest.bus, max_lag=0)
+    assert Broadcaster(ingest.store, ingest.bus, max_lag=0.5).max_lag == 0.5
+
+
 async def test_the_live_queue_holds_live_queue_bytes_and_not_one_more(ingest: Ingest) -> None:
     """A live session may have exactly ``live_queue_bytes`` of frames queued; one byte more cuts it."""
     b = Broadcaster(ingest.store, ingest.bus, live_queue_bytes=30)
