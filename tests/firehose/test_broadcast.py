@@ -366,17 +366,79 @@ async def test_window_trimmed_before_the_first_read_is_announced(ingest: Ingest)
         await b.close()
 
 
+async def test_a_replaying_session_is_stalled_only_while_its_batch_waits(ingest: Ingest) -> None:
+    """``replay_stalled_since``: None before; the broadcaster's clock when the replay handed its connection a
+    batch; None once the connection took it and the session waits for its next read, and once
+    the replay is over."""
+    await ingest.add(10)
+    store = RecordingStore(ingest.store, hold=2)
+    b = Broadcaster(store, ingest.bus, replay_batch=5, clock=lambda: 42.0)
+    await b.start()
+    session = b.session(0)
+    assert session.replay_stalled_since is None
+    batches = session.event_batches()
+    try:
+        assert [e.seq for e in await anext(batches)] == [1, 2, 3, 4, 5]
+        assert session.replay_stalled_since == 42.0
+        await asyncio.wait_for(store.held.wait(), 10)  # the read ahead took its bytes and is held
+        held = b.replay_budget.used
+        following = asyncio.ensure_future(anext(batches))
+        await until(lambda: b.replay_budget.used < held, "the first batch given back")
+        assert session.replay_stalled_since is None
+        store.gate.set()
+        assert [e.seq for e in await asyncio.wait_for(following, 10)] == [6, 7, 8, 9, 10]
+        live = asyncio.ensure_future(anext(batches))
+        await until(lambda: session.live, "caught up: the session is live")
+        assert session.replay_stalled_since is None
+        live.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await live
+    finally:
+        await batches.aclose()
+        await b.close()
+
+
+async def test_window_trimmed_past_cursor_one_is_announced(ingest: Ingest) -> None:
+    """Cursor 1 (inside the window when the session connects) and the window moving to 3..10
+    before its first read: the jump from seq 1 to 3 is announced, counted once."""
+    now = time.time()
+    await ingest.add(2, when=now - 3600)
+    await ingest.add(8)
+    store = RecordingStore(ingest.store, hold_every=True)
+    b = Broadcaster(store, ingest.bus, replay_batch=50)
+    await b.start()
+    batches = b.session(1).event_batches()
+    try:
+        first = asyncio.ensure_future(anext(batches))
+        await until(lambda: len(store.reads) == 1, "the replay's first read, held before it is made")
+        assert await ingest.store.trim(older_than_seconds=60) == 2  # the window is 3..10
+        store.gate.set()
+        assert _seqs_and_infos(await first) == [
+            ("#info", 0, {"name": "OutdatedCursor", "message": "events were trimmed while replaying"}),
+            *range(3, 11)]
+        assert b.stats.outdated_cursor == 1
+    finally:
+        await batches.aclose()
+        await b.close()
+
+
+@pytest.mark.parametrize("frames", [False, True])
 @pytest.mark.parametrize("cursor", [0, 120])
-async def test_live_events_dropped_while_replaying_are_read_again(ingest: Ingest, cursor: int) -> None:
+async def test_live_events_dropped_while_replaying_are_read_again(ingest: Ingest, cursor: int, frames: bool) -> None:
     """A replaying session whose live queue overflows forgets it (the store has those events)
     and, once caught up, reads again from the last seq it sent — also for ``cursor = latest``,
-    which has nothing to replay — before it goes live; every read is one batch."""
+    which has nothing to replay — before it goes live; every read is one batch. ``frames``:
+    a session of frames gets frames from the read again too."""
     await ingest.add(120)
     store = RecordingStore(ingest.store, hold=1)
     b = Broadcaster(store, ingest.bus, replay_batch=500, live_queue_max=15)
     await b.start()
     session = b.session(cursor)
-    batches = session.event_batches()
+    batches = session.frame_batches() if frames else session.event_batches()
+
+    def seqs(batch: list) -> list:
+        return [decode_frame(raw).body["seq"] for raw in batch] if frames else _seqs_and_infos(batch)
+
     got: list[int] = []
     try:
         first = asyncio.ensure_future(anext(batches))
@@ -384,12 +446,12 @@ async def test_live_events_dropped_while_replaying_are_read_again(ingest: Ingest
         await ingest.add(180, batch=30)  # live meanwhile: 180 > its live queue of 15
         await until(lambda: b.stats.replay_overflows == 1, "the live queue's overflow")
         store.gate.set()
-        got.extend(_seqs_and_infos(await first))
+        got.extend(seqs(await first))
         while not got or got[-1] < 300:
-            got.extend(_seqs_and_infos(await anext(batches)))
+            got.extend(seqs(await anext(batches)))
         assert got == list(range(cursor + 1, 301))  # what the overflow dropped came from the store
         await ingest.add(1)
-        assert _seqs_and_infos(await anext(batches)) == [301]
+        assert seqs(await anext(batches)) == [301]
         assert session.live
         assert store.reads == [(cursor, 500), (120, 500)]  # the 301st came live
     finally:

@@ -86,6 +86,25 @@ async def test_the_live_queue_holds_live_queue_max_frames_and_not_one_more(inges
     assert b.consumer_count == 0 and b.stats.consumers == 0
 
 
+async def test_max_lag_must_be_positive(ingest: Ingest) -> None:
+    """A broadcaster refuses a ``max_lag`` of zero, and takes any positive one (under a second too)."""
+    with pytest.raises(ValueError, match="^max_lag must be positive$"):
+        Broadcaster(ingest.store, ingest.bus, max_lag=0)
+    assert Broadcaster(ingest.store, ingest.bus, max_lag=0.5).max_lag == 0.5
+
+
+async def test_the_live_queue_holds_live_queue_bytes_and_not_one_more(ingest: Ingest) -> None:
+    """A live session may have exactly ``live_queue_bytes`` of frames queued; one byte more cuts it."""
+    b = Broadcaster(ingest.store, ingest.bus, live_queue_bytes=30)
+    session = b.session(None)
+    batches, first = await registered(b, session)
+    b.deliver([ev(1), ev(2), ev(3)])  # 30 bytes
+    assert not session.too_slow.is_set()
+    b.deliver([ev(4, 1)])
+    assert session.too_slow.is_set() and b.stats.too_slow == 1
+    await ended(batches, first)
+
+
 async def test_a_session_waiting_for_events_ends_when_cut(ingest: Ingest) -> None:
     """A session waiting on an empty queue ends when one batch overflows it (the overflow clears
     what was queued: nothing of that batch is handed on); two sessions cut count two."""
@@ -136,6 +155,44 @@ async def test_a_direct_writer_refusing_a_batch_cuts_the_session_and_gets_nothin
     b.deliver([ev(4)])
     assert writer.batches == [[ev(1).frame, ev(2).frame]] and session.sent == 2
     await ended(batches, waiting)
+
+
+async def test_a_direct_session_skips_what_it_sent_and_counts_what_it_writes(ingest: Ingest) -> None:
+    """A direct-mode session handed a batch overlapping what it sent writes only the events past
+    its last seq (a batch starting at it included), nothing for a batch wholly sent; ``sent``,
+    ``bytes_sent`` and ``last_seq`` add up over the writes."""
+    b = Broadcaster(ingest.store, ingest.bus)
+    session = b.session(None)
+    writer = RecordingWriter()
+    session.direct_writer = writer
+    batches, waiting = await registered(b, session)
+    b.deliver([ev(1), ev(2, 20)])
+    shared = WireBatch([ev(2, 20).frame, ev(3, 30).frame])
+    session.offer([ev(2, 20), ev(3, 30)], shared)  # starts at the last seq sent
+    session.offer([ev(1), ev(3, 30)])  # wholly sent already
+    assert writer.batches == [[ev(1).frame, ev(2, 20).frame], [ev(3, 30).frame]]
+    assert (session.sent, session.bytes_sent, session.last_seq) == (3, 60, 3)
+    await b.close()
+    await ended(batches, waiting)
+
+
+async def test_a_queued_session_counts_what_it_hands_on(ingest: Ingest) -> None:
+    """Events handed on from the live queue: ``sent``, ``bytes_sent`` and ``last_seq`` add up
+    over the batches, and queued events at or below the last seq sent are skipped."""
+    b = Broadcaster(ingest.store, ingest.bus)
+    session = b.session(None)
+    batches, first = await registered(b, session)
+    b.deliver([ev(1), ev(2, 20)])
+    assert [e.seq for e in await first] == [1, 2]
+    assert (session.sent, session.bytes_sent, session.last_seq) == (2, 30, 2)
+    session.offer([ev(2, 20), ev(3, 30)])
+    assert [e.seq for e in await asyncio.wait_for(anext(batches), 10)] == [3]
+    assert (session.sent, session.bytes_sent, session.last_seq) == (3, 60, 3)
+    session.offer([ev(4, 40)])
+    assert [e.seq for e in await asyncio.wait_for(anext(batches), 10)] == [4]
+    assert (session.sent, session.bytes_sent, session.last_seq) == (4, 100, 4)
+    await b.close()
+    await ended(batches)
 
 
 async def test_close_hands_on_what_is_queued_then_ends(ingest: Ingest) -> None:
