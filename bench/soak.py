@@ -290,6 +290,7 @@ async def run(a: argparse.Namespace) -> None:
     samples: list[tuple[float, float]] = []
     harness_peak = rss_bytes([os.getpid()]) / 1e6  # this process: simulator, follower and crowd
     main_samples: list[tuple[float, float]] = []  # the main process alone (the rest: validation workers)
+    sample_file = open(a.samples, "w", encoding="utf-8") if a.samples else None  # noqa: SIM115 - written all run
     env: dict[str, str] = {}
     if a.diagnose:
         Path(a.diagnose).mkdir(parents=True, exist_ok=True)
@@ -316,6 +317,9 @@ async def run(a: argparse.Namespace) -> None:
                 t = time.monotonic() - t0
                 samples.append((t, r.rss() / 1e6))
                 main_samples.append((t, rss_bytes([r.proc.pid]) / 1e6))
+                if sample_file is not None:  # as it is taken: a run cut short keeps what it measured
+                    sample_file.write(f"{t:.1f} {samples[-1][1]:.1f} {main_samples[-1][1]:.1f}\n")
+                    sample_file.flush()
                 harness_peak = max(harness_peak, rss_bytes([os.getpid()]) / 1e6)
                 if a.diagnose and t >= next_dump:
                     diagnose(r.refresh_pids(), Path(a.diagnose), f"at {t / 60:.1f} min")
@@ -390,9 +394,8 @@ async def run(a: argparse.Namespace) -> None:
              + "; ".join(f"{t.kind} {t.rev} {t.verdict} {t.reason or ''} {t.fault or ''} {t.host}" for t in mine[max(0, i - 4):i + 3]))
     if a.diagnose:
         diagnose_diff(Path(a.diagnose))
-    if a.samples:
-        Path(a.samples).write_text("".join(f"{t:.1f} {v:.1f} {m:.1f}\n"
-                                           for (t, v), (_, m) in zip(samples, main_samples, strict=True)))
+    if sample_file is not None:
+        sample_file.close()
     note("soak: rss samples (min, MB): " + " ".join(f"{t / 60:.1f}:{v:.0f}" for t, v in samples[::12]))
 
 
