@@ -483,6 +483,26 @@ async def test_replay_reads_are_bounded_by_bytes(ingest: Ingest) -> None:
         await batches.aclose()
 
 
+async def test_a_read_ahead_expects_the_frames_its_own_session_read(ingest: Ingest) -> None:
+    """The read ahead asks for ``replay_bytes`` worth of the frames its session just read, even
+    when another session's read has set the broadcaster's ``frame_estimate`` (what only a first
+    read goes by) since: here, before the read ahead starts, one of 1-byte frames."""
+    for _ in range(12):
+        await ingest.add(1, payload=b"x" * 300)
+    frame = len((await ingest.store.read_after(0, 1))[0].frame)
+    store = RecordingStore(ingest.store)
+    b = Broadcaster(store, ingest.bus, replay_batch=5, replay_bytes=frame * 3)
+    batches = b.session(0).event_batches()
+    try:
+        assert len(await anext(batches)) == 5  # handed over; its read ahead is made next
+        assert b.frame_estimate == frame
+        b.frame_estimate = 1  # another session's read of tiny frames, in between
+        assert len(await anext(batches)) == 3
+        assert store.reads[:2] == [(0, 5), (5, 3)]
+    finally:
+        await batches.aclose()
+
+
 async def test_a_failed_read_ahead_of_a_closed_session_is_retrieved(ingest: Ingest) -> None:
     """The read ahead fails while the first batch is out, then the consumer goes: the failure is
     retrieved when the session closes, not reported by asyncio as never retrieved."""
