@@ -503,6 +503,30 @@ async def test_a_read_ahead_expects_the_frames_its_own_session_read(ingest: Inge
         await batches.aclose()
 
 
+async def test_the_read_again_after_an_overflow_expects_the_frames_its_session_read(ingest: Ingest) -> None:
+    """The read again after a replay overflow also asks for ``replay_bytes`` worth of the frames its
+    session last read, not of the broadcaster's ``frame_estimate`` another session's read set."""
+    await ingest.add(12, payload=b"x" * 300)
+    frame = len((await ingest.store.read_after(0, 1))[0].frame)
+    store = RecordingStore(ingest.store, hold=1)
+    b = Broadcaster(store, ingest.bus, replay_batch=50, replay_bytes=frame * 30, live_queue_max=15)
+    await b.start()
+    batches = b.session(0).event_batches()
+    try:
+        first = asyncio.ensure_future(anext(batches))
+        await store.held.wait()  # the first read (1..12, not full) is made: held there
+        await ingest.add(40, batch=20, payload=b"x" * 300)  # live meanwhile: 40 > its live queue of 15
+        await until(lambda: b.stats.replay_overflows == 1, "the live queue's overflow")
+        store.gate.set()
+        assert [e.seq for e in await first] == list(range(1, 13))
+        b.frame_estimate = 1  # another session's read of tiny frames, in between
+        assert [e.seq for e in await anext(batches)] == list(range(13, 43))
+        assert store.reads[:2] == [(0, 50), (12, 30)]
+    finally:
+        await batches.aclose()
+        await b.close()
+
+
 async def test_a_failed_read_ahead_of_a_closed_session_is_retrieved(ingest: Ingest) -> None:
     """The read ahead fails while the first batch is out, then the consumer goes: the failure is
     retrieved when the session closes, not reported by asyncio as never retrieved."""
