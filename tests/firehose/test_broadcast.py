@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import socket
 import time
@@ -523,6 +524,43 @@ async def test_the_read_again_after_an_overflow_expects_the_frames_its_session_r
         assert [e.seq for e in await anext(batches)] == list(range(13, 43))
         assert store.reads[:2] == [(0, 50), (12, 30)]
     finally:
+        await batches.aclose()
+        await b.close()
+
+
+async def test_the_read_again_after_an_overflow_goes_before_reads_ahead(ingest: Ingest) -> None:
+    """The read again after a replay overflow is the read of a session that holds nothing: in the
+    replay budget it goes before a read ahead that waited longer (and does not fit yet)."""
+    await ingest.add(12, payload=b"x" * 300)
+    frame = len((await ingest.store.read_after(0, 1))[0].frame)
+    store = RecordingStore(ingest.store, hold=1)
+    b = Broadcaster(store, ingest.bus, replay_batch=50, replay_bytes=frame * 30, live_queue_max=15,
+                    replay_budget_bytes=frame * 400)
+    budget = b.replay_budget
+    await b.start()
+    batches = b.session(0).event_batches()
+    other: asyncio.Future[None] | None = None
+    try:
+        first = asyncio.ensure_future(anext(batches))
+        await store.held.wait()  # the first read (1..12, not full) is made: held there
+        await ingest.add(40, batch=20, payload=b"x" * 300)  # live meanwhile: 40 > its live queue of 15
+        await until(lambda: b.stats.replay_overflows == 1, "the live queue's overflow")
+        store.gate.set()
+        assert [e.seq for e in await first] == list(range(1, 13))
+        await budget.take(frame * 100)  # another session's batch
+        other = asyncio.ensure_future(budget.take(frame * 400, ahead=True))  # its read ahead
+        await until(lambda: budget.waiting == 1, "the other read ahead in line")
+        following = asyncio.ensure_future(anext(batches))
+        await until(lambda: budget.waiting == 2, "the read again in line")
+        budget.give(frame)  # room for the read again, not for the read ahead
+        assert budget.waiting == 1
+        assert [e.seq for e in await asyncio.wait_for(following, 10)] == list(range(13, 43))
+        assert store.reads[:2] == [(0, 50), (12, 30)]
+    finally:
+        if other is not None:
+            other.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await other
         await batches.aclose()
         await b.close()
 
