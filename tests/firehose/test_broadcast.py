@@ -565,6 +565,20 @@ async def test_the_read_again_after_an_overflow_goes_before_reads_ahead(ingest: 
         await b.close()
 
 
+async def test_by_default_a_replay_read_is_at_most_500_events(ingest: Ingest) -> None:
+    """With its defaults a broadcaster's replay reads at most 500 events at a time (small frames:
+    ``replay_bytes`` would allow more)."""
+    await ingest.add(1002, batch=500)
+    store = RecordingStore(ingest.store)
+    b = Broadcaster(store, ingest.bus)
+    batches = b.session(0).event_batches()
+    try:
+        assert [len(await anext(batches)) for _ in range(3)] == [500, 500, 2]
+        assert [after for after, _ in store.reads[:3]] == [0, 500, 1000]
+    finally:
+        await batches.aclose()
+
+
 async def test_a_failed_read_ahead_of_a_closed_session_is_retrieved(ingest: Ingest) -> None:
     """The read ahead fails while the first batch is out, then the consumer goes: the failure is
     retrieved when the session closes, not reported by asyncio as never retrieved."""
