@@ -568,12 +568,12 @@ async def test_the_read_again_after_an_overflow_goes_before_reads_ahead(ingest: 
 async def test_by_default_a_replay_read_is_at_most_500_events(ingest: Ingest) -> None:
     """With its defaults a broadcaster's replay reads at most 500 events at a time (small frames:
     ``replay_bytes`` would allow more)."""
-    await ingest.add(1002, batch=500)
+    await ingest.add(1003, batch=500)
     store = RecordingStore(ingest.store)
     b = Broadcaster(store, ingest.bus)
     batches = b.session(0).event_batches()
     try:
-        assert [len(await anext(batches)) for _ in range(3)] == [500, 500, 2]
+        assert [len(await anext(batches)) for _ in range(3)] == [500, 500, 3]
         assert [after for after, _ in store.reads[:3]] == [0, 500, 1000]
     finally:
         await batches.aclose()
