@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import socket
 import time
@@ -479,6 +480,101 @@ async def test_replay_reads_are_bounded_by_bytes(ingest: Ingest) -> None:
     try:
         assert [len(await anext(batches)) for _ in range(3)] == [5, 1, 1]
         assert store.reads[:3] == [(0, 5), (5, 1), (6, 1)]
+    finally:
+        await batches.aclose()
+
+
+async def test_a_read_ahead_expects_the_frames_its_own_session_read(ingest: Ingest) -> None:
+    """The read ahead asks for ``replay_bytes`` worth of the frames its session just read, even
+    when another session's read has set the broadcaster's ``frame_estimate`` (what only a first
+    read goes by) since: here, before the read ahead starts, one of 1-byte frames."""
+    for _ in range(12):
+        await ingest.add(1, payload=b"x" * 300)
+    frame = len((await ingest.store.read_after(0, 1))[0].frame)
+    store = RecordingStore(ingest.store)
+    b = Broadcaster(store, ingest.bus, replay_batch=5, replay_bytes=frame * 3)
+    batches = b.session(0).event_batches()
+    try:
+        assert len(await anext(batches)) == 5  # handed over; its read ahead is made next
+        assert b.frame_estimate == frame
+        b.frame_estimate = 1  # another session's read of tiny frames, in between
+        assert len(await anext(batches)) == 3
+        assert store.reads[:2] == [(0, 5), (5, 3)]
+    finally:
+        await batches.aclose()
+
+
+async def test_the_read_again_after_an_overflow_expects_the_frames_its_session_read(ingest: Ingest) -> None:
+    """The read again after a replay overflow also asks for ``replay_bytes`` worth of the frames its
+    session last read, not of the broadcaster's ``frame_estimate`` another session's read set."""
+    await ingest.add(12, payload=b"x" * 300)
+    frame = len((await ingest.store.read_after(0, 1))[0].frame)
+    store = RecordingStore(ingest.store, hold=1)
+    b = Broadcaster(store, ingest.bus, replay_batch=50, replay_bytes=frame * 30, live_queue_max=15)
+    await b.start()
+    batches = b.session(0).event_batches()
+    try:
+        first = asyncio.ensure_future(anext(batches))
+        await store.held.wait()  # the first read (1..12, not full) is made: held there
+        await ingest.add(40, batch=20, payload=b"x" * 300)  # live meanwhile: 40 > its live queue of 15
+        await until(lambda: b.stats.replay_overflows == 1, "the live queue's overflow")
+        store.gate.set()
+        assert [e.seq for e in await first] == list(range(1, 13))
+        b.frame_estimate = 1  # another session's read of tiny frames, in between
+        assert [e.seq for e in await anext(batches)] == list(range(13, 43))
+        assert store.reads[:2] == [(0, 50), (12, 30)]
+    finally:
+        await batches.aclose()
+        await b.close()
+
+
+async def test_the_read_again_after_an_overflow_goes_before_reads_ahead(ingest: Ingest) -> None:
+    """The read again after a replay overflow is the read of a session that holds nothing: in the
+    replay budget it goes before a read ahead that waited longer (and does not fit yet)."""
+    await ingest.add(12, payload=b"x" * 300)
+    frame = len((await ingest.store.read_after(0, 1))[0].frame)
+    store = RecordingStore(ingest.store, hold=1)
+    b = Broadcaster(store, ingest.bus, replay_batch=50, replay_bytes=frame * 30, live_queue_max=15,
+                    replay_budget_bytes=frame * 400)
+    budget = b.replay_budget
+    await b.start()
+    batches = b.session(0).event_batches()
+    other: asyncio.Future[None] | None = None
+    try:
+        first = asyncio.ensure_future(anext(batches))
+        await store.held.wait()  # the first read (1..12, not full) is made: held there
+        await ingest.add(40, batch=20, payload=b"x" * 300)  # live meanwhile: 40 > its live queue of 15
+        await until(lambda: b.stats.replay_overflows == 1, "the live queue's overflow")
+        store.gate.set()
+        assert [e.seq for e in await first] == list(range(1, 13))
+        await budget.take(frame * 100)  # another session's batch
+        other = asyncio.ensure_future(budget.take(frame * 400, ahead=True))  # its read ahead
+        await until(lambda: budget.waiting == 1, "the other read ahead in line")
+        following = asyncio.ensure_future(anext(batches))
+        await until(lambda: budget.waiting == 2, "the read again in line")
+        budget.give(frame)  # room for the read again, not for the read ahead
+        assert budget.waiting == 1
+        assert [e.seq for e in await asyncio.wait_for(following, 10)] == list(range(13, 43))
+        assert store.reads[:2] == [(0, 50), (12, 30)]
+    finally:
+        if other is not None:
+            other.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await other
+        await batches.aclose()
+        await b.close()
+
+
+async def test_by_default_a_replay_read_is_at_most_500_events(ingest: Ingest) -> None:
+    """With its defaults a broadcaster's replay reads at most 500 events at a time (small frames:
+    ``replay_bytes`` would allow more)."""
+    await ingest.add(1003, batch=500)
+    store = RecordingStore(ingest.store)
+    b = Broadcaster(store, ingest.bus)
+    batches = b.session(0).event_batches()
+    try:
+        assert [len(await anext(batches)) for _ in range(3)] == [500, 500, 3]
+        assert [after for after, _ in store.reads[:3]] == [0, 500, 1000]
     finally:
         await batches.aclose()
 

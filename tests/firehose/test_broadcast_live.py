@@ -86,6 +86,32 @@ async def test_the_live_queue_holds_live_queue_max_frames_and_not_one_more(inges
     assert b.consumer_count == 0 and b.stats.consumers == 0
 
 
+async def test_by_default_a_live_queue_holds_10_000_events(ingest: Ingest) -> None:
+    """The documented default: a live session not yet written to directly may have 10,000 events
+    queued; one more cuts it."""
+    b = Broadcaster(ingest.store, ingest.bus)
+    session = b.session(None)
+    batches, first = await registered(b, session)
+    b.deliver([ev(1)])
+    assert [e.seq for e in await first] == [1]
+    b.deliver([ev(seq) for seq in range(2, 10_002)])
+    assert not session.too_slow.is_set()
+    b.deliver([ev(10_002)])
+    assert session.too_slow.is_set() and too_slow_message(session) == "live queue overflowed"
+    await ended(batches)
+
+
+async def test_by_default_a_broadcaster_takes_10_000_consumers(ingest: Ingest) -> None:
+    """With its defaults a broadcaster is at capacity with 10,000 sessions registered, not before."""
+    b = Broadcaster(ingest.store, ingest.bus)
+    sessions = [b.session(None) for _ in range(10_000)]
+    for s in sessions[:-1]:
+        b.register(s)
+    assert not b.at_capacity
+    b.register(sessions[-1])
+    assert b.at_capacity
+
+
 async def test_max_lag_must_be_positive(ingest: Ingest) -> None:
     """A broadcaster refuses a ``max_lag`` of zero, and takes any positive one (under a second too)."""
     with pytest.raises(ValueError, match="^max_lag must be positive$"):
