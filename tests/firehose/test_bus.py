@@ -340,17 +340,31 @@ async def test_a_redis_subscription_reads_a_backlog_read_count_entries_at_a_time
         await three.close()
 
 
+@contextlib.asynccontextmanager
+async def _watched_subscription(bus: RedisStreamBus, redis_url: str) -> AsyncIterator[
+        tuple[asyncio.Task[list[SequencedEvent]], Any, int]]:
+    """A subscription from seq 0 waiting for its next batch on ``bus``'s one pooled connection
+    (whose ``CLIENT ID`` is given), and a second client to look at it with; the stream, the
+    subscription and both clients are gone afterwards."""
+    probe = redis_client(redis_url, decode_responses=True)
+    try:
+        client_id = await bus.redis.client_id()  # the bus's one pooled connection, which the reads use
+        sub = bus.subscribe(after_seq=0)
+        waiting = asyncio.create_task(sub.next_batch())
+        yield waiting, probe, client_id
+        await sub.close()
+    finally:
+        await bus.redis.delete(bus.stream)
+        await probe.aclose()
+        await bus.close()
+
+
 async def test_a_redis_subscription_waits_blocked_in_its_read(redis_url: str) -> None:
     """On an idle stream a subscription waits inside a blocking ``XREAD`` (Redis lists it blocked),
     not in a loop of reads that return at once; a publish then wakes it."""
-    stream = f"test:fh:{uuid.uuid4().hex}"
-    bus = RedisStreamBus(redis_url, stream, block_ms=10_000, timeouts=RedisTimeouts(socket=30.0))
-    probe = redis_client(redis_url, decode_responses=True)
-    try:
-        # the bus's one pooled connection, which the subscription's reads then use
-        client_id = await bus.redis.client_id()
-        sub = bus.subscribe(after_seq=0)
-        waiting = asyncio.create_task(sub.next_batch())
+    bus = RedisStreamBus(redis_url, f"test:fh:{uuid.uuid4().hex}", block_ms=10_000,
+                         timeouts=RedisTimeouts(socket=30.0))
+    async with _watched_subscription(bus, redis_url) as (waiting, probe, client_id):
         reading: list[dict[str, Any]] = []
 
         async def a_read_listed() -> bool:
@@ -363,23 +377,13 @@ async def test_a_redis_subscription_waits_blocked_in_its_read(redis_url: str) ->
         assert "b" in reading[0]["flags"], reading
         await bus.publish([ev(1)])
         assert [e.seq for e in await asyncio.wait_for(waiting, 5)] == [1]
-        await sub.close()
-    finally:
-        await bus.redis.delete(stream)
-        await probe.aclose()
-        await bus.close()
 
 
 async def test_a_redis_subscription_reads_again_after_an_empty_read(redis_url: str) -> None:
     """A blocking read that ends empty (its ``block_ms`` passed) is followed by another read: the
     subscription returns only when there are events."""
-    stream = f"test:fh:{uuid.uuid4().hex}"
-    bus = RedisStreamBus(redis_url, stream, block_ms=1)
-    probe = redis_client(redis_url, decode_responses=True)
-    try:
-        client_id = await bus.redis.client_id()  # the bus's one pooled connection
-        sub = bus.subscribe(after_seq=0)
-        waiting = asyncio.create_task(sub.next_batch())
+    bus = RedisStreamBus(redis_url, f"test:fh:{uuid.uuid4().hex}", block_ms=1)
+    async with _watched_subscription(bus, redis_url) as (waiting, probe, client_id):
 
         async def an_empty_read_done() -> bool:  # listed, not blocked: a read of the empty stream ended
             state = await _xread_state(probe, client_id)
@@ -388,11 +392,6 @@ async def test_a_redis_subscription_reads_again_after_an_empty_read(redis_url: s
         await until_async(an_empty_read_done, "an XREAD that ended empty", interval=0.01)
         await bus.publish([ev(1)])
         assert [e.seq for e in await asyncio.wait_for(waiting, 5)] == [1]
-        await sub.close()
-    finally:
-        await bus.redis.delete(stream)
-        await probe.aclose()
-        await bus.close()
 
 
 async def test_the_head_and_a_position_from_now_read_one_entry(redis_bus: RedisStreamBus) -> None:
