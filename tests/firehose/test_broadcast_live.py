@@ -439,15 +439,22 @@ class Peer:
         self.events += events
 
 
-async def test_pump_sends_each_frame_ends_with_the_session_and_lets_go_of_closed(ingest: Ingest) -> None:
-    """Frame by frame (no ``send_many``), every live frame is sent; when the session's batches end
-    (the broadcaster closes) ``pump`` returns and cancels what it was still waiting on."""
+async def _pumping(ingest: Ingest) -> tuple[Broadcaster, Peer, asyncio.Future[None], asyncio.Task[None]]:
+    """A live session of a new broadcaster pumped frame by frame to a recording ``Peer`` until
+    ``closed`` completes; returned once the session is registered."""
     b = Broadcaster(ingest.store, ingest.bus)
     session = b.session(None)
     peer = Peer()
     closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     pumping = asyncio.create_task(pump(session, peer.send, closed))
     await until(lambda: b.consumer_count == 1, "the session registered")
+    return b, peer, closed, pumping
+
+
+async def test_pump_sends_each_frame_ends_with_the_session_and_lets_go_of_closed(ingest: Ingest) -> None:
+    """Frame by frame (no ``send_many``), every live frame is sent; when the session's batches end
+    (the broadcaster closes) ``pump`` returns and cancels what it was still waiting on."""
+    b, peer, closed, pumping = await _pumping(ingest)
     b.deliver([ev(1), ev(2, 20)])
     await until(lambda: len(peer.sent) == 2, "both frames sent")
     await b.close()
@@ -484,12 +491,7 @@ async def test_pump_raises_what_a_send_raised(ingest: Ingest) -> None:
 async def test_pump_returns_quietly_when_the_peer_goes(ingest: Ingest) -> None:
     """The peer going away (``closed`` completes, or the lag probe fails) ends ``pump`` without an
     error and without sending anything more."""
-    b = Broadcaster(ingest.store, ingest.bus)
-    session = b.session(None)
-    peer = Peer()
-    closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-    pumping = asyncio.create_task(pump(session, peer.send, closed))
-    await until(lambda: b.consumer_count == 1, "the session registered")
+    b, peer, closed, pumping = await _pumping(ingest)
     closed.set_result(None)
     await asyncio.wait_for(pumping, 10)
     assert peer.sent == []
